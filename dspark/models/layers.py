@@ -1,0 +1,82 @@
+"""Small building blocks shared by every model in the project (targets and drafters)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as HF Qwen3/DeepSeek compute it: normalise in fp32, scale, cast back."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32):
+    """cos/sin tables for rotary embeddings. positions: [..., T] -> cos, sin: [..., T, dim]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style (rotate-half) RoPE. x: [B, H, T, D]; cos/sin: [B, T, D] or [T, D]."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J-style (interleaved pairs, is_neox_style=False) RoPE, as DeepSeek MLA uses.
+    x: [B, H, T, D]; cos/sin as from rope_cos_sin (the first D/2 columns are used)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return out.flatten(-2)
+
+
+class GatedMLP(nn.Module):
+    """gate/up/down MLP with SiLU (SwiGLU) or SiTU-GLU activation, HF names gate_proj/up_proj/down_proj."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu",
+                 situ_beta: float | None = None, situ_linear_beta: float | None = None):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.act, self.situ_beta, self.situ_linear_beta = act, situ_beta, situ_linear_beta
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), self.act, self.situ_beta, self.situ_linear_beta))
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
+        situ_beta: float | None = None, situ_linear_beta: float | None = None) -> torch.Tensor:
+    """silu(gate)*up, or K3's SiTU-GLU computed in fp32:
+    gate' = b1*tanh(gate/b1)*sigmoid(gate), up' = b2*tanh(up/b2) (only when b2 is set)."""
+    if act == "silu":
+        return F.silu(gate) * up
+    if act == "situ":
+        dtype = gate.dtype
+        g, u = gate.float(), up.float()
+        b1 = 1.0 if situ_beta is None else situ_beta
+        g = b1 * torch.tanh(g / b1) * torch.sigmoid(g)
+        if situ_linear_beta is not None:
+            u = situ_linear_beta * torch.tanh(u / situ_linear_beta)
+        return (g * u).to(dtype)
+    raise ValueError(f"hidden_act: expected 'silu' or 'situ', got {act!r}")
