@@ -1,0 +1,32 @@
+# The two set-up commands of the README: `make quickstart` and `make test`. Both create the venv if needed.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch 2.13.0: a CPU wheel on the project's CPU machines, the CUDA build from PyPI on a GPU box.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: quickstart test install data-sources lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" || $(BIN)/python -m pip install -q "torch>=2.6"
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+data-sources: $(STAMP)
+	PYTHON=$(BIN)/python bash scripts/install-data-sources.sh
+
+quickstart: data-sources
+	$(BIN)/python -m train recipes/targets/qwen3-tiny.yaml
+
+test: data-sources
+	$(BIN)/python -m pytest tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check dspark train serve eval tests bench
+
+clean:
+	rm -rf $(VENV) .cache runs

@@ -1,0 +1,220 @@
+"""Recipes: YAML -> validated dataclasses, with dotted `key=value` overrides from the command line.
+
+Every error is one line naming the field and what was expected (the valid fields, the expected type).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe that does not validate; the message names the field."""
+
+
+# --------------------------------------------------------------------------- generic loader
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, where: str):
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, where)
+            except RecipeError as e:
+                errors.append(str(e))
+        raise RecipeError(f"{where}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise RecipeError(f"{where}: expected one of {list(typing.get_args(tp))}, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise RecipeError(f"{where}: expected a mapping of {sorted(f.name for f in dataclasses.fields(tp))}, got {value!r}")
+        return from_dict(tp, value, where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise RecipeError(f"{where}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)[:1] or (Any,)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise RecipeError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise RecipeError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise RecipeError(f"{where}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls, data: dict, where: str = ""):
+    """Build dataclass `cls` from a dict; unknown keys, wrong types and missing required fields are errors."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    prefix = f"{where}." if where else ""
+    for key in data:
+        if key not in fields:
+            raise RecipeError(f"{prefix}{key}: unknown field; valid fields{' of ' + where if where else ''}: "
+                              f"{', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], prefix + name)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise RecipeError(f"{prefix}{name}: required field is missing")
+    obj = cls(**kwargs)
+    if hasattr(obj, "validate"):
+        obj.validate()
+    return obj
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """`a.b.c=value` (value parsed as YAML) into a nested dict copy."""
+    import copy
+
+    data = copy.deepcopy(data)
+    for ov in overrides:
+        if "=" not in ov:
+            raise RecipeError(f"override {ov!r}: expected key=value, e.g. output_dir=/tmp/run max_steps=30")
+        key, raw = ov.split("=", 1)
+        node = data
+        parts = key.strip().split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise RecipeError(f"override {key}: {p} is not a mapping")
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else ""
+    return data
+
+
+def describe(cls, indent: str = "  ") -> list[str]:
+    """Lines listing a dataclass's fields, types and defaults (for --help)."""
+    lines, hints = [], typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"{indent}{f.name}:")
+            lines += describe(tp, indent + "  ")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "(required)")
+        doc = f.metadata.get("doc", "")
+        lines.append(f"{indent}{f.name}: {_type_name(tp)} = {default!r}" + (f"  # {doc}" if doc else ""))
+    return lines
+
+
+# --------------------------------------------------------------------------- recipe sections
+def doc(default, text: str, **kw):
+    if callable(default) and not isinstance(default, (int, float, str, bool)) and default is not None:
+        return field(default_factory=default, metadata={"doc": text}, **kw)
+    return field(default=default, metadata={"doc": text}, **kw)
+
+
+@dataclass
+class DataConfig:
+    corpus_dir: str = doc(".cache/corpus", "where the built corpus (datasets arrow) lives; built if missing")
+    sources: list[str] | None = doc(None, "corpus sources (None = all); see `python -m dspark.data card`")
+    max_bytes_per_source: int | None = doc(None, "deterministic slice per source")
+    allow_missing: bool = doc(False, "carry on when a source is not installed on this machine")
+    tokenizer_dir: str = doc(".cache/tokenizer", "HF tokenizer dir; trained on the train split if missing")
+    vocab_size: int = doc(4096, "BPE vocabulary size (incl. special tokens)")
+    seq_len: int = doc(256, "tokens per training row")
+    holdout_tokens: int = doc(65536, "holdout tokens used for the periodic holdout loss")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1.5e-3
+    min_lr_ratio: float = doc(0.1, "cosine floor as a fraction of lr")
+    warmup_steps: int = 40
+    weight_decay: float = 0.1
+    betas: list[float] = doc(lambda: [0.9, 0.95], "AdamW betas")
+    grad_clip: float = 1.0
+    batch_size: int = doc(16, "global batch (rows of seq_len)")
+    grad_accum: int = 1
+
+
+@dataclass
+class LogConfig:
+    wandb_project: str = "dspark"
+    wandb_mode: Literal["offline", "online", "disabled"] = doc("offline", "online only when configured")
+    log_every: int = 10
+    eval_every: int = doc(100, "steps between holdout evaluations")
+    save_every: int = doc(100, "steps between resumable checkpoints")
+
+
+@dataclass
+class TargetRecipe:
+    kind: Literal["target"]
+    output_dir: str
+    arch: Literal["qwen3", "k3"] = "qwen3"
+    model: dict = doc(dict, "architecture fields: qwen3 -> qwen3_config(...) args; k3 -> KimiLinearConfig fields")
+    data: DataConfig = doc(DataConfig, "")
+    optim: OptimConfig = doc(OptimConfig, "")
+    log: LogConfig = doc(LogConfig, "")
+    max_steps: int = 400
+    max_minutes: float | None = doc(None, "stop after this wall time (the lr schedule follows steps)")
+    seed: int = 0
+    resume: bool = doc(False, "continue from the last checkpoint in output_dir")
+    device: str = doc("auto", "auto | cpu | cuda")
+    mixed_precision: Literal["no", "bf16", "fp16"] = doc("no", "accelerate mixed precision (bf16 on GPU)")
+    num_threads: int | None = doc(None, "torch CPU threads (None = torch default)")
+
+    def validate(self):
+        if self.max_steps <= 0:
+            raise RecipeError(f"max_steps: expected > 0, got {self.max_steps}")
+        if self.data.seq_len < 8:
+            raise RecipeError(f"data.seq_len: expected >= 8, got {self.data.seq_len}")
+
+
+RECIPES = {"target": TargetRecipe}
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()):
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {str(path)!r}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError(f"recipe {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path}: expected a mapping at the top level")
+    data = apply_overrides(data, list(overrides))
+    kind = data.get("kind")
+    if kind not in RECIPES:
+        raise RecipeError(f"kind: expected one of {sorted(RECIPES)}, got {kind!r}")
+    return from_dict(RECIPES[kind], data)

@@ -1,0 +1,178 @@
+"""Qwen3 dense GQA target: one readable file, HF `Qwen3ForCausalLM` weights name for name.
+
+forward(input_ids, batch=None, aux_layer_ids=None):
+- batch=None: full causal forward (training, teacher forcing);
+- batch=ForwardBatch: prefill / decode / verify against a cache (see dspark.cache.batch);
+- aux_layer_ids: 0-based "after layer i" ids (vLLM's `target_layer_ids`); returns (logits, aux) with the
+  hidden states (hidden + residual, before the final norm) after each listed layer concatenated on the last dim.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import Qwen3Config
+
+from dspark.cache.batch import ForwardBatch
+from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, rope_cos_sin
+
+
+def rope_theta_of(config) -> float:
+    params = getattr(config, "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0) or 10000.0))
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch | None):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope_neox(q, cos, sin), apply_rope_neox(k, cos, sin)  # [B, H, T, D]
+        if batch is None or batch.cache is None:
+            mask, causal = (None, True) if batch is None else (batch.key_mask(T, T), False)
+        else:  # cache rows are [k | v] per token, flattened over kv heads: C = 2 * n_kv * head_dim
+            rows = torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
+            rows = batch.cache.attn_append(self.layer_idx, rows)  # [B, L, C]
+            L = rows.shape[1]
+            k, v = rows.view(B, L, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4).to(q.dtype)
+            mask, causal = batch.key_mask(T, L), False
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Qwen3Attention(cfg, layer_idx)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, cos, sin, batch):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    model_type = "qwen3"
+
+    def __init__(self, cfg: Qwen3Config):
+        super().__init__()
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"hidden_act: Qwen3 expects 'silu', got {cfg.hidden_act!r}")
+        self.config = cfg
+        self.model = Qwen3Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope_theta = rope_theta_of(cfg)
+        self.apply(self._init_weights)
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if getattr(m, "bias", None) is not None:
+                nn.init.zeros_(m.bias)
+
+    def embed(self, input_ids):
+        return self.model.embed_tokens(input_ids)
+
+    def logits(self, hidden_prenorm):
+        return self.lm_head(self.model.norm(hidden_prenorm))
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None,
+                aux_layer_ids: list[int] | None = None):
+        B, T = input_ids.shape
+        ids = check_aux_layer_ids(aux_layer_ids, self.num_layers)
+        pos = batch.positions(T) if batch is not None else torch.arange(T, device=input_ids.device)
+        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.rope_theta)
+        h = self.embed(input_ids)
+        aux = []
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, cos.to(h.dtype), sin.to(h.dtype), batch)
+            if i in ids:
+                aux.append(h)
+        logits = self.logits(h)
+        return logits if aux_layer_ids is None else (logits, torch.cat(aux, dim=-1))
+
+    # --- checkpoints (HF layout) ---
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        from dspark.checkpoint import save_hf_dir
+
+        cfg = json.loads(self.config.to_json_string())
+        cfg["architectures"] = ["Qwen3ForCausalLM"]
+        cfg["rope_theta"] = self.rope_theta  # older loaders read the top-level key
+        state = {k: v for k, v in self.state_dict().items()
+                 if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
+        save_hf_dir(out_dir, cfg, state)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "Qwen3ForCausalLM":
+        from dspark.checkpoint import load_state_strict, read_config
+
+        cfg = Qwen3Config(**read_config(path))
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = load_state_strict(path, model, ignore={"lm_head.weight"} if cfg.tie_word_embeddings else set())
+        model.load_state_dict(state, strict=False, assign=True)
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        return model.to(device=device, dtype=dtype).eval()
+
+
+def check_aux_layer_ids(ids: list[int] | None, num_layers: int) -> set[int]:
+    if ids is None:
+        return set()
+    bad = [i for i in ids if not (0 <= int(i) < num_layers)]
+    if bad:
+        raise ValueError(f"aux_layer_ids: {bad} out of range; valid are 0..{num_layers - 1} "
+                         f"(0-based 'after layer i', as vLLM's target_layer_ids)")
+    if list(ids) != sorted(set(ids)):
+        raise ValueError(f"aux_layer_ids: {list(ids)} must be strictly increasing (vLLM concatenates in layer order)")
+    return set(int(i) for i in ids)
+
+
+def qwen3_config(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, intermediate_size: int, max_position_embeddings: int = 4096,
+                 rope_theta: float = 10000.0, tie_word_embeddings: bool = False, **special) -> Qwen3Config:
+    return Qwen3Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                       num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                       intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+                       rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+                       tie_word_embeddings=tie_word_embeddings, **special)
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+__all__ = ["Qwen3ForCausalLM", "qwen3_config", "check_aux_layer_ids", "num_params"]

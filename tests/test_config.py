@@ -1,0 +1,52 @@
+"""Recipes: validated dataclasses, one-line errors naming the field, dotted overrides, --help."""
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from dspark.config import RecipeError, load_recipe
+
+BASE = {"kind": "target", "output_dir": "/tmp/x", "model": {"hidden_size": 32}}
+
+
+def write(tmp_path, data):
+    p = tmp_path / "r.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_loads_with_defaults_and_overrides(tmp_path):
+    r = load_recipe(write(tmp_path, BASE), ["max_steps=7", "optim.lr=0.01", "data.sources=[python_stdlib]",
+                                            "resume=true"])
+    assert (r.max_steps, r.optim.lr, r.data.sources, r.resume) == (7, 0.01, ["python_stdlib"], True)
+    assert r.optim.batch_size == 16 and r.data.seq_len == 256
+
+
+def test_unknown_key_lists_valid_fields(tmp_path):
+    with pytest.raises(RecipeError, match=r"optim\.lrate: unknown field; valid fields of optim: .*lr"):
+        load_recipe(write(tmp_path, {**BASE, "optim": {"lrate": 1}}))
+    with pytest.raises(RecipeError, match="max_stepz: unknown field; valid fields: .*max_steps"):
+        load_recipe(write(tmp_path, BASE), ["max_stepz=3"])
+
+
+def test_wrong_type_and_missing_field(tmp_path):
+    with pytest.raises(RecipeError, match="max_steps: expected an integer, got 'ten'"):
+        load_recipe(write(tmp_path, {**BASE, "max_steps": "ten"}))
+    with pytest.raises(RecipeError, match="output_dir: required field is missing"):
+        load_recipe(write(tmp_path, {"kind": "target"}))
+    with pytest.raises(RecipeError, match="kind: expected one of"):
+        load_recipe(write(tmp_path, {"output_dir": "x"}))
+    with pytest.raises(RecipeError, match="log.wandb_mode: expected one of"):
+        load_recipe(write(tmp_path, BASE), ["log.wandb_mode=sometimes"])
+    with pytest.raises(RecipeError, match="expected key=value"):
+        load_recipe(write(tmp_path, BASE), ["max_steps"])
+
+
+def test_cli_help_and_one_line_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "train", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "optim:" in out.stdout and "seq_len" in out.stdout
+    bad = write(tmp_path, {**BASE, "colour": "red"})
+    out = subprocess.run([sys.executable, "-m", "train", str(bad)], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "colour: unknown field" in out.stderr

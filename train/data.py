@@ -1,0 +1,88 @@
+"""Training data for targets: the real corpus -> tokenizer -> packed token rows, cached on disk."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenData:
+    tokenizer: object  # transformers.PreTrainedTokenizerFast
+    train: torch.Tensor  # [N, seq_len] long
+    holdout: torch.Tensor  # [M, seq_len] long
+    corpus_dir: Path
+
+
+def _key(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def prepare_corpus(cfg: DataConfig):
+    from dspark.data.corpus import build_corpus, load_corpus
+
+    path = build_corpus(cfg.corpus_dir, sources=cfg.sources, max_bytes_per_source=cfg.max_bytes_per_source,
+                        allow_missing=cfg.allow_missing)
+    return load_corpus(path), Path(path)
+
+
+def prepare_tokenizer(cfg: DataConfig, corpus):
+    """Load the tokenizer in cfg.tokenizer_dir, or train it on the corpus train split (then save it there)."""
+    from transformers import AutoTokenizer
+
+    from dspark.data.tokenizer import train_tokenizer
+
+    tok_dir = Path(cfg.tokenizer_dir)
+    if (tok_dir / "tokenizer.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(tok_dir))
+        if len(tok) != cfg.vocab_size:
+            raise ValueError(f"data.tokenizer_dir: {tok_dir} holds a tokenizer of {len(tok)} tokens but "
+                             f"data.vocab_size={cfg.vocab_size}; point tokenizer_dir elsewhere or fix vocab_size")
+        return tok
+    log.info("training a %d-token BPE tokenizer on %s", cfg.vocab_size, cfg.corpus_dir)
+    return train_tokenizer(corpus["train"]["text"], cfg.vocab_size, tok_dir)
+
+
+def prepare_tokens(cfg: DataConfig) -> TokenData:
+    """Corpus -> tokenizer -> packed rows; the packed rows are cached next to the tokenizer."""
+    from dspark.data.tokenizer import pack_tokens
+
+    corpus, corpus_dir = prepare_corpus(cfg)
+    tok = prepare_tokenizer(cfg, corpus)
+    key = _key({"corpus": str(corpus_dir), "card": _card_digest(corpus_dir), "seq": cfg.seq_len,
+                "vocab": len(tok), "tok": (Path(cfg.tokenizer_dir) / "tokenizer.json").stat().st_mtime_ns})
+    cache = Path(cfg.tokenizer_dir) / f"packed-{key}.pt"
+    if cache.is_file():
+        rows = torch.load(cache)
+    else:
+        rows = {split: pack_tokens(corpus[split]["text"], tok, cfg.seq_len) for split in ("train", "holdout")}
+        tmp = cache.with_suffix(".tmp")
+        torch.save(rows, tmp)
+        tmp.rename(cache)
+    if len(rows["train"]) == 0:
+        raise ValueError(f"data: the train split of {corpus_dir} gives no rows of seq_len={cfg.seq_len}")
+    holdout = rows["holdout"][: max(1, cfg.holdout_tokens // cfg.seq_len)]
+    return TokenData(tok, rows["train"], holdout, corpus_dir)
+
+
+def _card_digest(corpus_dir: Path) -> str:
+    card = Path(corpus_dir) / "card.json"
+    return hashlib.sha256(card.read_bytes()).hexdigest()[:12] if card.is_file() else "none"
+
+
+def batch_for_step(rows: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
+    """Deterministic per-step sampling (resume-safe): the rows of step s depend only on (seed, s)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    idx = torch.randint(0, rows.shape[0], (batch_size,), generator=g)
+    return rows[idx]
+
+
+__all__ = ["TokenData", "prepare_tokens", "prepare_corpus", "prepare_tokenizer", "batch_for_step", "asdict"]

@@ -1,0 +1,178 @@
+"""The one training loop (targets and drafters): accelerate for devices/precision/data parallel, AdamW with
+warmup + cosine, tqdm, wandb (offline unless configured), periodic resumable checkpoints, holdout evals."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoopSpec:
+    """What differs between a target run and a drafter run."""
+
+    model: torch.nn.Module  # the trainable module
+    loss_step: Callable[[torch.nn.Module, int], tuple[torch.Tensor, dict]]  # (model, step) -> (loss, metrics)
+    evaluate: Callable[[torch.nn.Module], dict]  # holdout metrics
+    save_final: Callable[[torch.nn.Module, Path], None]
+    extra_modules: list = field(default_factory=list)  # frozen modules moved to the device (e.g. the target)
+
+
+def cosine_lr(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, max_steps - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 or name.endswith(("A_log", "dt_bias")) else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _latest_checkpoint(ckpt_root: Path) -> Path | None:
+    done = [p for p in ckpt_root.glob("step-*") if (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
+
+
+def make_accelerator(recipe):
+    from accelerate import Accelerator
+
+    cpu = recipe.device == "cpu" or (recipe.device == "auto" and not torch.cuda.is_available())
+    if recipe.num_threads:
+        torch.set_num_threads(recipe.num_threads)
+    return Accelerator(cpu=cpu, mixed_precision=recipe.mixed_precision,
+                       gradient_accumulation_steps=recipe.optim.grad_accum)
+
+
+def run(recipe, spec: LoopSpec, accelerator) -> dict:
+    """Train spec.model per recipe.optim/log; returns the final metrics. Resumes when recipe.resume."""
+    out = Path(recipe.output_dir)
+    ckpt_root = out / "checkpoints"
+    oc = recipe.optim
+    model = spec.model
+    opt = torch.optim.AdamW(_param_groups(model, oc.weight_decay), lr=oc.lr, betas=tuple(oc.betas))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: cosine_lr(s, recipe.max_steps, oc.warmup_steps, oc.min_lr_ratio))
+    model, opt = accelerator.prepare(model, opt)
+    accelerator.register_for_checkpointing(sched)
+    for m in spec.extra_modules:
+        m.to(accelerator.device)
+
+    start_step, history = 0, []
+    if recipe.resume:
+        last = _latest_checkpoint(ckpt_root)
+        if last is None:
+            log.warning("resume=true but no checkpoint under %s: starting from step 0", ckpt_root)
+        else:
+            accelerator.load_state(str(last))
+            state = json.loads((last / "trainer_state.json").read_text())
+            start_step, history = state["step"], state.get("history", [])
+            log.info("resumed from %s (step %d)", last, start_step)
+    elif ckpt_root.exists() and accelerator.is_main_process:
+        shutil.rmtree(ckpt_root)
+
+    wandb_run = _init_wandb(recipe, accelerator)
+    t0, metrics, step = time.time(), {}, start_step
+    bar = tqdm(total=recipe.max_steps, initial=start_step, desc=f"train {Path(recipe.output_dir).name}",
+               disable=not accelerator.is_main_process, dynamic_ncols=True)
+    model.train()
+    while step < recipe.max_steps:
+        if recipe.max_minutes is not None and (time.time() - t0) / 60 > recipe.max_minutes:
+            log.info("max_minutes=%s reached at step %d", recipe.max_minutes, step)
+            break
+        for micro in range(oc.grad_accum):
+            with accelerator.accumulate(model):
+                loss, metrics = spec.loss_step(model, step * oc.grad_accum + micro)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and oc.grad_clip > 0:
+                    accelerator.clip_grad_norm_(model.parameters(), oc.grad_clip)
+                opt.step()
+                sched.step() if accelerator.sync_gradients else None
+                opt.zero_grad(set_to_none=True)
+        hook = getattr(accelerator.unwrap_model(model), "on_step_end", None)
+        if hook is not None:
+            hook()
+        step += 1
+        metrics = {"loss": float(loss.detach()), "lr": sched.get_last_lr()[0], **metrics}
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+        if step % recipe.log.log_every == 0 and wandb_run is not None:
+            wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
+        if step % recipe.log.eval_every == 0 or step == recipe.max_steps:
+            ev = _evaluate(spec, model, accelerator)
+            history.append({"step": step, "minutes": (time.time() - t0) / 60, **ev})
+            bar.write(f"step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
+            if wandb_run is not None:
+                wandb_run.log({f"holdout/{k}": v for k, v in ev.items()}, step=step)
+        if step % recipe.log.save_every == 0 and step < recipe.max_steps:
+            _save_checkpoint(accelerator, ckpt_root, step, history)
+    bar.close()
+    if not history or history[-1]["step"] != step:
+        history.append({"step": step, "minutes": (time.time() - t0) / 60, **_evaluate(spec, model, accelerator)})
+    accelerator.wait_for_everyone()
+    summary = {"steps": step, "train_minutes": (time.time() - t0) / 60, "final": history[-1], "history": history,
+               "last_train_metrics": metrics}
+    if accelerator.is_main_process:
+        spec.save_final(accelerator.unwrap_model(model), out / "final")
+        (out / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / "recipe.json").write_text(json.dumps(asdict(recipe), indent=2) + "\n")
+    if wandb_run is not None:
+        wandb_run.summary.update({f"final/{k}": v for k, v in history[-1].items()})
+        wandb_run.finish()
+    return summary
+
+
+def _evaluate(spec: LoopSpec, model, accelerator) -> dict:
+    model.eval()
+    with torch.no_grad():
+        ev = spec.evaluate(accelerator.unwrap_model(model))
+    model.train()
+    return ev
+
+
+def _save_checkpoint(accelerator, ckpt_root: Path, step: int, history: list) -> None:
+    """accelerate state (model, optimizer, scheduler, RNG) into a temp dir, renamed when complete; keep 2."""
+    final = ckpt_root / f"step-{step}"
+    tmp = ckpt_root / f".step-{step}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "history": history}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(ckpt_root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _init_wandb(recipe, accelerator):
+    if recipe.log.wandb_mode == "disabled" or not accelerator.is_main_process:
+        return None
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    mode = recipe.log.wandb_mode
+    if mode == "online" and not (os.environ.get("WANDB_API_KEY") or Path.home().joinpath(".netrc").exists()):
+        log.warning("wandb_mode=online but wandb is not configured (no WANDB_API_KEY): logging offline")
+        mode = "offline"
+    Path(recipe.output_dir).mkdir(parents=True, exist_ok=True)
+    return wandb.init(project=recipe.log.wandb_project, name=Path(recipe.output_dir).name, mode=mode,
+                      dir=recipe.output_dir, config=asdict(recipe), reinit="finish_previous")

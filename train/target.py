@@ -1,0 +1,72 @@
+"""Training a target from scratch on the corpus (`kind: target` recipes)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dspark.config import RecipeError, TargetRecipe
+from train.data import TokenData, batch_for_step, prepare_tokens
+from train.loop import LoopSpec, make_accelerator, run
+
+log = logging.getLogger(__name__)
+
+
+def build_target(arch: str, fields: dict, tokenizer) -> torch.nn.Module:
+    special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+               "pad_token_id": tokenizer.pad_token_id}
+    if arch == "qwen3":
+        from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
+
+        try:
+            cfg = qwen3_config(vocab_size=len(tokenizer), **fields, **special)
+        except TypeError as e:
+            raise RecipeError(f"model: {e}; valid fields: hidden_size, num_layers, num_heads, num_kv_heads, head_dim, "
+                              "intermediate_size, max_position_embeddings, rope_theta, tie_word_embeddings") from None
+        return Qwen3ForCausalLM(cfg)
+    from dspark.models.k3.config import K3TextConfig
+    from dspark.models.k3.model import K3ForCausalLM
+
+    return K3ForCausalLM(K3TextConfig.from_dict({**fields, "vocab_size": len(tokenizer), **special}))
+
+
+def holdout_loss(model, rows: torch.Tensor, batch_size: int, device) -> float:
+    """Mean next-token cross-entropy (nats/token) over the holdout rows."""
+    total, count = 0.0, 0
+    for i in range(0, len(rows), batch_size):
+        x = rows[i:i + batch_size].to(device)
+        logits = model(x[:, :-1]).float()
+        total += F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum").item()
+        count += x[:, 1:].numel()
+    return total / max(1, count)
+
+
+def train_target(recipe: TargetRecipe) -> dict:
+    torch.manual_seed(recipe.seed)
+    data: TokenData = prepare_tokens(recipe.data)
+    accelerator = make_accelerator(recipe)
+    model = build_target(recipe.arch, recipe.model, data.tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("%s target: %.2fM params, %d train rows x %d tokens", recipe.arch, n_params / 1e6,
+             len(data.train), recipe.data.seq_len)
+    bs = recipe.optim.batch_size // accelerator.num_processes
+
+    def loss_step(m, step):
+        x = batch_for_step(data.train, step, recipe.optim.batch_size, recipe.seed)
+        x = x[accelerator.process_index * bs:(accelerator.process_index + 1) * bs].to(accelerator.device)
+        logits = m(x[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        return loss, {"tokens": (step + 1) * recipe.optim.batch_size * recipe.data.seq_len}
+
+    def evaluate(m):
+        return {"loss": holdout_loss(m, data.holdout, recipe.optim.batch_size, accelerator.device)}
+
+    def save_final(m, path: Path):
+        m.save_pretrained(path)
+        data.tokenizer.save_pretrained(str(path))
+
+    summary = run(recipe, LoopSpec(model, loss_step, evaluate, save_final), accelerator)
+    summary["params"] = n_params
+    return summary
