@@ -93,12 +93,141 @@ def load_target(path: str | Path, device="cpu", dtype="float32"):
     cfg = read_config(path)
     mt = cfg.get("model_type")
     if mt == "qwen3":
-        from dspark.models.qwen3 import Qwen3ForCausalLM
+        from dspark.models.qwen3 import Qwen3ForCausalLM as cls
+    elif mt in ("kimi_linear", "kimi_k3"):
+        from dspark.models.k3.model import K3ForCausalLM as cls
+    else:
+        raise ValueError(f"{Path(path) / 'config.json'}: model_type {mt!r} is not a supported target; "
+                         "expected 'qwen3', 'kimi_linear' or 'kimi_k3'")
+    model = cls.from_pretrained(path, device=device, dtype=dtype)
+    model.tokenizer = None
+    if (Path(path) / "tokenizer.json").is_file():
+        from transformers import AutoTokenizer
 
-        return Qwen3ForCausalLM.from_pretrained(path, device=device, dtype=dtype)
-    if mt in ("kimi_linear", "kimi_k3"):
-        from dspark.models.k3.model import K3ForCausalLM
+        model.tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model.name_or_path = str(path)
+    return model
 
-        return K3ForCausalLM.from_pretrained(path, device=device, dtype=dtype)
-    raise ValueError(f"{Path(path) / 'config.json'}: model_type {mt!r} is not a supported target; "
-                     "expected 'qwen3', 'kimi_linear' or 'kimi_k3'")
+
+# --------------------------------------------------------------------------- drafters (vLLM layouts)
+DSPARK_ARCHS = ("Qwen3DSparkModel", "DSparkDraftModel")
+DFLASH_ARCHS = ("DFlashDraftModel",)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def drafter_export_config(cfg, layout: str) -> dict:
+    """config.json for vLLM: `Qwen3DSparkModel` (method dspark) or `DFlashDraftModel` (method dflash)."""
+    base = {
+        "model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim, "hidden_act": cfg.hidden_act, "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": False, "attention_bias": cfg.attention_bias, "torch_dtype": "float32",
+        "block_size": cfg.block_size, "num_target_layers": cfg.num_target_layers,
+        "target_hidden_size": cfg.target_hidden_size,
+    }
+    if layout == "dspark":
+        return {**base, "architectures": ["Qwen3DSparkModel"], "target_layer_ids": list(cfg.target_layer_ids),
+                "mask_token_id": cfg.mask_token_id, "markov_rank": cfg.markov_rank, "sample_from_anchor": True,
+                "enable_confidence_head": cfg.enable_confidence_head,
+                "confidence_head_with_markov": cfg.confidence_head_with_markov}
+    return {**base, "architectures": ["DFlashDraftModel"],
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)}}
+
+
+def export_drafter(drafter, out_dir: str | Path, layout: str = "dspark", tokenizer=None) -> Path:
+    cfg = drafter.config
+    if layout not in ("dspark", "dflash"):
+        raise ValueError(f"export.layout: expected 'dspark' or 'dflash', got {layout!r}")
+    if layout != cfg.mode:
+        raise ValueError(f"export.layout: a {cfg.mode!r}-mode drafter cannot be exported as {layout!r} "
+                         "(the query layouts differ: anchor-as-first vs 1+N fill-in)")
+    state = {k: v for k, v in drafter.state_dict().items()}
+    if layout == "dspark" and cfg.enable_confidence_head is False:
+        state = {k: v for k, v in state.items() if not k.startswith("confidence_head.")}
+    out = save_hf_dir(out_dir, drafter_export_config(cfg, layout), state)
+    if tokenizer is not None:  # convenient for `vllm serve` and our loaders; vLLM uses the target's
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def drafter_config_from_json(cfg: dict, where: str):
+    from dspark.models.drafter import DrafterConfig
+
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch in DSPARK_ARCHS:
+        mode = "dspark"
+        ids = cfg.get("target_layer_ids", cfg.get("dspark_target_layer_ids"))
+        mask = cfg.get("mask_token_id", cfg.get("dspark_noise_token_id"))
+        if "markov_rank" not in cfg:
+            raise ValueError(f"{where}: a dspark drafter needs 'markov_rank'")
+    elif arch in DFLASH_ARCHS:
+        mode = "dflash"
+        dc = cfg.get("dflash_config") or {}
+        ids, mask = dc.get("target_layer_ids"), dc.get("mask_token_id", cfg.get("mask_token_id"))
+    else:
+        raise ValueError(f"{where}: architectures {cfg.get('architectures')} is not a drafter; expected one of "
+                         f"{list(DSPARK_ARCHS + DFLASH_ARCHS)}")
+    if mask is None:
+        raise ValueError(f"{where}: no mask token id (mask_token_id / dflash_config.mask_token_id)")
+    if not ids:
+        raise ValueError(f"{where}: no target_layer_ids")
+    try:
+        return DrafterConfig(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            target_hidden_size=cfg.get("target_hidden_size", cfg["hidden_size"]), target_layer_ids=list(ids),
+            num_target_layers=cfg.get("num_target_layers", max(ids) + 1), mask_token_id=mask,
+            block_size=cfg.get("block_size", cfg.get("dspark_block_size", 8)),
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg.get("num_key_value_heads", cfg["num_attention_heads"]),
+            head_dim=cfg.get("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"]),
+            intermediate_size=cfg["intermediate_size"], rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=(cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 10000.0)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096), mode=mode,
+            markov_rank=cfg.get("markov_rank", 0) if mode == "dspark" else 0,
+            enable_confidence_head=bool(cfg.get("enable_confidence_head", False)) if mode == "dspark" else False,
+            confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", False)),
+            hidden_act=cfg.get("hidden_act", "silu"), attention_bias=cfg.get("attention_bias", False))
+    except KeyError as e:
+        raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
+
+
+def check_drafter_against_target(dcfg, target, where: str) -> None:
+    tc = target.config
+    if dcfg.vocab_size != tc.vocab_size:
+        raise ValueError(f"{where}: vocab_size {dcfg.vocab_size} != target vocab_size {tc.vocab_size}")
+    if dcfg.hidden_size != tc.hidden_size or dcfg.target_hidden_size != tc.hidden_size:
+        raise ValueError(f"{where}: hidden_size {dcfg.hidden_size} / target_hidden_size {dcfg.target_hidden_size} "
+                         f"!= target hidden_size {tc.hidden_size}")
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
+    if bad:
+        raise ValueError(f"{where}: target_layer_ids {bad} out of range for the target's {tc.num_hidden_layers} "
+                         f"layers (valid 0..{tc.num_hidden_layers - 1})")
+    if not 0 <= dcfg.mask_token_id < tc.vocab_size:
+        raise ValueError(f"{where}: mask_token_id {dcfg.mask_token_id} is outside the target vocabulary")
+    tok = getattr(target, "tokenizer", None)
+    if tok is not None and tok.mask_token is not None:
+        tid = tok.convert_tokens_to_ids(tok.mask_token)
+        if tid != dcfg.mask_token_id:
+            raise ValueError(f"{where}: mask_token_id {dcfg.mask_token_id} != the target tokenizer's mask token "
+                             f"{tok.mask_token!r} ({tid})")
+
+
+def load_drafter(path: str | Path, target, device=None, dtype=None):
+    """A drafter in vLLM's dspark or dflash layout, bound to (and checked against) its target."""
+    from dspark.models.drafter import DSparkDrafter
+
+    where = str(Path(path) / "config.json")
+    dcfg = drafter_config_from_json(read_config(path), where)
+    dcfg.validate()
+    check_drafter_against_target(dcfg, target, where)
+    emb, head = target.model.embed_tokens.weight, target.lm_head.weight
+    with torch.device("meta"):
+        drafter = DSparkDrafter(dcfg, emb.to("meta"), head.to("meta"))
+    state = load_state_strict(path, drafter)
+    drafter.load_state_dict(state, strict=False, assign=True)
+    drafter.set_target_weights(emb, head)
+    p = next(target.parameters())
+    return drafter.to(device=device or p.device, dtype=dtype or p.dtype).eval()

@@ -200,7 +200,85 @@ class TargetRecipe:
             raise RecipeError(f"data.seq_len: expected >= 8, got {self.data.seq_len}")
 
 
-RECIPES = {"target": TargetRecipe}
+@dataclass
+class DrafterModelConfig:
+    backbone: Literal["auto", "qwen3", "k3"] = doc("auto", "qwen3 (GQA, fc+hidden_norm) or k3 (MLA, context_proj); auto = from the target")
+    mode: Literal["dspark", "dflash"] = doc("dspark", "dspark: anchor-as-first + Markov head; dflash: 1+N fill-in")
+    block_size: int = doc(4, "queries per block (drafts: N for dspark, N-1 for dflash)")
+    num_layers: int = 2
+    num_heads: int | None = doc(None, "None = the target's")
+    num_kv_heads: int | None = doc(None, "None = the target's")
+    head_dim: int | None = doc(None, "None = the target's")
+    intermediate_size: int | None = doc(None, "None = the target's")
+    target_layer_ids: list[int] | None = doc(None, "0-based 'after layer i'; None = spread like DFlash")
+    markov_rank: int = doc(32, "0 = no Markov head (forced 0 in dflash mode)")
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = False
+
+
+@dataclass
+class RegenerateConfig:
+    enabled: bool = doc(True, "the target writes the responses the drafter learns from")
+    num_sequences: int = doc(512, "prompts to continue")
+    prompt_tokens: int = doc(64, "prompt length cut from each source sequence")
+    new_tokens: int = doc(192, "tokens the target writes per prompt")
+    temperature: float = doc(0.0, "0 = greedy, as evaluated")
+    batch_size: int = 64
+
+
+@dataclass
+class DrafterDataConfig:
+    dataset: str | None = doc(None, "local json/jsonl/parquet/txt file or dir (or a hub id when online); None = the corpus")
+    corpus: DataConfig = doc(DataConfig, "the real corpus, used when dataset is None (tokenizer: the target's)")
+    seq_len: int = 256
+    labels: Literal["target", "data"] = doc("target", "train on the target's argmax (KD) or on the data tokens")
+    regenerate: RegenerateConfig = doc(RegenerateConfig, "")
+    holdout_sequences: int = doc(32, "sequences for the holdout acceptance estimate")
+
+
+@dataclass
+class LossConfig:
+    ce: float = 1.0
+    distill: float = doc(0.0, "weight of the TV distance to the target distribution")
+    confidence: float = doc(0.1, "weight of the confidence-head BCE")
+    decay_gamma: float | None = doc(None, "position decay exp(-d/gamma); None = block_size")
+
+
+@dataclass
+class ExportConfig:
+    layout: Literal["dspark", "dflash"] | None = doc(None, "None = the drafter's mode")
+
+
+@dataclass
+class DrafterRecipe:
+    kind: Literal["drafter"]
+    output_dir: str
+    target: str = doc("runs/qwen3-tiny/final", "target checkpoint dir (HF)")
+    drafter: DrafterModelConfig = doc(DrafterModelConfig, "")
+    data: DrafterDataConfig = doc(DrafterDataConfig, "")
+    anchors_per_seq: int = doc(32, "random blocks trained per sequence in one pass")
+    loss: LossConfig = doc(LossConfig, "")
+    optim: OptimConfig = doc(lambda: OptimConfig(lr=1e-3, warmup_steps=20, batch_size=8), "")
+    log: LogConfig = doc(LogConfig, "")
+    export: ExportConfig = doc(ExportConfig, "")
+    max_steps: int = 400
+    max_minutes: float | None = None
+    seed: int = 0
+    resume: bool = False
+    device: str = "auto"
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    num_threads: int | None = None
+
+    def validate(self):
+        if self.max_steps <= 0:
+            raise RecipeError(f"max_steps: expected > 0, got {self.max_steps}")
+        if self.anchors_per_seq < 1:
+            raise RecipeError(f"anchors_per_seq: expected >= 1, got {self.anchors_per_seq}")
+        if self.drafter.block_size + 2 > self.data.seq_len:
+            raise RecipeError(f"drafter.block_size: {self.drafter.block_size} leaves no room in data.seq_len={self.data.seq_len}")
+
+
+RECIPES = {"target": TargetRecipe, "drafter": DrafterRecipe}
 
 
 def load_recipe(path: str | Path, overrides: list[str] = ()):

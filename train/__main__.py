@@ -29,6 +29,10 @@ def main(argv: list[str]) -> int:
             from train.target import train_target
 
             summary = train_target(recipe)
+        elif recipe.kind == "drafter":
+            from train.drafter import train_drafter
+
+            summary = train_drafter(recipe)
         else:  # pragma: no cover - every kind is dispatched above
             raise RecipeError(f"kind: {recipe.kind!r} has no trainer")
     except (RecipeError, ValueError, FileNotFoundError) as e:

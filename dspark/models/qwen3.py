@@ -103,6 +103,11 @@ class Qwen3ForCausalLM(nn.Module):
             if getattr(m, "bias", None) is not None:
                 nn.init.zeros_(m.bias)
 
+    def cache_layout(self) -> tuple[dict[int, int], dict]:
+        """Per-token cache row width of every attention layer ([k|v] over kv heads); Qwen3 has no KDA layers."""
+        c = self.config
+        return {i: 2 * c.num_key_value_heads * c.head_dim for i in range(c.num_hidden_layers)}, {}
+
     def embed(self, input_ids):
         return self.model.embed_tokens(input_ids)
 

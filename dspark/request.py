@@ -1,0 +1,87 @@
+"""A request's sampling parameters and its state while the engine runs it (nano-vllm's sequence.py)."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens: expected >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature: expected >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: expected >= 0, got {self.top_k}")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None  # "length" | "stop" | "abort" | None while running
+    num_steps: int  # target decode/verify forwards after the prefill
+    accepted_per_step: list[int]  # accepted drafts per verify step (0 .. k)
+    num_drafts_per_step: list[int]  # drafts verified per step (k, or fewer with adaptive verification)
+
+
+_ids = itertools.count()
+
+
+class Request:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                 prompt_text: str | None = None):
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("prompt: empty after tokenization")
+        self.id = request_id if request_id is not None else f"req-{next(_ids)}"
+        self.prompt_ids = list(prompt_ids)
+        self.prompt_text = prompt_text
+        self.params = params
+        self.output_ids: list[int] = []
+        self.status = Status.WAITING
+        self.num_computed = 0  # tokens in the target cache
+        self.pending_aux: torch.Tensor | None = None  # aux features not yet in the drafter context
+        self.num_steps = 0
+        self.accepted_per_step: list[int] = []
+        self.num_drafts_per_step: list[int] = []
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def output(self) -> RequestOutput:
+        return RequestOutput(self.id, self.prompt_ids, list(self.output_ids), self.text, self.finish_reason,
+                             self.num_steps, list(self.accepted_per_step), list(self.num_drafts_per_step))

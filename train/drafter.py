@@ -1,0 +1,133 @@
+"""Training a DSpark / DFlash drafter against a frozen target (`kind: drafter` recipes).
+
+Data: sequences from a local dataset or the corpus (tokenised with the target's tokenizer); `regenerate` lets the
+target write the continuations the drafter learns from. Each step computes the target features online (no disk),
+picks `anchors_per_seq` random anchors per sequence and trains all their blocks in one block-sparse pass.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from dspark.checkpoint import export_drafter, load_target
+from dspark.config import DrafterRecipe
+from dspark.models.drafter import DrafterConfig, DSparkDrafter
+from dspark.request import SamplingParams
+from train.losses import LossWeights, drafter_loss
+from train.loop import LoopSpec, make_accelerator, run
+from train.sequences import Sequences, load_sequences
+
+log = logging.getLogger(__name__)
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """DFlash's spread (5 layers between the 2nd and the 3rd-to-last) for deep targets; for shallow ones, every
+    other layer from layer 1 up to the last."""
+    if num_layers >= 8:
+        n = 5
+        return sorted({round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)})
+    return list(range(1, num_layers, 2)) if num_layers > 2 else [num_layers - 1]
+
+
+def drafter_config(recipe: DrafterRecipe, target, tokenizer) -> DrafterConfig:
+    m, tc = recipe.drafter, target.config
+    backbone = m.backbone if m.backbone != "auto" else ("qwen3" if tc.model_type == "qwen3" else "k3")
+    if backbone != "qwen3":
+        raise ValueError("drafter.backbone: the k3 (MLA) drafter backbone is not available yet; use a qwen3 target")
+    mask_id = tokenizer.convert_tokens_to_ids(tokenizer.mask_token) if tokenizer.mask_token else None
+    if mask_id is None:
+        raise ValueError(f"target tokenizer ({recipe.target}): no mask token; DSpark drafting needs one "
+                         "(a tokenizer built by `python -m dspark.data tokenizer` has <|mask|>)")
+    return DrafterConfig(
+        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size,
+        target_layer_ids=m.target_layer_ids or default_layer_ids(tc.num_hidden_layers),
+        num_target_layers=tc.num_hidden_layers, mask_token_id=mask_id, block_size=m.block_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads or tc.num_attention_heads,
+        num_key_value_heads=m.num_kv_heads or tc.num_key_value_heads, head_dim=m.head_dim or tc.head_dim,
+        intermediate_size=m.intermediate_size or tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
+        rope_theta=getattr(target, "rope_theta", 10000.0), max_position_embeddings=tc.max_position_embeddings,
+        mode=m.mode, markov_rank=0 if m.mode == "dflash" else m.markov_rank,
+        enable_confidence_head=m.enable_confidence_head, confidence_head_with_markov=m.confidence_head_with_markov)
+
+
+def sample_anchors(loss_mask: torch.Tensor, num: int, drafts: int, generator: torch.Generator) -> torch.Tensor:
+    """loss_mask: [B, T] (True where a token is a training label). Anchors a in [1, T-1-drafts] whose first label
+    a+1 is in the mask; `num` per row, without replacement (rows with fewer valid anchors repeat some)."""
+    B, T = loss_mask.shape
+    pos = torch.arange(T)
+    ok = loss_mask.roll(-1, dims=1) & (pos >= 1) & (pos <= T - 1 - drafts)
+    if not bool(ok.any(1).all()):
+        raise ValueError("data: a sequence has no position to anchor a block (too short or no loss tokens)")
+    scores = torch.rand(B, T, generator=generator) + ok.float() * 2  # valid first, random among them
+    idx = scores.topk(min(num, T), dim=1).indices
+    valid = ok.gather(1, idx)
+    first = idx[:, :1].expand_as(idx)
+    return torch.where(valid, idx, first)[:, :num]
+
+
+def block_targets(target_logits, input_ids, anchors, drafts: int, labels: str):
+    """Per anchor a and draft d (predicting position a+1+d): the label and the target logits there."""
+    offs = anchors[..., None] + torch.arange(drafts, device=anchors.device)  # [B, A, D]: position a+d
+    B = input_ids.shape[0]
+    rows = torch.arange(B, device=anchors.device)[:, None, None]
+    tl = target_logits[rows, offs]  # [B, A, D, V]: target's distribution for position a+d+1
+    lab = tl.argmax(-1) if labels == "target" else input_ids[rows, offs + 1]
+    return lab, tl
+
+
+def train_drafter(recipe: DrafterRecipe) -> dict:
+    torch.manual_seed(recipe.seed)
+    accelerator = make_accelerator(recipe)
+    target = load_target(recipe.target, device=accelerator.device)
+    target.requires_grad_(False)
+    tok = target.tokenizer
+    cfg = drafter_config(recipe, target, tok)
+    drafter = DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
+    seqs: Sequences = load_sequences(recipe, target, tok)
+    D, A, ids = cfg.num_drafts, recipe.anchors_per_seq, cfg.target_layer_ids
+    weights = LossWeights(recipe.loss.ce, recipe.loss.distill, recipe.loss.confidence, recipe.loss.decay_gamma)
+    bs = recipe.optim.batch_size // accelerator.num_processes
+    log.info("drafter (%s, block %d, %d layers, layer ids %s): %.2fM trainable params; %d train sequences",
+             cfg.mode, cfg.block_size, cfg.num_hidden_layers, ids,
+             sum(p.numel() for p in drafter.parameters()) / 1e6, len(seqs.train))
+
+    def forward(m, x, mask, g):
+        x, mask = x.to(accelerator.device), mask.to(accelerator.device)
+        with torch.no_grad():
+            logits, aux = target(x, aux_layer_ids=ids)
+        anchors = sample_anchors(mask.cpu(), A, D, g).to(accelerator.device)
+        lab, tl = block_targets(logits, x, anchors, D, recipe.data.labels)
+        h = m.train_forward(aux, x, anchors)
+        return drafter_loss(m, h, x.gather(1, anchors), lab, tl, weights)
+
+    def loss_step(m, step):
+        g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step)
+        idx = torch.randint(0, len(seqs.train), (recipe.optim.batch_size,), generator=g)
+        idx = idx[accelerator.process_index * bs:(accelerator.process_index + 1) * bs]
+        return forward(m, seqs.train[idx], seqs.train_mask[idx], g)
+
+    def evaluate(m):
+        g = torch.Generator().manual_seed(12345)
+        out = [forward(m, seqs.holdout[i:i + bs], seqs.holdout_mask[i:i + bs], g)[1]
+               for i in range(0, len(seqs.holdout), bs)]
+        return {k: sum(o[k] for o in out) / len(out) for k in out[0]}
+
+    def save_final(m, path: Path):
+        export_drafter(m, path, layout=recipe.export.layout or cfg.mode, tokenizer=tok)
+
+    return run(recipe, LoopSpec(drafter, loss_step, evaluate, save_final, extra_modules=[target]), accelerator)
+
+
+def regenerate(target, tokenizer, prompts: list[list[int]], new_tokens: int, temperature: float, batch_size: int,
+               seed: int) -> list[list[int]]:
+    """The target continues every prompt (the field's standard recipe: learn from what the target says)."""
+    from dspark.engine import Engine
+
+    engine = Engine(target, None, tokenizer=tokenizer, max_batch_size=batch_size,
+                    max_model_len=max(len(p) for p in prompts) + new_tokens + 1)
+    params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
+                             seed=seed + i if temperature > 0 else None) for i in range(len(prompts))]
+    outs = engine.generate(prompts, params, progress=True)
+    return [p + o.token_ids for p, o in zip(prompts, outs)]
