@@ -6,7 +6,7 @@
 Each running request has its committed tokens in the target cache except the last emitted one (the "pending"
 token). A speculative step feeds [pending, d1..dk] to the target with per-position recurrent snapshots
 (record=True), verifies, and commits pending + the accepted drafts; the next pending token is the bonus/correction.
-The drafter's context grows by the aux features of exactly the committed positions.
+The drafter's context rows are written into the same paged cache right after every target forward.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 
 from dspark.cache.blocks import OutOfBlocks
 from dspark.cache.paged import PagedCache
+from dspark.cache.prefix import PrefixCacheConfig
 from dspark.request import Request, RequestOutput, SamplingParams, Status
 from dspark.spec.draft import DraftRunner
 from dspark.spec.verify import choose_verify_lengths, process_logits, verify_block, verify_greedy, verify_rejection
@@ -27,7 +28,8 @@ class Engine:
     def __init__(self, target, drafter=None, num_speculative_tokens: int | None = None, tokenizer=None,
                  max_batch_size: int = 32, max_model_len: int | None = None, num_blocks: int | None = None,
                  block_size: int = 16, prefill_chunk: int = 512, adaptive_verification: bool = False,
-                 draft_sample: bool = False, draft_top_k: int = 0, rejection: str = "standard"):
+                 draft_sample: bool = False, draft_top_k: int = 0, rejection: str = "standard",
+                 prefix_caching: bool | PrefixCacheConfig = False):
         self.target, self.drafter = target, drafter
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.device = next(target.parameters()).device
@@ -48,9 +50,14 @@ class Engine:
         if num_blocks is None:  # default budget: every batch slot can hold min(max_model_len, 2048) tokens
             num_blocks = max_batch_size * math.ceil((min(self.max_model_len, 2048) + self.k + 1) / block_size)
         attn, kda = target.cache_layout()
+        self.drafts = None
+        if drafter is not None:  # the drafter's context rows live in the same blocks (shared prefix caching)
+            self.drafts = DraftRunner(drafter, layer_offset=1 + max(list(attn) + list(kda)))
+            attn = {**attn, **self.drafts.cache_layout()}
         dtype = next(target.parameters()).dtype
-        self.cache = PagedCache(attn, kda, num_blocks, block_size, max_batch_size, dtype=dtype, device=self.device)
-        self.drafts = DraftRunner(drafter, num_blocks, block_size, max_batch_size) if drafter is not None else None
+        self.prefix_caching = prefix_caching
+        self.cache = PagedCache(attn, kda, num_blocks, block_size, max_batch_size, dtype=dtype, device=self.device,
+                                prefix_cache=PrefixCacheConfig() if prefix_caching is True else prefix_caching or None)
         self.aux_ids = list(drafter.config.target_layer_ids) if drafter is not None else None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -106,8 +113,7 @@ class Engine:
                 return  # waits until a running request frees its blocks
             self.waiting.popleft()
             self.cache.add_request(req.id)
-            if self.drafts is not None:
-                self.drafts.add_request(req.id)
+            req.num_computed = self.cache.match_prefix(req.id, req.prompt_ids)
             self.reserved[req.id] = need
             req.status = Status.PREFILL
             self.running.append(req)
@@ -115,8 +121,6 @@ class Engine:
     def _finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason
         self.cache.free_request(req.id)
-        if self.drafts is not None:
-            self.drafts.free_request(req.id)
         self.reserved.pop(req.id, None)
         if req in self.running:
             self.running.remove(req)
@@ -148,19 +152,26 @@ class Engine:
             ids[b, : len(t)] = torch.tensor(t)
         fb = self.cache.batch([r.id for r in reqs], [len(t) for t in tokens], record=record)
         self.counters["target_forwards"] += 1
-        out = self.target(ids.to(self.device), batch=fb, aux_layer_ids=self.aux_ids)
-        return out if self.aux_ids is not None else (out, None)
+        if self.aux_ids is None:
+            return self.target(ids.to(self.device), batch=fb)
+        logits, aux = self.target(ids.to(self.device), batch=fb, aux_layer_ids=self.aux_ids)
+        self.drafts.write_context(fb, aux)
+        return logits
+
+    def _chunk_end(self, r: Request) -> int:
+        """Prefill up to the chunk size, stopping at the next prefix-cache checkpoint position."""
+        end = min(len(r.prompt_ids), r.num_computed + self.prefill_chunk)
+        stops = [p for p in self.cache.checkpoint_positions(r.id, len(r.prompt_ids)) if r.num_computed < p < end]
+        return min(stops, default=end)
 
     def _prefill(self, reqs: list[Request]):
-        chunks = [r.prompt_ids[r.num_computed: r.num_computed + self.prefill_chunk] for r in reqs]
-        logits, aux = self._forward(reqs, chunks, record=False)
+        chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
+        logits = self._forward(reqs, chunks, record=False)
         self.cache.commit()
         emitted = []
         for b, (r, chunk) in enumerate(zip(reqs, chunks)):
             r.num_computed += len(chunk)
-            if aux is not None:
-                new = aux[b, : len(chunk)]
-                r.pending_aux = new if r.pending_aux is None else torch.cat([r.pending_aux, new])
+            self.cache.after_prefill(r.id, r.prompt_ids, r.num_computed)
             if r.num_computed == len(r.prompt_ids):
                 self.counters["prompt_tokens"] += len(r.prompt_ids)
                 probs = process_logits(logits[b, len(chunk) - 1], r.params.temperature, r.params.top_k, r.params.top_p)
@@ -177,8 +188,7 @@ class Engine:
         draft_probs = None
         if self.drafts is not None:
             temps = torch.tensor([r.params.temperature for r in reqs], device=self.device)
-            prop = self.drafts.propose([r.id for r in reqs], [r.pending_aux for r in reqs], anchors, temps,
-                                       sample=self.draft_sample, top_k=self.draft_top_k,
+            prop = self.drafts.propose(self.cache, [r.id for r in reqs], anchors, temps, sample=self.draft_sample, top_k=self.draft_top_k,
                                        generators=[r.generator for r in reqs])
             drafts = prop.draft_ids[:, : self.k].cpu()
             draft_probs = None if prop.draft_probs is None else prop.draft_probs[:, : self.k]
@@ -187,7 +197,7 @@ class Engine:
             if self.adaptive:
                 n_drafts = torch.minimum(n_drafts, choose_verify_lengths(prop.confidence[:, : self.k].cpu()))
         tokens = [[r.last_token] + drafts[b, : n_drafts[b]].tolist() for b, r in enumerate(reqs)]
-        logits, aux = self._forward(reqs, tokens, record=True)
+        logits = self._forward(reqs, tokens, record=True)
         results = []
         for b, r in enumerate(reqs):
             n = int(n_drafts[b])
@@ -196,8 +206,6 @@ class Engine:
         self.cache.commit(torch.tensor([a + 1 for _, a, _ in results]))
         emitted = []
         for b, (r, (n, a, nxt)) in enumerate(zip(reqs, results)):
-            if aux is not None:
-                r.pending_aux = aux[b, : a + 1]
             r.num_computed += a + 1
             r.num_steps += 1
             if self.drafts is not None:
@@ -249,6 +257,37 @@ class Engine:
         if reason is not None:
             self._finish(r, reason)
         return toks
+
+    # ------------------------------------------------------------------ prefill/decode handoff
+    def export_prefilled(self, request_id: str) -> dict:
+        """After a request's prefill (it has emitted its first token): its tokens, sampling state and cache
+        (paged KV rows incl. the drafter context + the per-request KDA state), detached; the request leaves this
+        engine. The single-machine form of prefill/decode disaggregation."""
+        req = next((r for r in self.running if r.id == request_id), None)
+        if req is None or req.status is not Status.DECODE or req.finish_reason is not None:
+            raise ValueError(f"export_prefilled: request {request_id!r} is not running with its prefill done")
+        handoff = {"request_id": req.id, "prompt_ids": req.prompt_ids, "output_ids": list(req.output_ids),
+                   "params": req.params, "text": req.text,
+                   "rng": None if req.generator is None else req.generator.get_state(),
+                   "cache": self.cache.export_request(req.id)}
+        self._finish(req, "exported")
+        return handoff
+
+    def import_prefilled(self, handoff: dict) -> Request:
+        """Continue a request prefilled by another engine (same target, drafter and layout)."""
+        req = Request(handoff["prompt_ids"], handoff["params"], handoff["request_id"])
+        req.output_ids, req.text = list(handoff["output_ids"]), handoff["text"]
+        if handoff["rng"] is not None:
+            req.generator.set_state(handoff["rng"])
+        need = self._blocks_for(req)
+        if sum(self.reserved.values()) + need > self.cache.pool.num_blocks or len(self.running) >= self.max_batch_size:
+            raise OutOfBlocks(need, self.cache.pool.num_free)
+        self.cache.import_request(req.id, handoff["cache"])
+        req.num_computed = handoff["cache"]["num_tokens"]
+        req.status = Status.DECODE
+        self.reserved[req.id] = need
+        self.running.append(req)
+        return req
 
     # ------------------------------------------------------------------ convenience
     def generate(self, prompts: Iterable[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

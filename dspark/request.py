@@ -64,7 +64,6 @@ class Request:
         self.output_ids: list[int] = []
         self.status = Status.WAITING
         self.num_computed = 0  # tokens in the target cache
-        self.pending_aux: torch.Tensor | None = None  # aux features not yet in the drafter context
         self.num_steps = 0
         self.accepted_per_step: list[int] = []
         self.num_drafts_per_step: list[int] = []

@@ -1,8 +1,8 @@
 """Drafting at inference: the drafter's context cache, the parallel block pass, and sequential Markov sampling.
 
-Per request the drafter keeps the K/V rows of its context (one row per target position whose aux features it has
-seen) in its own paged cache. A draft step: append the rows of the newly committed target positions, run the block
-[anchor, mask x (N-1)] at positions p0.. (p0 = target cache length) against them, then sample left to right:
+Per request the drafter keeps the K/V rows of its context (one row per target position) in the target's paged cache,
+written right after each target forward from its aux features. A draft step runs the block
+[anchor, mask x (N-1)] at positions p0.. (p0 = target cache length) against them, then samples left to right:
 logits_j = U_j + markov(prev), prev_0 = anchor, prev_j = draft_{j-1}.
 """
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Hashable, Sequence
 
 import torch
 
-from dspark.cache.paged import PagedCache
 from dspark.models.drafter import DSparkDrafter
 from dspark.spec.verify import process_logits
 
@@ -54,42 +53,41 @@ def sample_markov(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor
 
 
 class DraftRunner:
-    """The drafter's side of the engine: its context cache and one draft step for a batch of requests."""
+    """The drafter's side of the engine. Its context K/V rows live in the target's paged cache as extra attention
+    layers (ids offset past the target's), so they share block tables, prefix caching and export/import."""
 
-    def __init__(self, drafter: DSparkDrafter, num_blocks: int, block_size: int = 16, max_requests: int = 64):
+    def __init__(self, drafter: DSparkDrafter, layer_offset: int):
         self.drafter = drafter
         cfg = drafter.config
-        row = 2 * cfg.num_key_value_heads * cfg.head_dim
-        p = next(drafter.parameters())
-        self.cache = PagedCache({i: row for i in range(cfg.num_hidden_layers)}, {}, num_blocks, block_size,
-                                max_requests, dtype=p.dtype, device=p.device)
+        self.layers = [layer_offset + i for i in range(cfg.num_hidden_layers)]
+        self.row_width = 2 * cfg.num_key_value_heads * cfg.head_dim
 
-    def add_request(self, rid: Hashable) -> None:
-        self.cache.add_request(rid)
+    def cache_layout(self) -> dict[int, int]:
+        return {layer: self.row_width for layer in self.layers}
 
-    def free_request(self, rid: Hashable) -> None:
-        self.cache.free_request(rid)
+    def write_context(self, batch, aux: torch.Tensor) -> None:
+        """After a target forward over `batch`: the context rows of its positions (aux [B, T, n*Ht]). Rows of
+        tokens that are later rejected are overwritten by the next forward, exactly like the target's KV."""
+        d = self.drafter
+        rows = d.context_rows(d.context(aux), batch.positions(aux.shape[1]).to(aux.device))
+        for layer, r in zip(self.layers, rows):
+            batch.cache.attn_append(layer, r)
 
     @torch.no_grad()
-    def propose(self, rids: Sequence[Hashable], new_aux: list[torch.Tensor], anchors: torch.Tensor,
-                temperature: torch.Tensor, sample: bool = False, top_k: int = 0, generators=None) -> Proposal:
-        """new_aux[b]: [n_b, n*Ht] aux features of request b's positions not yet in its context;
-        anchors [B]: the last committed token (position p0 = context length after the append)."""
+    def propose(self, cache, rids: Sequence[Hashable], anchors: torch.Tensor, temperature: torch.Tensor,
+                sample: bool = False, top_k: int = 0, generators=None) -> Proposal:
+        """anchors [B]: each request's last committed token, at position p0 = its cache length."""
         d = self.drafter
         B, N = len(rids), d.config.block_size
-        n_new = torch.tensor([a.shape[0] for a in new_aux])
-        T = max(1, int(n_new.max()))
-        aux = torch.zeros(B, T, new_aux[0].shape[-1], dtype=new_aux[0].dtype, device=anchors.device)
-        for b, a in enumerate(new_aux):
-            aux[b, : a.shape[0]] = a
-        fb = self.cache.batch(rids, n_new)
-        pos = fb.positions(T)
-        ctx_rows = [fb.cache.attn_append(i, rows) for i, rows in enumerate(d.context_rows(d.context(aux), pos))]
-        self.cache.commit()
-        ctx_len = fb.num_cached + fb.num_new  # [B] = p0
+        fb = cache.batch(rids, 0)  # a read-only view: no new tokens
+        empty = torch.zeros(B, 0, self.row_width, dtype=d.fc.weight.dtype, device=anchors.device)
+        ctx_rows = [fb.cache.attn_append(layer, empty) for layer in self.layers]
+        cache.commit()
+        ctx_len = fb.num_cached.to(anchors.device)  # [B] = p0
         L = ctx_rows[0].shape[1]
-        mask = torch.cat([(torch.arange(L)[None] < ctx_len[:, None])[:, None, :].expand(B, N, L),
-                          torch.ones(B, N, N, dtype=torch.bool)], dim=-1)[:, None].to(anchors.device)
-        q_pos = ctx_len[:, None].to(anchors.device) + torch.arange(N, device=anchors.device)
+        dev = anchors.device
+        mask = torch.cat([(torch.arange(L, device=dev)[None] < ctx_len[:, None])[:, None, :].expand(B, N, L),
+                          torch.ones(B, N, N, dtype=torch.bool, device=dev)], dim=-1)[:, None]
+        q_pos = ctx_len[:, None] + torch.arange(N, device=dev)
         h = d.backbone(d.block_tokens(anchors), q_pos, ctx_rows, mask)[:, d.draft_slots()]
         return sample_markov(d, h, anchors, temperature, sample, top_k, generators)
