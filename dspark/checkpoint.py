@@ -231,3 +231,31 @@ def load_drafter(path: str | Path, target, device=None, dtype=None):
     drafter.set_target_weights(emb, head)
     p = next(target.parameters())
     return drafter.to(device=device or p.device, dtype=dtype or p.dtype).eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m dspark.checkpoint check DRAFTER --target TARGET"""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m dspark.checkpoint", description=main.__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    chk = sub.add_parser("check", help="validate a drafter against its target (vocab, hidden, layer ids, mask, shapes)")
+    chk.add_argument("drafter")
+    chk.add_argument("--target", required=True)
+    args = ap.parse_args(argv)
+    try:
+        target = load_target(args.target)
+        drafter = load_drafter(args.drafter, target)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    c = drafter.config
+    print(f"ok: {c.mode} drafter, block {c.block_size} ({c.num_drafts} drafts), {c.num_hidden_layers} layers, "
+          f"target_layer_ids {c.target_layer_ids} of {target.config.num_hidden_layers}, mask {c.mask_token_id}, "
+          f"markov_rank {c.markov_rank}, confidence head {c.enable_confidence_head}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,75 @@
+"""`python -m serve`: an OpenAI-compatible server over dspark.Engine (app.py, runner.py), or the equivalent vLLM
+command (vllm.py).
+
+    from serve import load_server, ServerThread
+    app = load_server("runs/qwen3-tiny/final", "runs/dspark-tiny/final", max_concurrent=64)
+    with ServerThread(app, port=0) as srv:       # uvicorn in a background thread; srv.url
+        ...
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from pathlib import Path
+
+from serve.app import ServerConfig, create_app
+from serve.runner import EngineRunner
+
+
+def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *, num_speculative_tokens=None,
+                max_batch_size: int = 32, max_model_len: int | None = None, adaptive_verification: bool = False,
+                draft_top_k: int = 0, served_model_name: str | None = None, max_concurrent: int = 64,
+                device: str = "cpu", dtype: str = "float32"):
+    """Load the models, start the engine thread and return the FastAPI app (app.state.runner holds the thread)."""
+    from dspark.checkpoint import load_drafter, load_target
+    from dspark.engine import Engine
+
+    target = load_target(target_dir, device=device, dtype=dtype)
+    drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
+    engine = Engine(target, drafter, num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
+                    max_model_len=max_model_len, adaptive_verification=adaptive_verification,
+                    draft_top_k=draft_top_k)
+    runner = EngineRunner(engine).start()
+    name = served_model_name or Path(target_dir).resolve().name
+    return create_app(runner, ServerConfig(name, max_concurrent=max_concurrent, root=str(target_dir)))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """uvicorn serving `app` on host:port from a daemon thread; stops the server and the engine thread on exit."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout: float = 30.0):
+        import uvicorn
+
+        self.app, self.host, self.port = app, host, port or free_port(host)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
+                                                    lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
+        self.timeout = timeout
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        t0 = time.time()
+        while not self.server.started:
+            if not self.thread.is_alive() or time.time() - t0 > self.timeout:
+                raise RuntimeError(f"server on {self.url} did not start within {self.timeout:.0f} s")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.timeout)
+        self.app.state.runner.stop()
+
+
+__all__ = ["load_server", "ServerThread", "ServerConfig", "EngineRunner", "create_app", "free_port"]

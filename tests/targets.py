@@ -10,7 +10,14 @@ def _qwen3(vocab):
     return Qwen3ForCausalLM(cfg)
 
 
-TARGETS = {"qwen3": _qwen3}
+def _k3(vocab):
+    from dspark.models.k3.config import k3_tiny_config
+    from dspark.models.k3.model import K3ForCausalLM
+
+    return K3ForCausalLM(k3_tiny_config(vocab_size=vocab, max_position_embeddings=512))
+
+
+TARGETS = {"qwen3": _qwen3, "k3": _k3}
 
 
 def make_target(kind: str, vocab: int = 300, seed: int = 0):

@@ -20,7 +20,7 @@ def make_drafter(target, block_size=4, markov_rank=8, mode="dspark", seed=1):
                         target_layer_ids=[0, c.num_hidden_layers - 1], num_target_layers=c.num_hidden_layers,
                         mask_token_id=1, block_size=block_size, num_hidden_layers=1, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, intermediate_size=96, mode=mode,
-                        markov_rank=markov_rank if mode == "dspark" else 0)
+                        markov_rank=markov_rank if mode == "dspark" else 0, enable_confidence_head=mode == "dspark")
     return DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight).eval()
 
 
@@ -120,8 +120,8 @@ def test_dflash_mode_is_lossless_too(target, prompts, refs):
 def test_prefix_cache_on_equals_off_with_eviction_and_no_leak(target, policy):
     g = torch.Generator().manual_seed(3)
     systems = [torch.randint(2, V, (40,), generator=g).tolist() for _ in range(2)]
-    prompts = [systems[i % 2] + torch.randint(2, V, (n,), generator=g).tolist()
-               for i, n in enumerate((5, 9, 3, 12, 7, 5, 8, 4))]
+    prompts = [systems[s] + torch.randint(2, V, (n,), generator=g).tolist()
+               for s, n in zip((0, 0, 0, 1, 1, 1, 0, 0), (5, 9, 3, 12, 7, 5, 8, 4))]
     prompts.append(list(prompts[0]))  # an exact repeat
     params = SamplingParams(max_tokens=10)
     drafter = make_drafter(target)

@@ -49,7 +49,8 @@ def drafter_config(recipe: DrafterRecipe, target, tokenizer) -> DrafterConfig:
         intermediate_size=m.intermediate_size or tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
         rope_theta=getattr(target, "rope_theta", 10000.0), max_position_embeddings=tc.max_position_embeddings,
         mode=m.mode, markov_rank=0 if m.mode == "dflash" else m.markov_rank,
-        enable_confidence_head=m.enable_confidence_head, confidence_head_with_markov=m.confidence_head_with_markov)
+        enable_confidence_head=m.enable_confidence_head and m.mode == "dspark",
+        confidence_head_with_markov=m.confidence_head_with_markov)
 
 
 def sample_anchors(loss_mask: torch.Tensor, num: int, drafts: int, generator: torch.Generator) -> torch.Tensor:

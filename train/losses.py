@@ -35,17 +35,17 @@ def drafter_loss(drafter, h: torch.Tensor, anchor_tokens: torch.Tensor, labels: 
     denom = wgt.sum().clamp(min=1.0)
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0), reduction="none").view(B, A, D)
     loss = w.ce * (ce * wgt).sum() / denom
-    metrics = {"ce": float((ce * wgt).sum() / denom)}
+    metrics = {"ce": float((ce.detach() * wgt).sum() / denom)}
     if w.distill and target_logits is not None:
         tv = 0.5 * (logits.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)  # [B, A, D]
         loss = loss + w.distill * (tv * wgt).sum() / denom
-        metrics["tv"] = float((tv * wgt).sum() / denom)
+        metrics["tv"] = float((tv.detach() * wgt).sum() / denom)
     correct = (logits.argmax(-1) == labels) & valid  # [B, A, D]
     conf = drafter.confidence(h.detach(), None if m is None else m.detach())
     if conf is not None and w.confidence:
         bce = F.binary_cross_entropy_with_logits(conf, correct.float(), reduction="none")
         loss = loss + w.confidence * (bce * valid).sum() / valid.sum().clamp(min=1)
-        metrics["conf_bce"] = float((bce * valid).sum() / valid.sum().clamp(min=1))
+        metrics["conf_bce"] = float((bce.detach() * valid).sum() / valid.sum().clamp(min=1))
     accepted = correct.long().cumprod(-1).sum(-1).float()  # [B, A]
     metrics["tau"] = float(1 + accepted.mean())
     metrics.update({f"acc{d}": float(correct[..., d].sum() / valid[..., d].sum().clamp(min=1)) for d in range(D)})

@@ -58,8 +58,9 @@ class DrafterConfig:
     def validate(self) -> None:
         if self.mode not in ("dspark", "dflash"):
             raise ValueError(f"mode: expected 'dspark' or 'dflash', got {self.mode!r}")
-        if self.mode == "dflash" and self.markov_rank:
-            raise ValueError("markov_rank: the dflash layout has no Markov head; set markov_rank=0")
+        if self.mode == "dflash" and (self.markov_rank or self.enable_confidence_head):
+            raise ValueError("mode: the dflash layout has no Markov or confidence head; set markov_rank=0 and "
+                             "enable_confidence_head=false")
         if self.block_size < (1 if self.mode == "dspark" else 2):
             raise ValueError(f"block_size: too small for mode {self.mode!r}: {self.block_size}")
         if not self.target_layer_ids:

@@ -1,0 +1,82 @@
+"""Block Attention Residuals (contract §1.5, k3-architecture.md §2).
+
+The residual stream is replaced by a per-token softmax over depth: sources are the sealed blocks
+(blocks[0] = embedding, blocks[k] = sum of the sublayer outputs of layers (k-1)B .. kB-1) plus the live `prefix`
+(partial sum of the current block). Each read site has an RMSNorm gain and a pseudo-query (`*_res_proj.weight`
+[1, d], zero-initialised, so training starts from a uniform average):
+    l_j = < RMSNorm(v_j; w_norm), q >  (no 1/sqrt(d)),   alpha = softmax_j(l) in fp32,   mix = sum_j alpha_j v_j (raw v)
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dspark.models.layers import RMSNorm
+
+
+def attn_res(sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear) -> torch.Tensor:
+    """sources: n+1 tensors [B, T, d] (completed blocks then the live prefix) -> mix [B, T, d] in the sources' dtype."""
+    if len(sources) == 1:
+        return sources[0]
+    v = torch.stack(sources, 0).float()  # [n+1, B, T, d]
+    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + res_norm.eps) * res_norm.weight.float()
+    logits = normed @ res_proj.weight.float().squeeze(0)  # [n+1, B, T]
+    alpha = torch.softmax(logits, dim=0)
+    return (alpha[..., None] * v).sum(0).to(sources[-1].dtype)
+
+
+def attn_res_naive(sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear) -> torch.Tensor:
+    """Token-by-token definition, for tests: same result as attn_res."""
+    B, T, d = sources[0].shape
+    out = torch.empty(B, T, d)
+    q = res_proj.weight.float()[0]
+    for b in range(B):
+        for t in range(T):
+            vs = [s[b, t].float() for s in sources]
+            ls = torch.stack([(res_norm(v[None])[0].float() * q).sum() for v in vs])
+            a = torch.softmax(ls, 0)
+            out[b, t] = sum(a_j * v for a_j, v in zip(a, vs))
+    return out
+
+
+class AttnResStream:
+    """Bookkeeping of one forward: `blocks` (sealed snapshots, list of [B,T,d]) and `prefix` [B,T,d].
+
+    Per layer i (0-based), B = block_size, write = (i % B == 0), nprev = ceil(i / B):
+      pre_attention(i, mlp_out_{i-1}):  prefix += delta; if write: blocks.append(prefix);
+                                        sources = blocks[:nprev] + [prefix]
+      post_attention(i, attn_out):      prefix = attn_out if write else prefix + attn_out;
+                                        sources = blocks[:nprev + write] + [prefix]
+      finish(mlp_out_{L-1}):            prefix += delta; sources = blocks[:nB] + [prefix]
+    """
+
+    def __init__(self, embedding: torch.Tensor, block_size: int, num_layers: int):
+        self.block_size, self.num_layers = block_size, num_layers
+        self.blocks: list[torch.Tensor] = []
+        self.prefix = embedding
+
+    def _nprev(self, i: int) -> int:
+        return math.ceil(i / self.block_size)
+
+    def pre_attention(self, i: int, delta: torch.Tensor | None) -> list[torch.Tensor]:
+        if delta is not None:
+            self.prefix = self.prefix + delta
+        if i % self.block_size == 0:
+            self.blocks.append(self.prefix)  # seal: blocks[i // B]
+        return self.blocks[: self._nprev(i)] + [self.prefix]
+
+    def post_attention(self, i: int, attn_out: torch.Tensor) -> list[torch.Tensor]:
+        write = i % self.block_size == 0
+        self.prefix = attn_out if write else self.prefix + attn_out
+        return self.blocks[: self._nprev(i) + int(write)] + [self.prefix]
+
+    def aux_after_layer(self, mlp_out: torch.Tensor) -> torch.Tensor:
+        """vLLM's default aux hidden state after layer i: prefix + mlp_out_i (the partial current-block sum)."""
+        return self.prefix + mlp_out
+
+    def finish(self, delta: torch.Tensor) -> list[torch.Tensor]:
+        self.prefix = self.prefix + delta
+        nB = math.ceil(self.num_layers / self.block_size)
+        return self.blocks[:nB] + [self.prefix]

@@ -1,0 +1,206 @@
+"""Kimi Delta Attention (KDA): the gated delta rule with per-channel decay (k3-architecture.md §1, contract §1.3).
+
+Shapes: B batch, T tokens, H heads, K = V = D head dim, P = H*D, W conv width.
+State layout inside this module: S [B, H, K, V] fp32 (fla's `state_v_first=True` is [.., V, K]; transposed at the
+boundary). Per token (g = log decay, [K]):   S <- S * exp(g)[:, None];  u = v - S^T k;  S <- S + beta k u^T;
+o = S^T (q * scale).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.layers import RMSNorm
+
+try:  # GPU fast path; never used on CPU
+    from fla.ops.kda import chunk_kda as _fla_chunk_kda, fused_recurrent_kda as _fla_fused_recurrent_kda
+except Exception:  # noqa: BLE001 - fla missing or broken: the torch reference is the path
+    _fla_chunk_kda = _fla_fused_recurrent_kda = None
+
+RECURRENT_MAX_T = 16  # new-token counts up to this run the token loop (decode / verify)
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Log-space per-channel decay. f: [B, T, H, D] raw f_b_proj output; A_log [H]; dt_bias [H*D] -> g [B,T,H,D] fp32.
+    softplus form: g = -exp(A_log) * softplus(f + dt_bias);  safe gate: g = lb * sigmoid(exp(A_log) * (f + dt_bias))."""
+    H, D = f.shape[-2:]
+    z = f.float() + dt_bias.float().view(H, D)
+    a = A_log.float().exp().view(H, 1)
+    if lower_bound is None:
+        return -a * F.softplus(z)  # threshold 20 as torch's default
+    return lower_bound * torch.sigmoid(a * z)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the delta rule: naive token loop (the definition) and the chunkwise WY/UT form (fast pure torch)
+# ---------------------------------------------------------------------------------------------------------------
+def kda_recurrent(q, k, v, g, beta, initial_state=None, return_all_states: bool = False, scale: float | None = None):
+    """q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (post-sigmoid); initial_state [B, H, K, V] or None.
+    -> (o [B, T, H, V] in v.dtype, S_final [B, H, K, V] fp32, or all states [B, T, H, K, V] if return_all_states)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
+    outs, states = [], []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]  # decay along K
+        u = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])  # prediction error on the decayed state
+        S = S + beta[:, t, :, None, None] * k[:, t, :, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))
+        if return_all_states:
+            states.append(S)
+    o = torch.stack(outs, 1) if T else v.new_zeros(B, 0, H, V).float()
+    if return_all_states:
+        return o, (torch.stack(states, 1) if T else S.new_zeros(B, 0, H, K, V))
+    return o, S
+
+
+def kda_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, scale: float | None = None):
+    """Same contract as kda_recurrent (final state only). WY/UT chunkwise form, fp32, T padded to the chunk size:
+    per chunk with G = in-chunk cumsum of g (log Gamma) and state S at the chunk start,
+      A_kk[i,j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)  (j < i),   A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd) (j <= i)
+      W = (I + A_kk)^-1 diag(beta) (Gamma*K),   U = (I + A_kk)^-1 diag(beta) V,   U' = U - W S
+      O = (Gamma*Q) S + A_qk U',   S <- exp(G_C) * S + (exp(G_C - G) * K)^T U'.
+    Pairwise exp(G_i - G_j) with j <= i is <= 1, so nothing overflows (no 1/Gamma)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    scale = K ** -0.5 if scale is None else scale
+    pad = (-T) % C
+    # [B, H, N, C, *] fp32; padding has k = q = v = 0, g = 0, beta = 0: it leaves S unchanged
+    def prep(x):
+        x = x.float()
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+        return x.transpose(1, 2).reshape(B, H, -1, C, *x.shape[3:])
+    q, k, v, g, beta = prep(q) * scale, prep(k), prep(v), prep(g), prep(beta)
+    N = q.shape[2]
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
+    idx = torch.arange(C, device=q.device)
+    incl = idx[:, None] >= idx[None, :]  # [C(i), C(j)] j <= i
+    strict = idx[:, None] > idx[None, :]
+    eye = torch.eye(C, device=q.device)
+    outs = []
+    for n in range(N):
+        qn, kn, vn, gn, bn = q[:, :, n], k[:, :, n], v[:, :, n], g[:, :, n], beta[:, :, n]  # [B,H,C,*]
+        G = gn.cumsum(-2)  # [B,H,C,K]
+        diff = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~incl[..., None], float("-inf"))
+        k_decayed = kn[:, :, None, :, :] * diff.exp()  # [B,H,C(i),C(j),K]: k_j * exp(G_i - G_j)
+        A_kk = torch.einsum("bhik,bhijk->bhij", kn, k_decayed) * bn[..., None] * strict
+        A_qk = torch.einsum("bhik,bhijk->bhij", qn, k_decayed) * incl
+        L = eye + A_kk  # unit lower triangular
+        kg = kn * G.exp()  # Gamma * K
+        W = torch.linalg.solve_triangular(L, bn[..., None] * kg, upper=False, unitriangular=True)
+        U = torch.linalg.solve_triangular(L, bn[..., None] * vn, upper=False, unitriangular=True)
+        U = U - W @ S  # [B,H,C,V]
+        outs.append((qn * G.exp()) @ S + A_qk @ U)
+        G_last = G[:, :, -1:, :]  # [B,H,1,K]
+        S = G_last.transpose(-1, -2).exp() * S + (kn * (G_last - G).exp()).transpose(-1, -2) @ U
+    o = torch.stack(outs, 2).reshape(B, H, N * C, V)[:, :, :T].transpose(1, 2)
+    return o, S
+
+
+def fla_available(x: torch.Tensor) -> bool:
+    return x.is_cuda and _fla_chunk_kda is not None
+
+
+def kda_fla(q, k, v, g, beta, initial_state=None, decode: bool = False):
+    """fla kernels with pre-activated g / beta and L2-normalised q, k (so padded positions can carry g = beta = 0).
+    initial_state [B,H,K,V] fp32 -> fla's V-first [B,H,V,K]; returns (o, S_final [B,H,K,V] fp32)."""
+    init = None if initial_state is None else initial_state.float().transpose(-1, -2).contiguous()
+    fn = _fla_fused_recurrent_kda if decode else _fla_chunk_kda
+    o, S = fn(q, k, v, g, beta, initial_state=init, output_final_state=True, state_v_first=True)
+    return o, S.float().transpose(-1, -2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the layer
+# ---------------------------------------------------------------------------------------------------------------
+class KimiDeltaAttention(nn.Module):
+    """K3 KDA layer (`self_attn.` of a KDA layer). Checkpoint names as in contract §1.7."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4,
+                 gate_lower_bound: float | None = None, use_full_rank_gate: bool = True, layer_idx: int = 0):
+        super().__init__()
+        H, D, P = num_heads, head_dim, num_heads * head_dim
+        self.num_heads, self.head_dim, self.conv_size, self.layer_idx = H, D, conv_size, layer_idx
+        self.gate_lower_bound = gate_lower_bound
+        self.use_full_rank_gate = use_full_rank_gate
+        self.q_proj = nn.Linear(hidden_size, P, bias=False)
+        self.k_proj = nn.Linear(hidden_size, P, bias=False)
+        self.v_proj = nn.Linear(hidden_size, P, bias=False)
+        if use_full_rank_gate:  # K3: full-rank output gate
+            self.g_proj = nn.Linear(hidden_size, P, bias=False)
+        else:  # Kimi Linear: low-rank output gate (fla puts a bias on the up projection)
+            self.g_a_proj = nn.Linear(hidden_size, D, bias=False)
+            self.g_b_proj = nn.Linear(D, P, bias=True)
+        self.f_a_proj = nn.Linear(hidden_size, D, bias=False)
+        self.f_b_proj = nn.Linear(D, P, bias=False)
+        self.b_proj = nn.Linear(hidden_size, H, bias=False)
+        # depthwise causal convs, weight [P, 1, W]
+        self.q_conv1d = nn.Conv1d(P, P, conv_size, groups=P, bias=False)
+        self.k_conv1d = nn.Conv1d(P, P, conv_size, groups=P, bias=False)
+        self.v_conv1d = nn.Conv1d(P, P, conv_size, groups=P, bias=False)
+        self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)) if gate_lower_bound is None
+                                  else torch.zeros(H))
+        dt = torch.exp(torch.empty(P).uniform_(0, 1) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3)))
+                       + torch.log(torch.tensor(1e-3))).clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.o_norm = RMSNorm(D, eps=1e-5)
+        self.o_proj = nn.Linear(P, hidden_size, bias=False)
+
+    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        return self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
+
+    def short_conv(self, window: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """window [B, W-1, 3P] previous raw inputs, raw [B, T, 3P] -> (SiLU(conv) [B, T, 3P], ext [B, W-1+T, 3P])."""
+        ext = torch.cat([window.to(raw.dtype), raw], 1)
+        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)  # [3P,1,W]
+        out = F.conv1d(ext.transpose(1, 2), weight.to(raw.dtype), groups=weight.shape[0])  # [B,3P,T]
+        return F.silu(out.transpose(1, 2)), ext
+
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]. With a ForwardBatch, state and conv window go through batch.cache."""
+        B, T, _ = x.shape
+        H, D, W = self.num_heads, self.head_dim, self.conv_size
+        cache = batch.cache if batch is not None else None
+        valid = batch.valid(T) if batch is not None else None  # [B,T] bool
+        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [B,T,3P] raw conv inputs
+        if valid is not None:
+            raw = raw * valid[..., None].to(raw.dtype)
+        S0, window = cache.kda_read(self.layer_idx) if cache is not None else (None, None)
+        if window is None:
+            window = raw.new_zeros(B, W - 1, raw.shape[-1])
+        qkv, ext = self.short_conv(window, raw)
+        q, k, v = (t.reshape(B, T, H, D) for t in qkv.chunk(3, -1))
+        q, k = l2norm(q.float()), l2norm(k.float())
+        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D), self.A_log, self.dt_bias, self.gate_lower_bound)
+        beta = torch.sigmoid(self.b_proj(x).float())  # [B,T,H]
+        if valid is not None:  # padding must leave the state untouched
+            g = g * valid[..., None, None]
+            beta = beta * valid[..., None]
+        record = cache is not None and batch.record
+        if record:
+            o, S = kda_recurrent(q, k, v, g, beta, S0, return_all_states=True)  # S: [B,T,H,K,V]
+        elif fla_available(x):
+            o, S = kda_fla(q.to(x.dtype), k.to(x.dtype), v, g, beta.to(x.dtype), S0, decode=T <= RECURRENT_MAX_T)
+        elif T <= RECURRENT_MAX_T:
+            o, S = kda_recurrent(q, k, v, g, beta, S0)
+        else:
+            o, S = kda_chunked(q, k, v, g, beta, S0)
+        if cache is not None:
+            if record:
+                cache.kda_write(self.layer_idx, S, ext)
+            else:  # last W-1 raw inputs of each row's valid tokens
+                n = batch.num_new.to(x.device)
+                cols = n[:, None] + torch.arange(W - 1, device=x.device)[None]  # [B, W-1]
+                cache.kda_write(self.layer_idx, S, ext.gather(1, cols[..., None].expand(-1, -1, ext.shape[-1])))
+        gate = self.output_gate(x).view(B, T, H, D)
+        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(B, T, H * D))

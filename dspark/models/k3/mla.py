@@ -1,0 +1,99 @@
+"""Multi-head Latent Attention (k3-architecture.md §5, contract §1.4).
+
+The K3 target uses NoPE MLA (no rotary at all; k_pe is still computed, cached and used unrotated) with a sigmoid
+output gate. The DSpark drafter reuses this module with interleaved RoPE (`rope_theta`) and its own masks through
+the pieces `queries`, `latent_rows`, `attend`, `output`.
+
+Per token cache row = [c_kv normed (kv_lora) | k_pe (rope)], one "head"; attention expands the latent rows through
+kv_b_proj (no weight absorption: readable reference).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.layers import RMSNorm, apply_rope_interleaved, rope_cos_sin
+
+
+class MLAttention(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
+                 qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rms_norm_eps: float = 1e-6,
+                 use_output_gate: bool = False, rope_theta: float | None = None, causal: bool = True,
+                 layer_idx: int = 0):
+        super().__init__()
+        self.num_heads, self.kv_lora_rank, self.layer_idx = num_heads, kv_lora_rank, layer_idx
+        self.nope, self.rope, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.rope_theta, self.causal, self.use_output_gate = rope_theta, causal, use_output_gate
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        qk_head = qk_nope_head_dim + qk_rope_head_dim
+        self.q_lora_rank = q_lora_rank
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden_size, num_heads * qk_head, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, eps=rms_norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=rms_norm_eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
+        if use_output_gate:
+            self.g_proj = nn.Linear(hidden_size, num_heads * v_head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=False)
+
+    # ---- pieces ---------------------------------------------------------------------------------------------
+    def _rotate(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """x [B, h, T, rope]; interleaved-pair RoPE when rope_theta is set, identity (NoPE) otherwise."""
+        if self.rope_theta is None or self.rope == 0:
+            return x
+        if positions is None:
+            positions = torch.arange(x.shape[2], device=x.device)
+        cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta, dtype=x.dtype)
+        return apply_rope_interleaved(x, cos, sin)
+
+    def queries(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, hidden] -> q [B, H, T, nope+rope] (rope part rotated if RoPE is on)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(B, T, self.num_heads, self.nope + self.rope).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope, self.rope], -1)
+        return torch.cat([q_nope, self._rotate(q_pe, positions)], -1)
+
+    def latent_rows(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, hidden] -> cache rows [B, T, kv_lora + rope] = [RMSNorm(c_kv) | k_pe (rotated if RoPE)]."""
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
+        k_pe = self._rotate(k_pe[:, None], positions)[:, 0]
+        return torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
+
+    def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None = None,
+               is_causal: bool = False) -> torch.Tensor:
+        """q [B, H, T, nope+rope], rows [B, L, kv_lora+rope], mask [B, 1, T, L] bool (True = may attend)
+        -> [B, T, H*v]."""
+        B, L, _ = rows.shape
+        c_kv, k_pe = rows.split([self.kv_lora_rank, self.rope], -1)
+        kv = self.kv_b_proj(c_kv).view(B, L, self.num_heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], -1)  # [B,H,L,nope], [B,H,L,v]
+        k = torch.cat([k_nope, k_pe[:, None].expand(-1, self.num_heads, -1, -1)], -1)  # k_pe shared by heads
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
+                                           scale=self.scale)
+        return o.transpose(1, 2).reshape(B, q.shape[2], self.num_heads * self.v_dim)
+
+    def output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.use_output_gate:
+            attn = attn * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(attn)
+
+    # ---- target path ----------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
+        """x [B, T, hidden] -> [B, T, hidden]. batch None: full sequence (causal unless self.causal is False);
+        with a ForwardBatch the latent rows go through batch.cache.attn_append and masks come from the batch."""
+        B, T, _ = x.shape
+        if batch is None:
+            q, rows = self.queries(x), self.latent_rows(x)
+            return self.output(self.attend(q, rows, is_causal=self.causal), x)
+        positions = batch.positions(T).to(x.device)
+        q, rows = self.queries(x, positions), self.latent_rows(x, positions)
+        if batch.cache is not None:
+            rows = batch.cache.attn_append(self.layer_idx, rows).to(x.dtype)  # [B, L, C]
+        mask = batch.key_mask(T, rows.shape[1]).to(x.device)
+        return self.output(self.attend(q, rows, mask), x)

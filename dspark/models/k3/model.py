@@ -1,0 +1,252 @@
+"""K3ForCausalLM: the Kimi K3 / Kimi Linear text model (KDA + NoPE MLA, AttnRes, LatentMoE/MXFP4) in plain torch.
+
+forward(input_ids [B, T], batch=None, aux_layer_ids=None) -> logits [B, T, V], or (logits, aux [B, T, n*hidden]).
+Checkpoints use the exact HF names (contract §1.7); a kimi_k3-wrapped config puts them under `language_model.`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from dspark.models.layers import GatedMLP, RMSNorm
+
+from .attn_res import AttnResStream, attn_res
+from .config import K3TextConfig
+from .kda import KimiDeltaAttention
+from .mla import MLAttention
+from .moe import LatentMoE
+from .mxfp4 import convert_to_mxfp4
+
+K3_PREFIX = "language_model."
+IGNORED_PREFIXES = ("vision_tower.", "mm_projector.")  # multimodal parts of a kimi_k3 checkpoint
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, config: K3TextConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.is_kda = c.is_kda_layer(layer_idx)
+        if self.is_kda:
+            lac = c.linear_attn_config
+            self.self_attn = KimiDeltaAttention(
+                c.hidden_size, lac["num_heads"], lac["head_dim"], lac["short_conv_kernel_size"],
+                lac.get("gate_lower_bound"), lac.get("use_full_rank_gate", True), layer_idx)
+        else:
+            self.self_attn = MLAttention(
+                c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank, c.qk_nope_head_dim,
+                c.qk_rope_head_dim, c.v_head_dim, c.rms_norm_eps, c.mla_use_output_gate, layer_idx=layer_idx)
+        act = (c.hidden_act, c.activation_situ_beta, c.activation_situ_linear_beta)
+        if c.is_moe_layer(layer_idx):
+            self.block_sparse_moe = LatentMoE(c)
+        else:
+            self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, *act)
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.attn_res = c.attn_res_block_size is not None
+        if self.attn_res:
+            self.self_attention_res_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+            self.self_attention_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+            self.mlp_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
+            nn.init.zeros_(self.self_attention_res_proj.weight)
+            nn.init.zeros_(self.mlp_res_proj.weight)
+
+    def ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block_sparse_moe(x) if hasattr(self, "block_sparse_moe") else self.mlp(x)
+
+
+class K3Model(nn.Module):
+    def __init__(self, config: K3TextConfig):
+        super().__init__()
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(K3DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        if c.attn_res_block_size is not None:
+            self.output_attn_res_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+            self.output_attn_res_proj = nn.Linear(c.hidden_size, 1, bias=False)
+            nn.init.zeros_(self.output_attn_res_proj.weight)
+
+
+class K3ForCausalLM(nn.Module):
+    def __init__(self, config: K3TextConfig):
+        super().__init__()
+        self.config = config
+        self.model = K3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if config.is_mxfp4:
+            convert_to_mxfp4(self, quantize=False)
+
+    # ---- forward --------------------------------------------------------------------------------------------
+    def _check_aux_ids(self, aux_layer_ids) -> list[int]:
+        L = self.config.num_hidden_layers
+        ids = sorted(int(i) for i in aux_layer_ids)
+        for i in ids:
+            if not 0 <= i < L:
+                raise ValueError(f"aux_layer_ids: {i} is out of range; valid ids are 0..{L - 1} "
+                                 "(0-based, 'after layer i')")
+        return ids
+
+    def hidden_states(self, input_ids: torch.Tensor, batch=None, aux_layer_ids=None):
+        """-> (pre-norm final hidden [B, T, d], {layer id: aux hidden [B, T, d]})."""
+        ids = set(self._check_aux_ids(aux_layer_ids)) if aux_layer_ids is not None else set()
+        m, c = self.model, self.config
+        h = m.embed_tokens(input_ids)
+        aux: dict[int, torch.Tensor] = {}
+        if c.attn_res_block_size is not None:
+            stream = AttnResStream(h, c.attn_res_block_size, c.num_hidden_layers)
+            mlp_out = None
+            for i, layer in enumerate(m.layers):
+                x = attn_res(stream.pre_attention(i, mlp_out), layer.self_attention_res_norm,
+                             layer.self_attention_res_proj)
+                attn_out = layer.self_attn(layer.input_layernorm(x), batch)
+                x = attn_res(stream.post_attention(i, attn_out), layer.mlp_res_norm, layer.mlp_res_proj)
+                mlp_out = layer.ffn(layer.post_attention_layernorm(x))
+                if i in ids:
+                    aux[i] = stream.aux_after_layer(mlp_out)
+            h = attn_res(stream.finish(mlp_out), m.output_attn_res_norm, m.output_attn_res_proj)
+        else:  # plain pre-norm residual stream
+            for i, layer in enumerate(m.layers):
+                h = h + layer.self_attn(layer.input_layernorm(h), batch)
+                h = h + layer.ffn(layer.post_attention_layernorm(h))
+                if i in ids:
+                    aux[i] = h
+        return h, aux
+
+    def forward(self, input_ids: torch.Tensor, batch=None, aux_layer_ids: list[int] | None = None):
+        h, aux = self.hidden_states(input_ids, batch, aux_layer_ids)
+        logits = self.lm_head(self.model.norm(h))
+        if aux_layer_ids is None:
+            return logits
+        ids = self._check_aux_ids(aux_layer_ids)
+        return logits, torch.cat([aux[i] for i in ids], -1)
+
+    def cache_layout(self) -> tuple[dict[int, int], dict[int, tuple[int, int, int, int, int]]]:
+        """MLA layers: the per-token latent row width (kv_lora_rank + qk_rope_head_dim); KDA layers: the state
+        shape (H, K, V, conv channels 3P, conv width W)."""
+        c = self.config
+        lac = c.linear_attn_config
+        H, D, W = lac["num_heads"], lac["head_dim"], lac.get("short_conv_kernel_size", 4)
+        attn = {i: c.kv_lora_rank + c.qk_rope_head_dim for i in range(c.num_hidden_layers) if not c.is_kda_layer(i)}
+        kda = {i: (H, D, D, 3 * H * D, W) for i in range(c.num_hidden_layers) if c.is_kda_layer(i)}
+        return attn, kda
+
+    def on_step_end(self) -> None:
+        """Quantile Balancing: after each optimizer step, refresh every MoE router bias from the recorded batch."""
+        for module in self.modules():
+            if isinstance(module, LatentMoE):
+                module.update_bias()
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+    def _prefix(self) -> str:
+        return K3_PREFIX if self.config.wrapped_in_k3 else ""
+
+    def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
+        """HF tensor names -> tensors (tied lm_head omitted)."""
+        sd = self.state_dict()
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        p = self._prefix()
+        return {p + k: v for k, v in sd.items()}
+
+    def save_pretrained(self, save_dir: str | os.PathLike) -> None:
+        """config.json + model.safetensors, written to a temp dir beside save_dir, then renamed into place."""
+        save_dir = Path(save_dir)
+        save_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.tmp-", dir=save_dir.parent))
+        try:
+            tensors = {k: v.detach().cpu().contiguous() for k, v in self.checkpoint_state_dict().items()}
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(self.config.to_config_json(), indent=2) + "\n")
+            if save_dir.exists():  # replace file by file (each os.replace is atomic)
+                for f in tmp.iterdir():
+                    os.replace(f, save_dir / f.name)
+                tmp.rmdir()
+            else:
+                os.rename(tmp, save_dir)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    @classmethod
+    def from_pretrained(cls, load_dir: str | os.PathLike, device="cpu", dtype=torch.float32) -> "K3ForCausalLM":
+        """STRICT: a missing, unexpected or wrong-shape tensor raises ValueError naming it."""
+        load_dir = Path(load_dir)
+        cfg_path = load_dir / "config.json"
+        if not cfg_path.exists():
+            raise FileNotFoundError(f"{cfg_path}: no config.json")
+        config = K3TextConfig.from_dict(json.loads(cfg_path.read_text()))
+        model = cls(config)
+        model.load_checkpoint_tensors(_read_safetensors(load_dir))
+        model.to(device=device, dtype=dtype)
+        keep_fp32 = [mod.A_log for mod in model.modules() if isinstance(mod, KimiDeltaAttention)]
+        keep_fp32 += [mod.dt_bias for mod in model.modules() if isinstance(mod, KimiDeltaAttention)]
+        for p in keep_fp32:
+            p.data = p.data.float()
+        for mod in model.modules():
+            if isinstance(mod, LatentMoE):  # router bias stays fp32
+                mod.gate.e_score_correction_bias = mod.gate.e_score_correction_bias.float()
+        return model.eval()
+
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        c, p = self.config, self._prefix()
+        expected = self.checkpoint_state_dict()
+        L, n_mtp = c.num_hidden_layers, c.num_nextn_predict_layers
+        loaded: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            if name.startswith(IGNORED_PREFIXES) or name.endswith("rotary_emb.inv_freq"):
+                continue
+            if _is_mtp_tensor(name, p, L, n_mtp):  # the main model skips MTP layers' weights
+                continue
+            if name not in expected:
+                raise ValueError(f"checkpoint: unexpected tensor {name!r} with shape {list(t.shape)}")
+            want = expected[name].shape
+            if name.endswith(".A_log") and t.dim() == 4 and t.numel() == want.numel():
+                t = t.reshape(want)  # legacy [1, 1, H, 1]
+            if name.endswith("_conv1d.weight") and t.dim() == 2:
+                t = t.unsqueeze(1)  # legacy [P, W]
+            if t.shape != want:
+                raise ValueError(f"checkpoint: tensor {name!r} has shape {list(t.shape)}, expected {list(want)}")
+            loaded[name] = t
+        missing = [k for k in expected if k not in loaded]
+        if missing:
+            raise ValueError(f"checkpoint: missing tensor {missing[0]!r} (expected shape "
+                             f"{list(expected[missing[0]].shape)}); {len(missing)} missing in all")
+        with torch.no_grad():
+            for name, target in expected.items():
+                target.copy_(loaded[name].to(target.dtype))
+
+
+def _is_mtp_tensor(name: str, prefix: str, num_layers: int, n_mtp: int) -> bool:
+    head = prefix + "model.layers."
+    if not n_mtp or not name.startswith(head):
+        return False
+    idx = name[len(head):].split(".", 1)[0]
+    return idx.isdigit() and num_layers <= int(idx) < num_layers + n_mtp
+
+
+def _read_safetensors(load_dir: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+    index = load_dir / "model.safetensors.index.json"
+    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
+             else ["model.safetensors"])
+    out: dict[str, torch.Tensor] = {}
+    for fname in files:
+        path = load_dir / fname
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: checkpoint file missing")
+        with safe_open(str(path), framework="pt") as f:
+            for k in f.keys():
+                out[k] = f.get_tensor(k)
+    return out

@@ -1,0 +1,215 @@
+"""The engine thread: one background thread owns the (not thread-safe) Engine.
+
+The asyncio side calls `submit()` / `abort()`; both only put commands on a thread-safe queue. The thread admits new
+requests between steps (continuous batching is the engine's: a request joins the running batch at the next step),
+calls `engine.step()` while there is work, and pushes `Event`s onto each request's asyncio queue through
+`loop.call_soon_threadsafe`. Text deltas are held back while they could still change: a trailing partial UTF-8
+character ('\\ufffd') and the last len(stop)-1 characters that a stop string could still cut.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from dspark.request import Request, RequestOutput, SamplingParams
+
+log = logging.getLogger("serve.runner")
+
+
+@dataclass
+class Event:
+    token_ids: list[int]
+    text: str  # the new text since the previous event
+    finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" on the last event
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Snapshot:
+    """What /metrics reads: taken by the engine thread, read (never mutated) by the event loop."""
+    counters: dict
+    running: int = 0
+    waiting: int = 0
+    blocks_used: int = 0
+    blocks_free: int = 0
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Stream:
+    req: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    sent: int = 0  # characters of req.text already sent
+    holdback: int = 0  # characters a stop string could still remove
+
+
+@dataclass
+class _Add:
+    prompt: str | list[int]
+    params: SamplingParams
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    future: concurrent.futures.Future
+    default_max_tokens: int | None  # params.max_tokens is None: use min(this, what the context allows)
+
+
+class EngineRunner:
+    def __init__(self, engine, recent: int = 1024):
+        self.engine = engine
+        self._cmds: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self.recent: collections.deque[RequestOutput] = collections.deque(maxlen=recent)  # finished outputs
+        self.error: str | None = None  # set if the thread died
+        self.snapshot = self._snap()
+        self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
+
+    # ------------------------------------------------------------------ event-loop side
+    def start(self) -> EngineRunner:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._cmds.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                     default_max_tokens: int | None = None) -> tuple[Request, asyncio.Queue]:
+        """Validate and enqueue a request (in the engine thread); raises ValueError for bad parameters."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(_Add(prompt, params, request_id, asyncio.get_running_loop(), fut, default_max_tokens))
+        return await asyncio.wrap_future(fut)
+
+    def abort(self, request_id: str) -> None:
+        self._cmds.put(("abort", request_id))
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:  # block only when idle; between steps take whatever arrived
+                    cmd = self._cmds.get_nowait() if self.engine.has_work() else self._cmds.get()
+                except queue.Empty:
+                    cmd = ...
+                while cmd is not ...:
+                    if cmd is None:
+                        return
+                    self._handle(cmd)
+                    try:
+                        cmd = self._cmds.get_nowait()
+                    except queue.Empty:
+                        cmd = ...
+                if self.engine.has_work():
+                    self._step()
+                self.snapshot = self._snap()
+        except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop
+            self.error = f"engine thread died: {type(e).__name__}: {e}"
+            log.exception("engine thread died")
+            for rid in list(self._streams):
+                self._finish(rid, "error", self.error)
+
+    def _handle(self, cmd) -> None:
+        if isinstance(cmd, _Add):
+            if not cmd.future.set_running_or_notify_cancel():
+                return  # the client went away before admission
+            try:
+                req = self._add(cmd)
+            except (ValueError, TypeError) as e:
+                cmd.future.set_exception(ValueError(str(e)))
+                return
+            s = _Stream(req, cmd.loop, asyncio.Queue(), holdback=max((len(x) for x in req.params.stop), default=1) - 1)
+            self._streams[req.id] = s
+            cmd.future.set_result((req, s.events))
+        elif cmd[0] == "abort":
+            rid = cmd[1]
+            if rid in self._streams:
+                self.engine.abort(rid)
+                self._finish(rid, "abort")
+
+    def _add(self, cmd: _Add) -> Request:
+        e = self.engine
+        ids = cmd.prompt
+        if isinstance(ids, str):
+            if e.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; send token ids")
+            ids = e.tokenizer.encode(ids, add_special_tokens=False)
+        vocab = e.target.config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+        p = cmd.params
+        if p.max_tokens is None:
+            room = e.max_model_len - len(ids) - e.k - 1
+            if room < 1:
+                raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the context length "
+                                 f"{e.max_model_len}")
+            p.max_tokens = min(room, cmd.default_max_tokens or room)
+        return e.add_request(list(ids), p, request_id=cmd.request_id)
+
+    def _step(self) -> None:
+        try:
+            emitted = self.engine.step()
+        except Exception as ex:  # the engine finished the batch with "error"; keep serving the others
+            log.exception("engine.step failed")
+            msg = f"engine error: {type(ex).__name__}: {ex}"
+            for rid, s in list(self._streams.items()):
+                if s.req.status.value == "finished":
+                    self._finish(rid, s.req.finish_reason or "error", msg)
+            return
+        for req, toks in emitted:
+            s = self._streams.get(req.id)
+            if s is None:
+                continue
+            done = req.status.value == "finished"
+            if done:
+                self._finish(req.id, req.finish_reason or "stop", toks=toks)
+            else:
+                self._push(s, Event(list(toks), self._delta(s, final=False)))
+        for rid, s in list(self._streams.items()):  # finished without emitting (defensive)
+            if s.req.status.value == "finished":
+                self._finish(rid, s.req.finish_reason or "stop")
+
+    def _delta(self, s: _Stream, final: bool) -> str:
+        text = s.req.text
+        end = len(text) if final else len(text) - s.holdback
+        if not final:
+            while end > s.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= s.sent:
+            return ""
+        out, s.sent = text[s.sent:end], end
+        return out
+
+    def _finish(self, rid: str, reason: str, error: str | None = None, toks=()) -> None:
+        s = self._streams.pop(rid, None)
+        if s is None:
+            return
+        r = s.req
+        self.recent.append(r.output())
+        self._push(s, Event(list(toks), self._delta(s, final=True), reason, len(r.prompt_ids), len(r.output_ids),
+                            error))
+
+    @staticmethod
+    def _push(s: _Stream, ev: Event) -> None:
+        try:
+            s.loop.call_soon_threadsafe(s.events.put_nowait, ev)
+        except RuntimeError:  # the loop is closed (server shutting down)
+            pass
+
+    def _snap(self) -> Snapshot:
+        e = self.engine
+        pool = e.cache.pool
+        return Snapshot(e.metrics(), len(e.running), len(e.waiting), pool.num_used, pool.num_free)

@@ -1,0 +1,117 @@
+"""The drafter: training pass == inference pass, vLLM export layouts, loading checks and their errors."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dspark.cache.paged import PagedCache
+from dspark.checkpoint import export_drafter, load_drafter
+from dspark.spec.draft import DraftRunner, sample_markov
+from tests.targets import make_target
+from tests.test_engine import make_drafter
+from train.losses import LossWeights, drafter_loss
+
+
+@pytest.fixture(scope="module")
+def target():
+    t = make_target("qwen3", vocab=300)
+    t.tokenizer = None
+    return t
+
+
+@pytest.mark.parametrize("mode", ["dspark", "dflash"])
+def test_block_sparse_training_pass_equals_inference_pass(target, mode):
+    """All anchors of a sequence in one masked pass give exactly what the engine's incremental draft step gives."""
+    d = make_drafter(target, block_size=4, mode=mode)
+    torch.nn.init.normal_(d.markov_head.markov_w2.weight, std=0.5) if d.markov_head is not None else None
+    x = torch.randint(2, 300, (1, 40))
+    with torch.no_grad():
+        _, aux = target(x, aux_layer_ids=d.config.target_layer_ids)
+        anchors = torch.tensor([[5, 17, 30]])
+        h_train = d.train_forward(aux, x, anchors)  # [1, 3, D, H]
+        for i, a in enumerate(anchors[0].tolist()):
+            runner = DraftRunner(d, layer_offset=0)
+            cache = PagedCache(runner.cache_layout(), {}, num_blocks=8, block_size=16)
+            cache.add_request("r")
+            fb = cache.batch(["r"], [a])
+            runner.write_context(fb, aux[:, :a])
+            cache.commit()
+            prop = runner.propose(cache, ["r"], x[0, a:a + 1], torch.zeros(1))
+            ref = sample_markov(d, h_train[:, i], x[0, a:a + 1], torch.zeros(1), sample=False)
+            assert torch.equal(prop.draft_ids, ref.draft_ids)
+            if mode == "dspark":
+                assert torch.allclose(prop.confidence, ref.confidence, atol=1e-5)
+
+
+def test_loss_tau_counts_greedy_acceptance(target):
+    d = make_drafter(target, block_size=3)
+    h = torch.randn(2, 5, 3, 64)
+    anchors = torch.randint(0, 300, (2, 5))
+    with torch.no_grad():
+        logits = d.base_logits(h)  # markov_w2 starts at zero: logits are the base logits
+    labels = logits.argmax(-1).clone()
+    labels[0, :, 1] = (labels[0, :, 1] + 1) % 300  # row 0: second draft always wrong -> 1 accepted
+    _, m = drafter_loss(d, h, anchors, labels, None, LossWeights())
+    assert m["tau"] == pytest.approx(1 + (5 * 1 + 5 * 3) / 10)
+    assert m["acc0"] == 1.0 and m["acc1"] == 0.5
+
+
+@pytest.mark.parametrize("layout", ["dspark", "dflash"])
+def test_export_layout_matches_vllm_contract(target, tmp_path, layout):
+    d = make_drafter(target, mode=layout)
+    out = export_drafter(d, tmp_path / "d", layout=layout)
+    cfg = json.loads((out / "config.json").read_text())
+    names = set(load_file(str(out / "model.safetensors")))
+    assert cfg["model_type"] == "qwen3" and cfg["block_size"] == 4 and cfg["num_target_layers"] == 3
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
+            "layers.0.self_attn.k_norm.weight", "layers.0.mlp.down_proj.weight"} <= names
+    assert not any(n.startswith(("model.", "embed_tokens", "lm_head")) for n in names)
+    assert load_file(str(out / "model.safetensors"))["fc.weight"].shape == (64, 2 * 64)
+    if layout == "dspark":
+        assert cfg["architectures"] == ["Qwen3DSparkModel"]
+        assert cfg["target_layer_ids"] == [0, 2] and cfg["mask_token_id"] == 1 and cfg["markov_rank"] == 8
+        assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+                "confidence_head.proj.weight", "confidence_head.proj.bias"} <= names
+    else:
+        assert cfg["architectures"] == ["DFlashDraftModel"]
+        assert cfg["dflash_config"] == {"mask_token_id": 1, "target_layer_ids": [0, 2]}
+        assert not any(n.startswith(("markov", "confidence")) for n in names)
+    loaded = load_drafter(out, target)
+    x = torch.randint(2, 300, (1, 12))
+    with torch.no_grad():
+        _, aux = target(x, aux_layer_ids=[0, 2])
+        anchors = torch.tensor([[4, 7]])
+        assert torch.equal(loaded.train_forward(aux, x, anchors), d.train_forward(aux, x, anchors))
+
+
+def _edit(path, **changes):
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"vocab_size": 301}, "vocab_size 301 != target vocab_size 300"),
+    ({"target_layer_ids": [0, 3]}, r"target_layer_ids:? \[3\] out of range .*valid 0..2"),
+    ({"mask_token_id": None}, "no mask token id"),
+    ({"architectures": ["LlamaForCausalLM"]}, "is not a drafter"),
+    ({"hidden_size": 32}, "hidden_size 32"),
+])
+def test_drafter_target_mismatch_errors(target, tmp_path, changes, message):
+    out = export_drafter(make_drafter(target), tmp_path / "d", layout="dspark")
+    _edit(out, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_drafter(out, target)
+
+
+def test_check_cli(target, tmp_path, capsys):
+    from dspark.checkpoint import main
+
+    target.save_pretrained(tmp_path / "t")
+    export_drafter(make_drafter(target), tmp_path / "d", layout="dspark")
+    assert main(["check", str(tmp_path / "d"), "--target", str(tmp_path / "t")]) == 0
+    assert "ok: dspark drafter" in capsys.readouterr().out
+    _edit(tmp_path / "d", target_layer_ids=[7])
+    assert main(["check", str(tmp_path / "d"), "--target", str(tmp_path / "t")]) == 2
+    assert "out of range" in capsys.readouterr().err

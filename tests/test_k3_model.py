@@ -1,0 +1,192 @@
+"""The tiny hybrid K3 model (KDA + MLA + AttnRes + LatentMoE): incremental decoding, verify/rollback, aux states."""
+import math
+
+import pytest
+import torch
+
+from dspark.cache.batch import DenseCache
+from dspark.models.k3 import K3ForCausalLM
+from dspark.models.k3.attn_res import attn_res, attn_res_naive
+from dspark.models.k3.config import k3_tiny_config
+
+ATOL = 1e-4
+
+
+def _model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = K3ForCausalLM(k3_tiny_config(**overrides)).eval()
+    with torch.no_grad():  # move off the zero-init pseudo-queries / unit gains so every path matters
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _ids(B, T, seed=1):
+    return torch.randint(3, 97, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def test_prefill_then_decode_equals_full_sequence():
+    model = _model()
+    ids = _ids(1, 30)
+    full = model(ids)  # T=30: chunked KDA
+    cache = DenseCache(1, 40)
+    outs = [model(ids[:, :20], batch=cache.batch([20]))]  # chunked prefill
+    cache.commit()
+    for t in range(20, 30):
+        outs.append(model(ids[:, t:t + 1], batch=cache.batch([1])))
+        cache.commit()
+    assert (torch.cat(outs, 1) - full).abs().max() < ATOL
+
+
+@torch.no_grad()
+def test_batched_ragged_prefill_and_decode_equal_per_row_full():
+    model = _model(seed=2)
+    lengths, extra = [18, 25, 9], [[2, 1, 3], [1, 1, 1], [3, 2, 1]]  # prompt lengths; new tokens per later step
+    total = [n + sum(step[b] for step in extra) for b, n in enumerate(lengths)]
+    seqs = [_ids(1, total[b], seed=10 + b)[0] for b in range(3)]
+    refs = [model(s[None])[0] for s in seqs]
+    cache = DenseCache(3, 40)
+    pos = list(lengths)
+    ids = torch.zeros(3, max(lengths), dtype=torch.long)  # right padding with token 0
+    for b in range(3):
+        ids[b, :lengths[b]] = seqs[b][:lengths[b]]
+    logits = model(ids, batch=cache.batch(lengths))
+    cache.commit()
+    for b in range(3):
+        assert (logits[b, :lengths[b]] - refs[b][:lengths[b]]).abs().max() < ATOL
+    for step in extra:
+        T = max(step)
+        ids = torch.zeros(3, T, dtype=torch.long)
+        for b in range(3):
+            ids[b, :step[b]] = seqs[b][pos[b]:pos[b] + step[b]]
+        logits = model(ids, batch=cache.batch(step))
+        cache.commit()
+        for b in range(3):
+            assert (logits[b, :step[b]] - refs[b][pos[b]:pos[b] + step[b]]).abs().max() < ATOL
+            pos[b] += step[b]
+
+
+@torch.no_grad()
+def test_verify_commit_rolls_kda_state_back_exactly():
+    model = _model(seed=3)
+    prompt, k = 12, 4
+    seqs = _ids(2, prompt + k + 2, seed=5)
+    n_keep = torch.tensor([2, 5])  # accepted drafts + 1 per row
+    cache = DenseCache(2, 40)
+    model(seqs[:, :prompt], batch=cache.batch([prompt, prompt]))
+    cache.commit()
+    model(seqs[:, prompt:prompt + k + 1], batch=cache.batch([k + 1, k + 1], record=True))  # verify t0, d1..dk
+    cache.commit(n_keep)
+    for b in range(2):
+        n = prompt + int(n_keep[b])
+        ref = DenseCache(1, 40)
+        model(seqs[b:b + 1, :n], batch=ref.batch([n]))
+        ref.commit()
+        for layer in ref.kda:
+            assert (cache.kda[layer][0][b] - ref.kda[layer][0][0]).abs().max() <= 1e-5
+            assert (cache.kda[layer][1][b] - ref.kda[layer][1][0]).abs().max() <= 1e-5
+        assert len(ref.kda) == 3  # KDA layers 0, 1, 3
+    # the next step continues from the rolled-back state (MLA rows past the kept length are overwritten)
+    nxt = torch.stack([seqs[b, prompt + int(n_keep[b])] for b in range(2)])[:, None]
+    logits = model(nxt, batch=cache.batch([1, 1]))
+    for b in range(2):
+        n = prompt + int(n_keep[b]) + 1
+        assert (logits[b, 0] - model(seqs[b:b + 1, :n])[0, -1]).abs().max() < ATOL
+
+
+def _contract_attn_res(prefix, delta, blocks, res_norm, res_proj, out_norm, n, write_idx):
+    """The contract §1.5 primitive, written literally over a [B, T, nB, d] blocks tensor."""
+    if delta is not None:
+        prefix = prefix + delta
+    if write_idx >= 0:
+        blocks[:, :, write_idx] = prefix
+    srcs = [blocks[:, :, j] for j in range(n)] + [prefix]
+    mix = attn_res(srcs, res_norm, res_proj) if n > 0 else prefix
+    return prefix, (out_norm(mix) if out_norm is not None else mix)
+
+
+@torch.no_grad()
+def test_attn_res_forward_and_aux_follow_the_contract():
+    model = _model(seed=4, num_hidden_layers=5, attn_res_block_size=2,
+                   linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3], "num_heads": 2,
+                                       "head_dim": 16, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0,
+                                       "use_full_rank_gate": True})
+    c, m = model.config, model.model
+    ids = _ids(2, 9)
+    Bs, L = c.attn_res_block_size, c.num_hidden_layers
+    nB = math.ceil(L / Bs)
+    prefix = m.embed_tokens(ids)
+    blocks = prefix.new_zeros(2, 9, nB, c.hidden_size)
+    mlp_out, expected_aux, sublayer_outs = None, {}, {}
+    for i, layer in enumerate(m.layers):
+        write = i % Bs == 0
+        nprev = math.ceil(i / Bs)
+        prefix, h = _contract_attn_res(prefix, mlp_out, blocks, layer.self_attention_res_norm,
+                                       layer.self_attention_res_proj, layer.input_layernorm, nprev,
+                                       i // Bs if write else -1)
+        attn_out = layer.self_attn(h)
+        delta = attn_out
+        if write:
+            prefix, delta = attn_out, None
+        prefix, h = _contract_attn_res(prefix, delta, blocks, layer.mlp_res_norm, layer.mlp_res_proj,
+                                       layer.post_attention_layernorm, nprev + write, -1)
+        mlp_out = layer.ffn(h)
+        expected_aux[i] = prefix + mlp_out
+        sublayer_outs[i] = attn_out + mlp_out
+    _, final = _contract_attn_res(prefix, mlp_out, blocks, m.output_attn_res_norm, m.output_attn_res_proj,
+                                  None, nB, -1)
+    expected_logits = model.lm_head(m.norm(final))
+    logits, aux = model(ids, aux_layer_ids=[3, 0, 2])  # unsorted on purpose: output follows sorted ids
+    assert (logits - expected_logits).abs().max() < 1e-5
+    d = c.hidden_size
+    assert aux.shape == (2, 9, 3 * d)
+    for slot, i in enumerate([0, 2, 3]):
+        assert (aux[..., slot * d:(slot + 1) * d] - expected_aux[i]).abs().max() < 1e-5
+    # partial current-block sums, stated directly: block 0 = layers 0..1, block 1 = layers 2..3
+    assert (aux[..., :d] - sublayer_outs[0]).abs().max() < 1e-5
+    assert (aux[..., 2 * d:] - (sublayer_outs[2] + sublayer_outs[3])).abs().max() < 1e-5
+    torch.testing.assert_close(model(ids), logits)
+
+
+@torch.no_grad()
+def test_aux_plain_residual_stream_and_id_validation():
+    model = _model(seed=6, attn_res_block_size=None)
+    ids = _ids(1, 6)
+    captured = {}
+    for i, layer in enumerate(model.model.layers):
+        layer.post_attention_layernorm.register_forward_hook(
+            lambda mod, inp, out, i=i: captured.__setitem__(i, inp[0]))
+    logits, aux = model(ids, aux_layer_ids=[1])
+    h = model.model.layers[1].ffn(model.model.layers[1].post_attention_layernorm(captured[1]))
+    assert (aux - (captured[1] + h)).abs().max() < 1e-5  # hidden + residual after layer 1
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match=rf"aux_layer_ids.*{bad}.*0\.\.3"):
+            model(ids, aux_layer_ids=[0, bad])
+
+
+def test_attn_res_vectorised_equals_naive():
+    torch.manual_seed(0)
+    from dspark.models.layers import RMSNorm
+    norm, proj = RMSNorm(8, eps=1e-5), torch.nn.Linear(8, 1, bias=False)
+    with torch.no_grad():
+        norm.weight.add_(torch.randn(8) * 0.3)
+        proj.weight.normal_()
+    srcs = [torch.randn(2, 3, 8) * s for s in (1.0, 3.0, 0.5)]
+    torch.testing.assert_close(attn_res(srcs, norm, proj), attn_res_naive(srcs, norm, proj))
+    with torch.no_grad():
+        proj.weight.zero_()  # zero pseudo-query: the uniform average
+    torch.testing.assert_close(attn_res(srcs, norm, proj), sum(srcs) / 3)
+
+
+def test_training_backward_and_on_step_end():
+    model = _model(seed=7).train()
+    ids = _ids(2, 20)
+    loss = torch.nn.functional.cross_entropy(model(ids)[:, :-1].reshape(-1, 97), ids[:, 1:].reshape(-1))
+    loss.backward()
+    assert model.model.layers[1].self_attn.A_log.grad is not None
+    assert model.model.layers[3].self_attention_res_proj.weight.grad.abs().sum() > 0
+    before = model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias.clone()
+    model.on_step_end()
+    after = model.model.layers[1].block_sparse_moe.gate.e_score_correction_bias
+    assert not torch.equal(before, after) and abs(float(after.mean())) < 1e-6

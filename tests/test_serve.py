@@ -1,0 +1,294 @@
+"""The OpenAI-compatible server end to end: a tiny random Qwen3 target + real BPE tokenizer + random DSpark drafter,
+uvicorn on 127.0.0.1 in a thread, driven by the official `openai` client (and httpx for raw SSE / disconnects)."""
+from __future__ import annotations
+
+import json
+import re
+import sysconfig
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from serve import ServerThread, load_server
+from serve.__main__ import main as serve_main
+
+MAX_LEN = 256
+STDLIB_FILES = ["json/encoder.py", "textwrap.py", "string.py", "bisect.py"]
+
+
+def build_tiny_models(out: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A 2-layer random Qwen3 target (+ BPE tokenizer, vocab 512) and a random 1-layer DSpark drafter (block 4)."""
+    from dspark.checkpoint import export_drafter
+    from dspark.data.tokenizer import train_tokenizer
+    from dspark.models.drafter import DrafterConfig, DSparkDrafter
+    from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
+
+    std = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(std / f).read_text() for f in STDLIB_FILES if (std / f).is_file()]
+    tdir, ddir = out / "tiny-target", out / "tiny-drafter"
+    tok = train_tokenizer(texts, 512, tdir)
+    torch.manual_seed(seed)
+    cfg = qwen3_config(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=128, max_position_embeddings=MAX_LEN, eos_token_id=tok.eos_token_id,
+                       bos_token_id=tok.eos_token_id)
+    target = Qwen3ForCausalLM(cfg)
+    target.save_pretrained(tdir)  # replaces the dir atomically: save the tokenizer after
+    tok.save_pretrained(str(tdir))
+    dcfg = DrafterConfig(vocab_size=len(tok), hidden_size=64, target_hidden_size=64, target_layer_ids=[0, 1],
+                         num_target_layers=2, mask_token_id=tok.mask_token_id, block_size=4, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                         max_position_embeddings=MAX_LEN)
+    drafter = DSparkDrafter(dcfg, target.model.embed_tokens.weight, target.lm_head.weight)
+    export_drafter(drafter, ddir, "dspark")
+    return tdir, ddir
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_tiny_models(tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(models):
+    app = load_server(*models, max_model_len=MAX_LEN, max_batch_size=8, max_concurrent=64)
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def metrics(server) -> dict[str, float]:
+    out = {}
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, val = line.rsplit(" ", 1)
+            pos = re.search(r'position="(\d+)"', name)
+            out[name.split("{")[0] + (f"[{pos.group(1)}]" if pos else "")] = float(val)
+    return out
+
+
+def wait_idle(server, timeout=15.0) -> dict[str, float]:
+    t0 = time.time()
+    while True:
+        m = metrics(server)
+        if m["dspark:num_requests_running"] == 0 and m["dspark:cache_blocks_used"] == 0:
+            return m
+        if time.time() - t0 > timeout:
+            raise AssertionError(f"server not idle after {timeout} s: {m}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def slow_engine(server, monkeypatch):
+    """10 ms per engine step, so a 240-token request surely outlives the client in the disconnect tests."""
+    eng = server.app.state.runner.engine
+    step = eng.step
+    monkeypatch.setattr(eng, "step", lambda: (time.sleep(0.01), step())[1])
+    yield
+    wait_idle(server)
+
+
+GREEDY = dict(temperature=0, extra_body={"ignore_eos": True})
+
+
+def test_models_and_completion(server, client, models):
+    assert [m.id for m in client.models.list().data] == ["tiny-target"]
+    r = client.completions.create(model="tiny-target", prompt="def foo(x):", max_tokens=24, **GREEDY)
+    tok = server.app.state.runner.engine.tokenizer
+    assert r.usage.prompt_tokens == len(tok.encode("def foo(x):", add_special_tokens=False))
+    assert r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+    out = next(o for o in server.app.state.runner.recent if o.request_id == r.id)
+    assert r.choices[0].text == tok.decode(out.token_ids, skip_special_tokens=True) and len(out.token_ids) == 24
+    # the same prompt as token ids gives the same greedy output
+    ids = tok.encode("def foo(x):", add_special_tokens=False)
+    r2 = client.completions.create(model="tiny-target", prompt=ids, max_tokens=24, **GREEDY)
+    assert r2.choices[0].text == r.choices[0].text
+
+
+def test_stream_equals_nonstream(server, client):
+    kw = dict(model="tiny-target", prompt="class A:\n    def", max_tokens=30, **GREEDY)
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 30
+    msgs = [{"role": "user", "content": "write a sort"}]
+    chat = client.chat.completions.create(model="tiny-target", messages=msgs, max_tokens=20, **GREEDY)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 20
+    tok = server.app.state.runner.engine.tokenizer
+    templ = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert templ.endswith("<|im_start|>assistant\n")
+    assert chat.usage.prompt_tokens == len(tok.encode(templ, add_special_tokens=False))
+    parts = list(client.chat.completions.create(model="tiny-target", messages=msgs, max_tokens=20, stream=True,
+                                                **GREEDY))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
+    # raw SSE framing: data lines only, ending with [DONE]
+    with httpx.stream("POST", server.url + "/v1/completions", json={**kw, "stream": True, "temperature": 0,
+                                                                   "extra_body": None, "ignore_eos": True}) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [ln for ln in resp.iter_lines() if ln]
+    assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
+    assert "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1]) == full
+
+
+def test_stop_strings(client):
+    kw = dict(model="tiny-target", prompt="import os\n", max_tokens=40, **GREEDY)
+    full = client.completions.create(**kw).choices[0].text
+    i = next(i for i in range(4, len(full) - 2) if "\ufffd" not in full[i: i + 2] and full[i: i + 2].strip())
+    stop = full[i: i + 2]
+    want = full[: full.find(stop)]
+    r = client.completions.create(stop=[stop, "never-appears-xyz"], **kw)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **kw))
+    assert streamed == want
+
+
+def test_bad_requests(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=4)
+    assert "no-such-model" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-target", prompt="x", max_tokens=-3)
+    assert e.value.status_code == 400 and "max_tokens" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny-target", prompt="x = 1\n" * 200, max_tokens=16)
+    assert f"context length {MAX_LEN}" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny-target", messages=[{"role": "user", "content": "x"}],
+                                       temperature=-1)
+    assert "temperature" in e.value.body["message"]
+    url = server.url + "/v1/completions"
+    for body, needle in [({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "echo": True}, "echo"),
+                         ({"max_tokens": 3}, "prompt"), ({"prompt": [1, 99999]}, "token ids")]:
+        r = httpx.post(url, json=body)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert needle in err["message"] and set(err) == {"message", "type", "param", "code"}
+    r = httpx.post(url, content=b'{"prompt": "x",', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
+    wait_idle(server)  # rejected requests hold nothing
+
+
+def test_metrics_agree_with_requests(server, client):
+    before = metrics(server)
+    ids = [client.completions.create(model="tiny-target", prompt=p, max_tokens=32, **GREEDY).id
+           for p in ["for i in range(", "while True:", "x = [1, 2"]]
+    after = wait_idle(server)
+    outs = [o for o in server.app.state.runner.recent if o.request_id in ids]
+    assert len(outs) == 3
+    d = {k: after[k] - before[k] for k in after}
+    # a step that verified 0 drafts (the max_tokens budget ran out) is not a draft, as in vLLM
+    assert d["vllm:spec_decode_num_drafts_total"] == sum(sum(n > 0 for n in o.num_drafts_per_step) for o in outs) > 0
+    assert d["vllm:spec_decode_num_draft_tokens_total"] == sum(sum(o.num_drafts_per_step) for o in outs)
+    assert d["vllm:spec_decode_num_accepted_tokens_total"] == sum(sum(o.accepted_per_step) for o in outs)
+    for pos in range(4):
+        assert d[f"vllm:spec_decode_num_accepted_tokens_per_pos_total[{pos}]"] == sum(
+            sum(a > pos for a in o.accepted_per_step) for o in outs)
+    assert d["vllm:generation_tokens_total"] == 96
+    assert d["vllm:prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in outs)
+    eng = server.app.state.runner.engine
+    assert after["dspark:cache_blocks_free"] == eng.cache.pool.num_blocks
+
+
+def test_disconnect_aborts_and_frees_cache(server, slow_engine):
+    idle = wait_idle(server)
+    body = {"model": "tiny-target", "prompt": "def main():", "max_tokens": 240, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()  # keep it referenced: a closed httpx line iterator closes the connection
+        first = [ln for ln in (next(lines) for _ in range(6)) if ln]
+        rid = json.loads(first[0][6:])["id"]
+        m = metrics(server)
+        assert m["dspark:num_requests_running"] == 1 and m["dspark:cache_blocks_used"] > 0
+        time.sleep(0.1)  # still running while the client stays connected without reading
+        assert metrics(server)["dspark:num_requests_running"] == 1
+    after = wait_idle(server)  # closing the connection aborted the request
+    assert after["dspark:cache_blocks_free"] == idle["dspark:cache_blocks_free"]
+    out = next(o for o in server.app.state.runner.recent if o.request_id == rid)
+    assert out.finish_reason == "abort" and len(out.token_ids) < 240
+
+
+def test_nonstream_disconnect_aborts(server, slow_engine):
+    cfg = server.app.state.cfg
+    cfg.disconnect_poll_s = 0.05
+    n_before = len(server.app.state.runner.recent)
+    body = {"model": "tiny-target", "prompt": "def f():", "max_tokens": 240, "temperature": 0, "ignore_eos": True}
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.1))
+        wait_idle(server)
+    finally:
+        cfg.disconnect_poll_s = 0.5
+    out = list(server.app.state.runner.recent)[n_before:]
+    assert len(out) == 1 and out[0].finish_reason == "abort" and len(out[0].token_ids) < 240
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model="tiny-target", prompt="def f(x):", max_tokens=24, temperature=0.9, top_p=0.95, seed=1234,
+              extra_body={"ignore_eos": True, "top_k": 50})
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b
+    others = {client.completions.create(**{**kw, "seed": s}).choices[0].text for s in (1, 2, 3)}
+    assert len(others | {a}) > 1  # the seed matters
+
+
+def test_engine_error_is_500_and_server_survives(server, client, monkeypatch):
+    eng = server.app.state.runner.engine
+    decode, calls = eng._decode, []
+
+    def broken(reqs):  # the engine's own except-path finishes the batch with "error" and re-raises
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom in decode")
+        return decode(reqs)
+
+    monkeypatch.setattr(eng, "_decode", broken)
+    with pytest.raises(openai.InternalServerError) as e:
+        client.completions.create(model="tiny-target", prompt="def f():", max_tokens=8, temperature=0)
+    assert "boom in decode" in e.value.body["message"]
+    wait_idle(server)
+    assert client.completions.create(model="tiny-target", prompt="def f():", max_tokens=8,
+                                     **GREEDY).usage.completion_tokens == 8
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_concurrency_limit_429(server, slow_engine):
+    cfg = server.app.state.cfg
+    cfg.max_concurrent = 2
+    body = {"model": "tiny-target", "prompt": "x", "max_tokens": 240, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    try:
+        with httpx.Client(base_url=server.url, timeout=30) as h:
+            streams = [h.stream("POST", "/v1/completions", json=body) for _ in range(2)]
+            lines = [s.__enter__().iter_lines() for s in streams]  # kept referenced: connections stay open
+            for it in lines:  # both admitted and streaming
+                assert next(it).startswith("data: {")
+            c = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+            with pytest.raises(openai.RateLimitError) as e:
+                c.completions.create(model="tiny-target", prompt="x", max_tokens=4)
+            assert e.value.status_code == 429 and "at most 2" in e.value.body["message"]
+            for s in streams:
+                s.__exit__(None, None, None)
+        wait_idle(server)
+        assert c.completions.create(model="tiny-target", prompt="x", max_tokens=4).usage.completion_tokens >= 1
+    finally:
+        cfg.max_concurrent = 64
+
+
+def test_cli_bad_dirs(tmp_path, capsys, models):
+    assert serve_main(["--target", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --target") and "\n" not in err
+    assert serve_main(["--target", str(models[0]), "--drafter", str(tmp_path)]) == 2
+    assert "config.json" in capsys.readouterr().err
+    assert serve_main(["--target", str(models[0]), "--drafter", str(models[1]), "--dry-run",
+                       "--max-model-len", str(MAX_LEN), "--num-speculative-tokens", "9"]) == 2
+    assert "num_speculative_tokens" in capsys.readouterr().err
