@@ -241,9 +241,11 @@ class Engine:
         """Append tokens, apply max_tokens / EOS / stop strings; finish the request when done."""
         toks = toks[: r.params.max_tokens - len(r.output_ids)]
         reason = None
-        if not r.params.ignore_eos and self.eos_id is not None and self.eos_id in toks:
-            toks = toks[: toks.index(self.eos_id) + 1]
-            reason = "stop"
+        stops = set(r.params.stop_token_ids) | ({self.eos_id} if not r.params.ignore_eos and self.eos_id is not None
+                                                  else set())
+        hit = next((i for i, t in enumerate(toks) if t in stops), None)
+        if hit is not None:
+            toks, reason = toks[: hit + 1], "stop"
         r.output_ids += toks
         self.counters["generation_tokens"] += len(toks)
         if self.tokenizer is not None:

@@ -16,6 +16,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)  # e.g. the chat end-of-turn token
     ignore_eos: bool = False
 
     def validate(self) -> None:

@@ -361,6 +361,9 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = sampling_params(body, max_tokens)
         prompt = _chat_prompt(engine.tokenizer, body.messages)
+        end_of_turn = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(end_of_turn, int) and end_of_turn != engine.tokenizer.unk_token_id:
+            params.stop_token_ids.append(end_of_turn)  # a chat turn ends at <|im_end|>
         return await generate(http, True, prompt, params, body, None)  # no max_tokens: the rest of the context
 
     return app

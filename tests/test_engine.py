@@ -169,6 +169,13 @@ def test_prefill_decode_handoff_equals_one_engine(target, prompts, refs):
     assert [r.output_ids for r in moved] == refs[:3]
 
 
+def test_stop_token_ids_end_the_request(target, prompts, refs):
+    stop = refs[1][5]
+    out = Engine(target, make_drafter(target)).generate([prompts[1]], SamplingParams(max_tokens=24,
+                                                                                    stop_token_ids=[stop]))[0]
+    assert out.token_ids == refs[1][: refs[1].index(stop) + 1] and out.finish_reason == "stop"
+
+
 def test_sampling_params_are_respected(target, prompts):
     engine = Engine(target, make_drafter(target))
     a = engine.generate(prompts[:2], SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7))
