@@ -51,31 +51,42 @@ def prepare_tokenizer(cfg: DataConfig, corpus):
     return train_tokenizer(corpus["train"]["text"], cfg.vocab_size, tok_dir)
 
 
+def _file_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "none"
+
+
+def packed_cache_path(cfg: DataConfig) -> Path:
+    """Where the packed rows of (corpus card, tokenizer, seq_len) live: keyed by content, not by mtimes or paths, so
+    a copy of the tokenizer dir with its packed file (e.g. carried to a GPU box) is reused without the corpus."""
+    key = _key({"card": _file_digest(Path(cfg.corpus_dir) / "card.json"),
+                "tok": _file_digest(Path(cfg.tokenizer_dir) / "tokenizer.json"), "seq": cfg.seq_len})
+    return Path(cfg.tokenizer_dir) / f"packed-{key}.pt"
+
+
 def prepare_tokens(cfg: DataConfig) -> TokenData:
-    """Corpus -> tokenizer -> packed rows; the packed rows are cached next to the tokenizer."""
+    """Corpus -> tokenizer -> packed rows; the packed rows are cached (int16/int32) next to the tokenizer."""
+    from transformers import AutoTokenizer
+
     from dspark.data.tokenizer import pack_tokens
 
-    corpus, corpus_dir = prepare_corpus(cfg)
-    tok = prepare_tokenizer(cfg, corpus)
-    key = _key({"corpus": str(corpus_dir), "card": _card_digest(corpus_dir), "seq": cfg.seq_len,
-                "vocab": len(tok), "tok": (Path(cfg.tokenizer_dir) / "tokenizer.json").stat().st_mtime_ns})
-    cache = Path(cfg.tokenizer_dir) / f"packed-{key}.pt"
-    if cache.is_file():
-        rows = torch.load(cache)
+    cache = packed_cache_path(cfg)
+    if cache.is_file() and (Path(cfg.corpus_dir) / "card.json").is_file():
+        tok = AutoTokenizer.from_pretrained(str(cfg.tokenizer_dir))
+        rows = {k: v.long() for k, v in torch.load(cache).items()}
+        corpus_dir = Path(cfg.corpus_dir)
     else:
+        corpus, corpus_dir = prepare_corpus(cfg)
+        tok = prepare_tokenizer(cfg, corpus)
         rows = {split: pack_tokens(corpus[split]["text"], tok, cfg.seq_len) for split in ("train", "holdout")}
+        small = torch.int16 if len(tok) <= 32767 else torch.int32
+        cache = packed_cache_path(cfg)
         tmp = cache.with_suffix(".tmp")
-        torch.save(rows, tmp)
+        torch.save({k: v.to(small) for k, v in rows.items()}, tmp)
         tmp.rename(cache)
     if len(rows["train"]) == 0:
         raise ValueError(f"data: the train split of {corpus_dir} gives no rows of seq_len={cfg.seq_len}")
     holdout = rows["holdout"][: max(1, cfg.holdout_tokens // cfg.seq_len)]
     return TokenData(tok, rows["train"], holdout, corpus_dir)
-
-
-def _card_digest(corpus_dir: Path) -> str:
-    card = Path(corpus_dir) / "card.json"
-    return hashlib.sha256(card.read_bytes()).hexdigest()[:12] if card.is_file() else "none"
 
 
 def batch_for_step(rows: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:

@@ -1,0 +1,51 @@
+"""Triton kernels for the K3 / DSpark hot paths, each beside its torch reference (fla style, STYLE.md).
+
+Every module holds `<op>_ref` (pure torch, calling the model code), `_<op>_kernel` (Triton), `<op>_triton` (the
+launcher) and `<op>` (the dispatcher: Triton for CUDA tensors, or for any tensor under TRITON_INTERPRET=1; else the
+reference). Modules:
+  kda_decode     fused KDA decode / verify step (conv + SiLU + L2 norm + gate + delta rule + gated RMSNorm)
+  attn_res       Attention-Residuals depth mix (+ optional output RMSNorm)
+  mxfp4_matmul   y = x @ dequant(W)^T with MXFP4 weights dequantised in registers (single or grouped experts)
+  markov_sample  the sequential Markov-head draft sampling loop of one draft step, one launch
+
+TRITON_INTERPRET=1 is read by `triton.jit` when a kernel is *decorated* (triton 3.9: knobs.runtime.interpret), so it
+must be in the environment before these modules are imported; tests/test_kernels.py runs the interpreter checks in a
+subprocess for that reason.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except Exception:  # noqa: BLE001 - no triton: every op runs its torch reference
+    HAS_TRITON = False
+
+    class _Stub:  # lets the kernel modules define (never call) their kernels
+        constexpr = None
+
+        @staticmethod
+        def jit(fn=None, **_):
+            return fn if fn is not None else (lambda f: f)
+
+    triton = tl = _Stub()
+
+
+def interpreting() -> bool:
+    return HAS_TRITON and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Dispatch rule: Triton when every tensor is on CUDA (or the interpreter is on), DSPARK_KERNELS != 0."""
+    if not HAS_TRITON or os.environ.get("DSPARK_KERNELS", "1") == "0":
+        return False
+    return interpreting() or all(t.is_cuda for t in tensors)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())

@@ -14,7 +14,8 @@ from torch import nn
 from dspark.models.layers import RMSNorm
 
 try:  # GPU fast path; never used on CPU
-    from fla.ops.kda import chunk_kda as _fla_chunk_kda, fused_recurrent_kda as _fla_fused_recurrent_kda
+    from fla.ops.kda import chunk_kda as _fla_chunk_kda
+    from fla.ops.kda import fused_recurrent_kda as _fla_fused_recurrent_kda
 except Exception:  # noqa: BLE001 - fla missing or broken: the torch reference is the path
     _fla_chunk_kda = _fla_fused_recurrent_kda = None
 
@@ -62,13 +63,25 @@ def kda_recurrent(q, k, v, g, beta, initial_state=None, return_all_states: bool 
     return o, S
 
 
-def kda_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, scale: float | None = None):
+def unit_lower_inverse(A: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C]: A is nilpotent (A^C = 0), so
+    (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... with log2(C) factors. Exact in exact arithmetic and, unlike batched
+    triangular solves, a handful of small matmuls (the CPU training path's hot spot)."""
+    inv, power, p = eye - A, A @ A, 2
+    while p < A.shape[-1]:
+        inv = inv @ (eye + power)
+        power, p = power @ power, p * 2
+    return inv
+
+
+def kda_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 16, scale: float | None = None):
     """Same contract as kda_recurrent (final state only). WY/UT chunkwise form, fp32, T padded to the chunk size:
     per chunk with G = in-chunk cumsum of g (log Gamma) and state S at the chunk start,
       A_kk[i,j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)  (j < i),   A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd) (j <= i)
       W = (I + A_kk)^-1 diag(beta) (Gamma*K),   U = (I + A_kk)^-1 diag(beta) V,   U' = U - W S
       O = (Gamma*Q) S + A_qk U',   S <- exp(G_C) * S + (exp(G_C - G) * K)^T U'.
-    Pairwise exp(G_i - G_j) with j <= i is <= 1, so nothing overflows (no 1/Gamma)."""
+    Pairwise exp(G_i - G_j) with j <= i is <= 1, so nothing overflows (no 1/Gamma). The pairwise tensor costs
+    T*C*K per head, so C = 16 is ~8x faster than 64 on CPU (measured, fwd+bwd, T=255, K=64)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = chunk_size
@@ -94,10 +107,10 @@ def kda_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 64, scal
         k_decayed = kn[:, :, None, :, :] * diff.exp()  # [B,H,C(i),C(j),K]: k_j * exp(G_i - G_j)
         A_kk = torch.einsum("bhik,bhijk->bhij", kn, k_decayed) * bn[..., None] * strict
         A_qk = torch.einsum("bhik,bhijk->bhij", qn, k_decayed) * incl
-        L = eye + A_kk  # unit lower triangular
+        L_inv = unit_lower_inverse(A_kk, eye)  # (I + A_kk)^-1
         kg = kn * G.exp()  # Gamma * K
-        W = torch.linalg.solve_triangular(L, bn[..., None] * kg, upper=False, unitriangular=True)
-        U = torch.linalg.solve_triangular(L, bn[..., None] * vn, upper=False, unitriangular=True)
+        W = L_inv @ (bn[..., None] * kg)
+        U = L_inv @ (bn[..., None] * vn)
         U = U - W @ S  # [B,H,C,V]
         outs.append((qn * G.exp()) @ S + A_qk @ U)
         G_last = G[:, :, -1:, :]  # [B,H,1,K]

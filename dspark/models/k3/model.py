@@ -180,7 +180,7 @@ class K3ForCausalLM(nn.Module):
                 shutil.rmtree(tmp, ignore_errors=True)
 
     @classmethod
-    def from_pretrained(cls, load_dir: str | os.PathLike, device="cpu", dtype=torch.float32) -> "K3ForCausalLM":
+    def from_pretrained(cls, load_dir: str | os.PathLike, device="cpu", dtype=torch.float32) -> K3ForCausalLM:
         """STRICT: a missing, unexpected or wrong-shape tensor raises ValueError naming it."""
         load_dir = Path(load_dir)
         cfg_path = load_dir / "config.json"

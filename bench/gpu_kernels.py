@@ -1,0 +1,150 @@
+"""dspark.kernels on one GPU: each Triton kernel against its torch reference at K3 shapes.
+
+Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov] [--iters 50]
+One row per case: max abs error vs the reference (the fp32 reference where the kernel's inputs are bf16), median
+CUDA-event times (after warm-up) of the torch reference and the kernel, the bytes-moved floor (bytes / 4.8 TB/s)
+and the fraction of it the kernel reaches (floor / kernel time). Prints only (bench/RESULTS.md is the lead's).
+Exits with code 2 and a message without CUDA or triton.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+HBM = 4.8e12  # bytes/s, H200 datasheet
+
+
+def _time_us(fn, iters: int) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _row(name, err, ref_fn, ker_fn, nbytes, iters):
+    t_ref, t_ker = _time_us(ref_fn, iters), _time_us(ker_fn, iters)
+    floor = nbytes / HBM * 1e6
+    print(f"{name:<44} {err:>9.2e} {t_ref:>10.1f} {t_ker:>9.1f} {t_ref / t_ker:>7.1f}x {nbytes / 1e6:>9.2f} "
+          f"{floor:>8.2f} {floor / t_ker:>6.1%}", flush=True)
+
+
+def _err(a, b) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def bench_kda(iters):
+    from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
+    D, W = 128, 4
+    for B in (1, 16):
+        for H in (16, 96):
+            for T, all_states in ((1, False), (9, True), (17, False)):
+                P = H * D
+                r = lambda *s: torch.randn(*s, device="cuda")
+                inp = dict(qkv=r(B, T, 3 * P).bfloat16(), f=r(B, T, P).bfloat16(), beta=r(B, T, H).bfloat16(),
+                           gate=r(B, T, P).bfloat16(), conv_w=r(3 * P, W) * .5, window=r(B, W - 1, 3 * P).bfloat16(),
+                           A_log=r(H) * .5, dt_bias=r(P), o_norm_w=torch.ones(D, device="cuda").bfloat16(),
+                           state=r(B, H, D, D) * .3, lower_bound=-5.0, return_all_states=all_states)
+                ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp)
+                err = max(_err(out[0], ref[0]), _err(out[1], ref[1]))
+                nbytes = (B * T * (3 * P + 2 * P + H) * 2 + 3 * P * W * 4 + B * (W - 1) * 3 * P * 2 + B * H * D * D * 4
+                          + B * T * P * 2 + B * (T + W - 1) * 3 * P * 2 + B * (T if all_states else 1) * H * D * D * 4)
+                _row(f"kda B={B} H={H} T={T}{' all-states' if all_states else ''}", err,
+                     partial(kda_decode_ref, **inp), partial(kda_decode_triton, **inp), nbytes, iters)
+
+
+def bench_attnres(iters):
+    from dspark.kernels.attn_res import attn_res_mix_ref, attn_res_mix_triton
+    d, S = 7168, 9
+    for N in (1, 8, 64):
+        v = torch.randn(N, S, d, device="cuda").bfloat16()
+        nw, q, ow = torch.rand(d, device="cuda") + .5, torch.randn(d, device="cuda") * .02, torch.rand(d, device="cuda")
+        for out_w in (None, ow):
+            kw = dict(sources=v, norm_w=nw, query=q, out_w=out_w)
+            err = _err(attn_res_mix_triton(**kw), attn_res_mix_ref(**kw))
+            nbytes = N * S * d * 2 + N * d * 2 + 3 * d * 4
+            _row(f"attn_res N={N} S={S} d={d}{' +out_norm' if out_w is not None else ''}", err,
+                 partial(attn_res_mix_ref, **kw), partial(attn_res_mix_triton, **kw), nbytes, iters)
+
+
+def bench_mxfp4(iters):
+    from dspark.kernels.mxfp4_matmul import (
+        mxfp4_grouped_matmul_ref,
+        mxfp4_grouped_matmul_triton,
+        mxfp4_matmul_ref,
+        mxfp4_matmul_triton,
+    )
+    from dspark.models.k3.mxfp4 import quantize_mxfp4
+    for N, K in ((3072, 3584), (3584, 3072)):
+        p, s = quantize_mxfp4(torch.randn(N, K, device="cuda") * .02)
+        for M in (1, 16, 64):
+            x = torch.randn(M, K, device="cuda").bfloat16()
+            err = _err(mxfp4_matmul_triton(x, p, s), mxfp4_matmul_ref(x.float(), p, s))
+            nbytes = N * K // 2 + N * K // 32 + M * K * 2 + M * N * 2
+            _row(f"mxfp4 {N}x{K} M={M}", err, partial(mxfp4_matmul_ref, x, p, s),
+                 partial(mxfp4_matmul_triton, x, p, s), nbytes, iters)
+    # grouped: 64 tokens x top-16 over 128 experts (8 rows each), w1 shape
+    E, N, K, M = 128, 3072, 3584, 1024
+    p, s = quantize_mxfp4(torch.randn(N, K, device="cuda") * .02)
+    P, S = p[None].expand(E, -1, -1).contiguous(), s[None].expand(E, -1, -1).contiguous()
+    x, offs = torch.randn(M, K, device="cuda").bfloat16(), torch.arange(0, M + 1, M // E, device="cuda")
+    err = _err(mxfp4_grouped_matmul_triton(x, P, S, offs), mxfp4_grouped_matmul_ref(x.float(), P, S, offs))
+    nbytes = E * (N * K // 2 + N * K // 32) + M * K * 2 + M * N * 2
+    _row(f"mxfp4 grouped E={E} {N}x{K} rows={M}", err, partial(mxfp4_grouped_matmul_ref, x, P, S, offs),
+         partial(mxfp4_grouped_matmul_triton, x, P, S, offs), nbytes, iters)
+
+
+def bench_markov(iters):
+    from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
+    V, D, R = 163840, 8, 64
+    w1, w2 = torch.randn(V, R, device="cuda").bfloat16(), (torch.randn(V, R, device="cuda") * .1).bfloat16()
+    for B in (1, 8, 64):
+        U = torch.randn(B, D, V, device="cuda") * 3
+        anc = torch.randint(0, V, (B,), device="cuda")
+        ri, rl = markov_sample_ref(U, w1, w2, anc)
+        nbytes = B * D * V * 4 + V * R * 2 + B * D * (R * 2 + 16)
+        for one in (True, False):
+            ki, kl = markov_sample_triton(U, w1, w2, anc, one_launch=one)
+            err = max(_err(kl, rl), float((ki != ri).sum()))  # ids mismatches count as error
+            _row(f"markov B={B} D={D} V={V} r={R} {'1 launch' if one else f'{D + 1} launches'}", err,
+                 partial(markov_sample_ref, U, w1, w2, anc),
+                 partial(markov_sample_triton, U, w1, w2, anc, one_launch=one), nbytes, iters)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="kda,attnres,mxfp4,markov")
+    ap.add_argument("--iters", type=int, default=50)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gpu_kernels.py needs a CUDA GPU (an H200): none found, nothing measured.", file=sys.stderr)
+        return 2
+    from dspark.kernels import HAS_TRITON
+    if not HAS_TRITON:
+        print("bench/gpu_kernels.py needs triton: not importable, nothing measured.", file=sys.stderr)
+        return 2
+    import triton
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    print(f"{'case':<44} {'max_err':>9} {'ref_us':>10} {'ker_us':>9} {'speedup':>8} {'MB':>9} {'floor_us':>8} "
+          f"{'of_floor':>6}")
+    benches = dict(kda=bench_kda, attnres=bench_attnres, mxfp4=bench_mxfp4, markov=bench_markov)
+    for name in args.only.split(","):
+        benches[name.strip()](args.iters)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

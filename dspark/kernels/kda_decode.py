@@ -1,0 +1,183 @@
+"""Fused KDA decode / verify step: T (1..17) new tokens per request, one launch (contract §1.3, k3-architecture §1).
+
+Shapes: B requests, T new tokens, H heads, D = K = V head dim, P = H*D, W conv width.
+  qkv    [B, T, 3P]  raw q|k|v projections (pre-conv)          f     [B, T, P]  f_b_proj output (gate pre-activation)
+  beta   [B, T, H]   beta logits                               gate  [B, T, P]  output-gate projection
+  conv_w [3P, W]     depthwise causal conv weights (q|k|v)      window [B, W-1, 3P] previous raw inputs
+  A_log [H], dt_bias [P], o_norm_w [D], state [B, H, K, V] fp32, lengths [B] (optional: new tokens per row <= T)
+Per token t of head h (fp32):
+  c = SiLU(conv(window|qkv));  q = l2norm(c_q) * D^-0.5;  k = l2norm(c_k);  v = c_v      (l2norm eps 1e-6)
+  g = -exp(A_log) softplus(f + dt_bias)   or   lb * sigmoid(exp(A_log) (f + dt_bias))     (log decay, [K])
+  S = S * exp(g)[:, None];  u = v - S^T k;  S = S + sigmoid(beta) k u^T;  o = S^T q
+  out = RMSNorm_D(o; o_norm_w, eps) * sigmoid(gate)
+Outputs: out [B, T, P] (qkv dtype), state_final [B, H, K, V] fp32 or all states [B, T, H, K, V] fp32, and
+ext = cat(window, qkv) [B, W-1+T, 3P] (the extended conv window; the caller keeps its last W-1 valid rows).
+Rows t >= lengths[b] are padding exactly as in the layer: raw input zeroed, g = beta = 0 (state untouched).
+Kernel: one program per (request, head) holds S [K, V] in registers (64 KB fp32 for D = 128, 8 warps) for all T.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from dspark.kernels import next_pow2, tl, triton, use_triton
+from dspark.models.k3.kda import KimiDeltaAttention, kda_gate, kda_recurrent, l2norm
+from dspark.models.layers import RMSNorm
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reference: the layer's own math (KimiDeltaAttention.short_conv, l2norm, kda_gate, kda_recurrent, RMSNorm)
+# ---------------------------------------------------------------------------------------------------------------
+def kda_decode_ref(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
+                   eps=1e-5, return_all_states=False, lengths=None):
+    B, T, P3 = qkv.shape
+    P, W = P3 // 3, conv_w.shape[1]
+    D = o_norm_w.shape[0]
+    H = P // D
+    if lengths is not None:  # as KimiDeltaAttention.forward with batch.valid(T)
+        valid = torch.arange(T, device=qkv.device)[None] < lengths.to(qkv.device)[:, None]  # [B, T]
+        qkv = qkv * valid[..., None].to(qkv.dtype)
+    wq, wk, wv = conv_w.view(3, P, 1, W).unbind(0)
+    conv = SimpleNamespace(q_conv1d=SimpleNamespace(weight=wq), k_conv1d=SimpleNamespace(weight=wk),
+                           v_conv1d=SimpleNamespace(weight=wv))
+    c, ext = KimiDeltaAttention.short_conv(conv, window, qkv)
+    q, k, v = (t.reshape(B, T, H, D) for t in c.chunk(3, -1))
+    q, k = l2norm(q.float()), l2norm(k.float())
+    g = kda_gate(f.reshape(B, T, H, D), A_log, dt_bias, lower_bound)
+    b = torch.sigmoid(beta.float())
+    if lengths is not None:
+        g, b = g * valid[..., None, None], b * valid[..., None]
+    o, S = kda_recurrent(q, k, v, g, b, state, return_all_states=return_all_states)
+    norm = SimpleNamespace(weight=o_norm_w, eps=eps)
+    out = RMSNorm.forward(norm, o.to(qkv.dtype)) * torch.sigmoid(gate.reshape(B, T, H, D))
+    return out.reshape(B, T, P).to(qkv.dtype), S, ext
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernel: grid (B, H)
+# ---------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _raw_row(qkv_ptr, win_ptr, b, pos, ch, dm, T, n_valid, P3, W: tl.constexpr):
+    """ext[b, pos, ch] as fp32: the conv window for pos < W-1, else the (valid) new token pos-W+1."""
+    tok = pos - (W - 1)
+    posv = ch * 0 + pos  # vector form of the scalar position: masks stay boolean tensors (interpreter too)
+    tokv = posv - (W - 1)
+    xw = tl.load(win_ptr + (b * (W - 1) + pos) * P3 + ch, mask=dm & (posv < W - 1), other=0.0)
+    xr = tl.load(qkv_ptr + (b * T + tok) * P3 + ch, mask=dm & (tokv >= 0) & (tokv < n_valid), other=0.0)
+    return xw.to(tl.float32) + xr.to(tl.float32)
+
+
+@triton.jit
+def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, gate_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, onw_ptr,
+                       s_in_ptr, s_out_ptr, out_ptr, ext_ptr, len_ptr,
+                       T, H, P, lower_bound, scale, eps,
+                       D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, USE_LB: tl.constexpr,
+                       HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr, HAS_LEN: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    P3 = 3 * P
+    offs = tl.arange(0, BD)
+    dm = offs < D
+    rows = offs[:, None]  # K index
+    cols = offs[None, :]  # V index
+    smask = (rows < D) & (cols < D)
+    n_valid = T
+    if HAS_LEN:
+        n_valid = tl.load(len_ptr + b)
+    cq = h * D + offs  # channel ids of this head in q | k | v
+    ck = P + cq
+    cv = 2 * P + cq
+    # extended window ext[b, pos] = window[b, pos] (pos < W-1) else qkv[b, pos-W+1] (zeroed past the valid length)
+    for pos in range(0, T + W - 1):
+        for part in tl.static_range(3):
+            x = _raw_row(qkv_ptr, win_ptr, b, pos, cq + part * P, dm, T, n_valid, P3, W)
+            tl.store(ext_ptr + (b * (T + W - 1) + pos) * P3 + cq + part * P, x.to(ext_ptr.dtype.element_ty), mask=dm)
+    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + cq, mask=dm, other=0.0).to(tl.float32)
+    onw = tl.load(onw_ptr + offs, mask=dm, other=0.0).to(tl.float32)
+    sbase = (b * H + h) * D * D
+    if HAS_STATE:
+        S = tl.load(s_in_ptr + sbase + rows * D + cols, mask=smask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BD, BD], dtype=tl.float32)
+    for t in range(0, T):
+        # causal depthwise conv over ext rows t .. t+W-1 (re-read from window / qkv: cached, no ordering issue)
+        aq = tl.zeros([BD], dtype=tl.float32)
+        ak = tl.zeros([BD], dtype=tl.float32)
+        av = tl.zeros([BD], dtype=tl.float32)
+        for w in tl.static_range(W):
+            aq += _raw_row(qkv_ptr, win_ptr, b, t + w, cq, dm, T, n_valid, P3, W) * tl.load(
+                convw_ptr + cq * W + w, mask=dm, other=0.0).to(tl.float32)
+            ak += _raw_row(qkv_ptr, win_ptr, b, t + w, ck, dm, T, n_valid, P3, W) * tl.load(
+                convw_ptr + ck * W + w, mask=dm, other=0.0).to(tl.float32)
+            av += _raw_row(qkv_ptr, win_ptr, b, t + w, cv, dm, T, n_valid, P3, W) * tl.load(
+                convw_ptr + cv * W + w, mask=dm, other=0.0).to(tl.float32)
+        q = aq * tl.sigmoid(aq)
+        k = ak * tl.sigmoid(ak)
+        v = av * tl.sigmoid(av)
+        q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) + 1e-6)) * scale
+        k = k * (1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
+        # gate (log decay) and beta
+        z = tl.load(f_ptr + (b * T + t) * P + cq, mask=dm, other=0.0).to(tl.float32) + dtb
+        if USE_LB:
+            g = lower_bound * tl.sigmoid(a * z)
+        else:
+            sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+            g = -a * sp
+        beta = tl.sigmoid(tl.load(beta_ptr + (b * T + t) * H + h).to(tl.float32))
+        live = t < n_valid
+        g = tl.where(live, g, 0.0)
+        beta = tl.where(live, beta, 0.0)
+        # delta rule
+        S = S * tl.exp(g)[:, None]
+        u = v - tl.sum(S * k[:, None], 0)  # [V]
+        S = S + beta * k[:, None] * u[None, :]
+        o = tl.sum(S * q[:, None], 0)  # [V]
+        # gated per-head RMSNorm
+        o = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)) * onw
+        gt = tl.load(gate_ptr + (b * T + t) * P + cq, mask=dm, other=0.0).to(tl.float32)
+        o = o * tl.sigmoid(gt)
+        tl.store(out_ptr + (b * T + t) * P + cq, o.to(out_ptr.dtype.element_ty), mask=dm)
+        if ALL_STATES:
+            tl.store(s_out_ptr + ((b * T + t) * H + h) * D * D + rows * D + cols, S, mask=smask)
+    if not ALL_STATES:
+        tl.store(s_out_ptr + sbase + rows * D + cols, S, mask=smask)
+
+
+def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
+                      eps=1e-5, return_all_states=False, lengths=None, state_out=None):
+    """state_out may be `state` itself (in-place update: each program reads its state before writing it)."""
+    B, T, P3 = qkv.shape
+    P, W = P3 // 3, conv_w.shape[1]
+    D = o_norm_w.shape[0]
+    H = P // D
+    qkv, f, beta, gate, conv_w, window = (x.contiguous() for x in (qkv, f, beta, gate, conv_w, window))
+    out = torch.empty(B, T, P, dtype=qkv.dtype, device=qkv.device)
+    ext = torch.empty(B, W - 1 + T, P3, dtype=qkv.dtype, device=qkv.device)
+    if return_all_states:
+        s_out = torch.empty(B, T, H, D, D, dtype=torch.float32, device=qkv.device)
+    else:
+        s_out = state_out if state_out is not None else torch.empty(B, H, D, D, dtype=torch.float32, device=qkv.device)
+    s_in = state.contiguous() if state is not None else s_out
+    BD = next_pow2(D)
+    _kda_decode_kernel[(B, H)](
+        qkv, f, beta, gate, conv_w, window.to(qkv.dtype), A_log, dt_bias, o_norm_w, s_in, s_out, out, ext,
+        lengths if lengths is not None else qkv, T, H, P, float(lower_bound or 0.0), D ** -0.5, eps,
+        D=D, BD=BD, W=W, USE_LB=lower_bound is not None, HAS_STATE=state is not None,
+        ALL_STATES=return_all_states, HAS_LEN=lengths is not None, num_warps=8 if BD >= 128 else 4, num_stages=1)
+    return out, s_out, ext
+
+
+def kda_decode(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
+               eps=1e-5, return_all_states=False, lengths=None):
+    """-> (out [B,T,P], state_final [B,H,K,V] fp32 | all states [B,T,H,K,V], ext [B,W-1+T,3P]). See module doc."""
+    fn = kda_decode_triton if use_triton(qkv, state if state is not None else qkv) else kda_decode_ref
+    return fn(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state, lower_bound, eps,
+              return_all_states, lengths)
+
+
+def conv_weight(layer: KimiDeltaAttention) -> torch.Tensor:
+    """The layer's three depthwise convs as one [3P, W] fp32 weight (q | k | v), for kda_decode."""
+    w = torch.cat([layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight], 0)
+    return w.squeeze(1).float().contiguous()

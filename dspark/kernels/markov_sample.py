@@ -1,0 +1,162 @@
+"""The sequential Markov-head sampling loop of one DSpark draft step in one launch (contract §4.5).
+
+Shapes: B rows, D draft positions, V vocab (K3: 163840), r Markov rank (64).
+  U [B, D, V] fp32 base logits;  w1 [V, r] (markov_w1.weight);  w2 [V, r] (markov_w2.weight);  anchors [B]
+  for j in 0..D-1:  m = w1[prev];  logits = U[:, j] + w2 @ m;  x = argmax(score);  prev = x      (prev_0 = anchor)
+  score = logits (greedy, or temperature 0) or logits / tau + Gumbel(u), u uniform noise [B, D, V] (given, for tests)
+  or Philox (tl.rand(seed, (b*D + j)*V + v)).  Outputs ids [B, D] int64 and the chosen token's logit [B, D] fp32.
+Kernel: G persistent programs (<= #SMs, all co-resident) each own a V-slice; per step each computes
+[B, slice] = m @ w2_slice^T (+U) chunk by chunk and folds its argmax into one int64 key per row,
+key = (order-preserving int32 of the score) << 32 | (2^32-1 - index)  (max key = max score, then smallest index,
+torch.argmax's tie rule), published with atomic_max; a grid barrier (atomic counter) ends the step and every program
+reads the B winning keys as the next prev. one_launch=False replaces the barrier by D+1 launches (no co-residency
+assumption; also what the interpreter runs with several programs, since it executes programs one after another).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from dspark.kernels import interpreting, next_pow2, tl, triton, use_triton
+from dspark.spec.draft import sample_markov
+
+
+def markov_sample_ref(U, w1, w2, anchors, temperature=None, noise=None):
+    """Direct loop in fp32 (w1, w2 upcast). -> (ids [B, D] int64, logit of the chosen token [B, D] fp32)."""
+    B, D, V = U.shape
+    prev, ids, lg = anchors.long(), [], []
+    for j in range(D):
+        logits = U[:, j].float() + w1.float()[prev] @ w2.float().t()  # [B, V]
+        score = logits
+        if temperature is not None and noise is not None:
+            tau = temperature.float()[:, None]
+            gum = -torch.log(-torch.log(noise[:, j].float()))
+            score = torch.where(tau > 0, logits / tau.clamp(min=1e-30) + gum, logits)
+        x = score.argmax(-1)
+        ids.append(x)
+        lg.append(logits.gather(1, x[:, None])[:, 0])
+        prev = x
+    return torch.stack(ids, 1), torch.stack(lg, 1)
+
+
+def markov_sample_model(U, w1, w2, anchors):
+    """Greedy ids through dspark.spec.draft.sample_markov itself (a drafter shim around U, w1, w2): for tests."""
+    def markov(prev):
+        m = F.embedding(prev, w1)
+        return F.linear(m, w2).float(), m
+    shim = SimpleNamespace(base_logits=lambda h: U, markov=markov, confidence=lambda h, m: None)
+    B, D, _ = U.shape
+    return sample_markov(shim, U.new_zeros(B, D, 1), anchors, U.new_zeros(B), sample=False).draft_ids
+
+
+@triton.jit
+def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, ids_ptr, lgt_ptr, key_ptr, bar_ptr,
+                   B, D, V, R, G, seed, j_begin, j_end,
+                   BB: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, SAMPLE: tl.constexpr,
+                   NOISE: tl.constexpr, BARRIER: tl.constexpr, DOT_F32: tl.constexpr):
+    g = tl.program_id(0)
+    rb = tl.arange(0, BB)
+    bm = rb < B
+    rr = tl.arange(0, BR)
+    rm = rr < R
+    per = tl.cdiv(tl.cdiv(V, BV), G) * BV
+    v_lo = g * per
+    v_hi = tl.minimum(v_lo + per, V)
+    is_g0 = (rb * 0 + g) == 0
+    low = 4294967295
+    if SAMPLE:
+        tau = tl.load(temp_ptr + rb, mask=bm, other=0.0).to(tl.float32)
+    for j in range(j_begin, j_end):
+        # ---- phase A: prev for step j (the winners of step j-1), program 0 writes ids / logits of step j-1
+        prev = tl.load(anc_ptr + rb, mask=bm, other=0).to(tl.int64)
+        if j > 0:
+            key = tl.load(key_ptr + (j - 1) * B + rb, mask=bm, other=0, cache_modifier=".cg")
+            x = low - (key & low)
+            if j > 1:
+                pkey = tl.load(key_ptr + (j - 2) * B + rb, mask=bm, other=0, cache_modifier=".cg")
+                prev = low - (pkey & low)  # the prev of step j-1, to recompute its chosen logit
+            mp = tl.load(w1_ptr + prev[:, None] * R + rr[None, :], mask=bm[:, None] & rm[None, :], other=0.0)
+            wx = tl.load(w2_ptr + x[:, None] * R + rr[None, :], mask=bm[:, None] & rm[None, :], other=0.0)
+            lg = tl.load(u_ptr + (rb * D + j - 1) * V + x, mask=bm, other=0.0) + tl.sum(
+                mp.to(tl.float32) * wx.to(tl.float32), 1)
+            tl.store(ids_ptr + rb * D + j - 1, x, mask=bm & is_g0)
+            tl.store(lgt_ptr + rb * D + j - 1, lg, mask=bm & is_g0)
+            prev = x
+        # ---- phase B: step j over this program's V-slice
+        if j < D:
+            m = tl.load(w1_ptr + prev[:, None] * R + rr[None, :], mask=bm[:, None] & rm[None, :], other=0.0)
+            best = tl.full([BB], -9223372036854775807 - 1, tl.int64)
+            for v0 in range(v_lo, v_hi, BV):
+                vv = v0 + tl.arange(0, BV)
+                vm = vv < v_hi
+                w2t = tl.load(w2_ptr + vv[None, :] * R + rr[:, None], mask=rm[:, None] & vm[None, :], other=0.0)
+                if DOT_F32:
+                    bias = tl.dot(m.to(tl.float32), w2t.to(tl.float32), input_precision="ieee")
+                else:
+                    bias = tl.dot(m, w2t)  # [BB, BV] fp32
+                off = (rb[:, None] * D + j) * V + vv[None, :]
+                tm = bm[:, None] & vm[None, :]
+                score = tl.load(u_ptr + off, mask=tm, other=0.0) + bias
+                if SAMPLE:
+                    if NOISE == 1:
+                        un = tl.load(noise_ptr + off, mask=tm, other=0.5)
+                    else:
+                        un = tl.rand(seed, off)
+                    gum = -tl.log(-tl.log(un))
+                    score = tl.where(tau[:, None] > 0, score / tl.maximum(tau[:, None], 1e-30) + gum, score)
+                bits = score.to(tl.int32, bitcast=True)
+                sbits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+                k = (sbits << 32) | (low - vv[None, :].to(tl.int64))
+                k = tl.where(tm, k, -9223372036854775807 - 1)
+                best = tl.maximum(best, tl.max(k, 1))
+            tl.atomic_max(key_ptr + j * B + rb, best, mask=bm, sem="relaxed")
+            if BARRIER:  # grid barrier: all programs are resident (G <= #SMs)
+                tl.debug_barrier()
+                tl.atomic_add(bar_ptr, 1, sem="release")
+                cnt = tl.atomic_add(bar_ptr, 0, sem="acquire")
+                while cnt < (j + 1 - j_begin) * G:
+                    cnt = tl.atomic_add(bar_ptr, 0, sem="acquire")
+                tl.debug_barrier()
+
+
+def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=None, one_launch=True,
+                         programs=None, block_v=None):
+    """-> (ids [B, D] int64, logits [B, D] fp32). seed (int) without noise: in-kernel Philox Gumbel noise."""
+    B, D, V = U.shape
+    R = w1.shape[1]
+    dev = U.device
+    U = U.contiguous()
+    BV = block_v or 128
+    sample = temperature is not None and (noise is not None or seed is not None)
+    if programs is None:
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
+        programs = min(sms, triton.cdiv(V, BV))
+    if interpreting() and one_launch and programs > 1:
+        raise ValueError("markov_sample: the interpreter runs programs one after another: one_launch needs 1 program")
+    ids = torch.empty(B, D, dtype=torch.int64, device=dev)
+    lgt = torch.empty(B, D, dtype=torch.float32, device=dev)
+    keys = torch.full((D, B), -(2 ** 63), dtype=torch.int64, device=dev)
+    bar = torch.zeros(1, dtype=torch.int32, device=dev)
+    temp = temperature.float().contiguous() if sample else U
+    nz = noise.contiguous() if noise is not None else U
+    common = dict(BB=max(16, next_pow2(B)), BV=BV, BR=max(16, next_pow2(R)), SAMPLE=sample,
+                  NOISE=1 if noise is not None else 2, DOT_F32=w1.dtype == torch.float32 or interpreting(),
+                  num_warps=8 if B > 16 else 4)
+    args = (U, w1.contiguous(), w2.contiguous(), anchors.contiguous(), temp, nz, ids, lgt, keys, bar,
+            B, D, V, R, programs, int(seed or 0))
+    if one_launch:
+        _markov_kernel[(programs,)](*args, 0, D + 1, BARRIER=True, **common)
+    else:
+        for j in range(D + 1):
+            _markov_kernel[(programs,)](*args, j, j + 1, BARRIER=False, **common)
+    return ids, lgt
+
+
+def markov_sample(U, w1, w2, anchors, temperature=None, noise=None):
+    """Greedy (or Gumbel-max with given noise) Markov drafting; Triton on CUDA, else the reference."""
+    if use_triton(U, w1):
+        return markov_sample_triton(U, w1, w2, anchors, temperature, noise,
+                                    one_launch=not interpreting())
+    return markov_sample_ref(U, w1, w2, anchors, temperature, noise)

@@ -1,0 +1,244 @@
+"""dspark.kernels: every Triton kernel against its torch reference, and each reference against the model code.
+
+CPU: the Triton kernels run under TRITON_INTERPRET=1 at small shapes. triton 3.9 reads that variable when a kernel is
+*decorated* (module import), so the interpreter checks run in one subprocess with the variable set
+(`_interp_checks`, results as JSON), whatever this process has imported already. The dispatchers' CPU fallback
+(= the reference) and reference-vs-model checks run in-process. CUDA (skipped without a GPU): compiled kernels at
+K3 shapes in bf16. Whole file: ~15-25 s on 2 CPU cores.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _kda_inputs(B, T, H, D, W=4, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    P = H * D
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(device)
+    return dict(qkv=r(B, T, 3 * P).to(dtype), f=r(B, T, P).to(dtype), beta=r(B, T, H).to(dtype),
+                gate=r(B, T, P).to(dtype), conv_w=r(3 * P, W, sc=0.5), window=r(B, W - 1, 3 * P).to(dtype),
+                A_log=r(H, sc=0.5), dt_bias=r(P), o_norm_w=(torch.rand(D, generator=g) + 0.5).to(device).to(dtype),
+                state=r(B, H, D, D, sc=0.3))
+
+
+def _err(a, b):
+    return (a.float() - b.float()).abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------ interpreter (subprocess)
+def _interp_checks() -> dict:
+    """Runs with TRITON_INTERPRET=1: name -> [max abs error, tolerance]."""
+    from dspark.kernels import interpreting
+    from dspark.kernels.attn_res import attn_res_mix_ref, attn_res_mix_triton
+    from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
+    from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
+    from dspark.kernels.mxfp4_matmul import (
+        mxfp4_grouped_matmul_ref,
+        mxfp4_grouped_matmul_triton,
+        mxfp4_matmul_ref,
+        mxfp4_matmul_triton,
+    )
+    from dspark.models.k3.mxfp4 import quantize_mxfp4
+
+    assert interpreting()
+    res = {}
+    # KDA: fp32, tolerance 1e-5 on out / state / ext
+    cases = {"kda_softplus_final": dict(lower_bound=None, return_all_states=False, lengths=None),
+             "kda_lb_allstates_lengths": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([3, 1])),
+             "kda_lb_nostate": dict(lower_bound=-5.0, return_all_states=False, lengths=None, state=None)}
+    for name, kw in cases.items():
+        inp = _kda_inputs(B=2, T=3, H=2, D=16)
+        inp.update(kw)
+        ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp)
+        res[name] = [max(_err(a, b) for a, b in zip(ref, out)), 1e-5]
+    # AttnRes: fp32, 1e-5; d = 80 with 32-wide chunks (a ragged tail), strided sources + prefix, output norm
+    g = torch.Generator().manual_seed(1)
+    v = torch.randn(3, 9, 80, generator=g) * torch.rand(1, 9, 1, generator=g) * 3
+    nw, q, ow, pre = torch.rand(80, generator=g) + .5, torch.randn(80, generator=g) * .3, torch.rand(80) + .5, \
+        torch.randn(3, 80, generator=g)
+    for name, kw in {"attnres_plain": dict(sources=v), "attnres_outnorm": dict(sources=v, out_w=ow),
+                     "attnres_view_prefix": dict(sources=v[:, :5], prefix=pre, out_w=ow)}.items():
+        res[name] = [_err(attn_res_mix_ref(norm_w=nw, query=q, **kw),
+                          attn_res_mix_triton(norm_w=nw, query=q, block_d=32, **kw)), 1e-5]
+    # MXFP4: K = 96 (tail inside a 64-wide K block), fp32 1e-4; bf16 activations: 1 bf16 ulp of |y|max (rel 1e-2)
+    p, s = quantize_mxfp4(torch.randn(48, 96, generator=g))
+    x = torch.randn(5, 96, generator=g)
+    res["mxfp4_fp32"] = [_err(mxfp4_matmul_ref(x, p, s), mxfp4_matmul_triton(x, p, s, block=(16, 16, 64))), 1e-4]
+    yb = mxfp4_matmul_ref(x.bfloat16(), p, s)
+    res["mxfp4_bf16"] = [_err(yb, mxfp4_matmul_triton(x.bfloat16(), p, s, block=(16, 16, 64))),
+                         1e-2 * yb.float().abs().max().item()]
+    pw = [quantize_mxfp4(torch.randn(48, 96, generator=g)) for _ in range(3)]
+    P, S = torch.stack([a for a, _ in pw]), torch.stack([b for _, b in pw])
+    offs, xg = torch.tensor([0, 7, 7, 20]), torch.randn(20, 96, generator=g)  # expert 1 empty
+    res["mxfp4_grouped"] = [_err(mxfp4_grouped_matmul_ref(xg, P, S, offs),
+                                 mxfp4_grouped_matmul_triton(xg, P, S, offs, block=(16, 16, 64))), 1e-4]
+    # Markov: ids exact (error = number of mismatches, tolerance 0), logits 1e-5 (checked as a second entry)
+    B, D, V, R = 3, 4, 300, 16
+    U, w1, w2 = torch.randn(B, D, V, generator=g), torch.randn(V, R, generator=g), torch.randn(V, R, generator=g) * .5
+    anc = torch.randint(0, V, (B,), generator=g)
+    temp, noise = torch.tensor([0.0, 1.0, 0.7]), torch.rand(B, D, V, generator=g).clamp(1e-6, 1 - 1e-6)
+    for name, kw, tkw in [("markov_greedy_1launch", {}, dict(one_launch=True, programs=1)),
+                          ("markov_greedy_steps_3prog", {}, dict(one_launch=False, programs=3)),
+                          ("markov_gumbel_steps_3prog", dict(temperature=temp, noise=noise),
+                           dict(one_launch=False, programs=3))]:
+        ri, rl = markov_sample_ref(U, w1, w2, anc, **kw)
+        ki, kl = markov_sample_triton(U, w1, w2, anc, block_v=64, **kw, **tkw)
+        res[name] = [float((ri != ki).sum()), 0.0]
+        res[name + "_logit"] = [_err(rl, kl), 1e-5]
+    return res
+
+
+@pytest.fixture(scope="module")
+def interp():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    code = "import json, tests.test_kernels as t; print('RESULT' + json.dumps(t._interp_checks()))"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads(p.stdout.split("RESULT", 1)[1])
+
+
+INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "attnres_plain",
+                "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
+                "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog"]
+
+
+@pytest.mark.parametrize("name", INTERP_CASES)
+def test_triton_interpreter_matches_reference(interp, name):
+    for key in (name, name + "_logit"):
+        if key in interp:
+            err, tol = interp[key]
+            assert err <= tol, f"{key}: max error {err} > {tol}"
+
+
+# ------------------------------------------------------------------------------------------ references vs the model
+def test_kda_reference_and_fallback_equal_the_layer():
+    from dspark.kernels.kda_decode import conv_weight, kda_decode
+    from dspark.models.k3.kda import KimiDeltaAttention
+
+    torch.manual_seed(0)
+    layer = KimiDeltaAttention(hidden_size=24, num_heads=2, head_dim=8, gate_lower_bound=-5.0)
+    with torch.no_grad():
+        layer.o_norm.weight.uniform_(0.5, 1.5)
+        x = torch.randn(2, 5, 24)
+        qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1)
+        out, S, ext = kda_decode(qkv, layer.f_b_proj(layer.f_a_proj(x)), layer.b_proj(x), layer.g_proj(x),
+                                 conv_weight(layer), qkv.new_zeros(2, 3, 48), layer.A_log, layer.dt_bias,
+                                 layer.o_norm.weight, None, -5.0)
+        assert _err(layer.o_proj(out), layer(x)) <= 1e-5
+        assert S.shape == (2, 2, 8, 8) and ext.shape == (2, 8, 48)
+
+
+def test_attn_res_reference_and_fallback_equal_the_model():
+    from dspark.kernels.attn_res import attn_res_mix
+    from dspark.models.k3.attn_res import attn_res_naive
+    from dspark.models.layers import RMSNorm
+
+    torch.manual_seed(0)
+    norm, proj = RMSNorm(32, eps=1e-5), torch.nn.Linear(32, 1, bias=False)
+    srcs = [torch.randn(1, 4, 32) * (j + 1) for j in range(5)]
+    mix = attn_res_mix(torch.stack([s[0] for s in srcs[:-1]], 1), norm.weight, proj.weight[0], prefix=srcs[-1][0])
+    assert _err(mix, attn_res_naive(srcs, norm, proj)[0]) <= 1e-5
+    out = attn_res_mix(torch.stack([s[0] for s in srcs], 1), norm.weight, proj.weight[0], out_w=norm.weight)
+    assert _err(out, norm(attn_res_naive(srcs, norm, proj)[0])) <= 1e-5
+
+
+def test_mxfp4_reference_and_fallback_equal_mxfp4_linear():
+    from dspark.kernels.mxfp4_matmul import mxfp4_grouped_matmul, mxfp4_matmul
+    from dspark.models.k3.mxfp4 import MXFP4Linear
+
+    torch.manual_seed(0)
+    lin = MXFP4Linear.from_linear(torch.nn.Linear(64, 40, bias=False))
+    x = torch.randn(7, 64)
+    y = mxfp4_matmul(x, lin.weight_packed, lin.weight_scale)
+    assert _err(y, lin(x)) == 0
+    yg = mxfp4_grouped_matmul(x, lin.weight_packed[None].repeat(2, 1, 1), lin.weight_scale[None].repeat(2, 1, 1),
+                              torch.tensor([0, 3, 7]))
+    assert _err(yg, lin(x)) <= 1e-5  # row subsets: BLAS summation order
+
+
+def test_markov_reference_and_fallback_equal_sample_markov():
+    from dspark.kernels.markov_sample import markov_sample, markov_sample_model
+
+    torch.manual_seed(0)
+    U, w1, w2, anc = torch.randn(4, 6, 500), torch.randn(500, 8), torch.randn(500, 8), torch.randint(0, 500, (4,))
+    ids, lg = markov_sample(U, w1, w2, anc)
+    assert torch.equal(ids, markov_sample_model(U, w1, w2, anc))
+    assert _err(lg, (U + 0).gather(2, ids[..., None])[..., 0] + (w1[torch.cat([anc[:, None], ids[:, :-1]], 1)]
+                                                                 * w2[ids]).sum(-1)) <= 1e-5
+
+
+# ------------------------------------------------------------------------------------------ CUDA, K3 shapes, bf16
+@cuda
+@pytest.mark.parametrize("T,all_states", [(1, False), (9, True), (17, False)])
+def test_cuda_kda_decode(T, all_states):
+    from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
+
+    inp = _kda_inputs(B=4, T=T, H=32, D=128, dtype=torch.bfloat16, device="cuda")
+    inp.update(lower_bound=-5.0, return_all_states=all_states, lengths=torch.tensor([T, 1, T, max(1, T // 2)],
+                                                                                     device="cuda"))
+    ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp)
+    assert _err(out[0], ref[0]) <= 3e-2 * ref[0].float().abs().max().item()  # bf16 output
+    assert _err(out[1], ref[1]) <= 1e-2  # fp32 state; the reference rounds conv/SiLU outputs to bf16, the kernel not
+    assert _err(out[2], ref[2]) == 0
+
+
+@cuda
+@pytest.mark.parametrize("N", [1, 64])
+def test_cuda_attn_res(N):
+    from dspark.kernels.attn_res import attn_res_mix_ref, attn_res_mix_triton
+
+    v = torch.randn(N, 9, 7168, device="cuda").bfloat16()
+    nw, q, ow = torch.rand(7168, device="cuda") + .5, torch.randn(7168, device="cuda") * .02, torch.rand(7168, device="cuda")
+    for kw in (dict(sources=v), dict(sources=v[:, :8], prefix=v[:, 8].contiguous(), out_w=ow)):
+        ref = attn_res_mix_ref(norm_w=nw, query=q, **kw)
+        assert _err(attn_res_mix_triton(norm_w=nw, query=q, **kw), ref) <= 2e-2 * ref.float().abs().max().item()
+
+
+@cuda
+@pytest.mark.parametrize("M", [1, 16, 64])
+def test_cuda_mxfp4(M):
+    from dspark.kernels.mxfp4_matmul import (
+        mxfp4_grouped_matmul_ref,
+        mxfp4_grouped_matmul_triton,
+        mxfp4_matmul_ref,
+        mxfp4_matmul_triton,
+    )
+    from dspark.models.k3.mxfp4 import quantize_mxfp4
+
+    for N, K in ((3072, 3584), (3584, 3072)):
+        p, s = quantize_mxfp4(torch.randn(N, K, device="cuda") * 0.02)
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        ref = mxfp4_matmul_ref(x.float(), p, s)
+        assert _err(mxfp4_matmul_triton(x, p, s), ref) <= 1e-2 * ref.abs().max().item()
+    P, S = torch.stack([p, p.flip(0)]), torch.stack([s, s.flip(0)])
+    offs = torch.tensor([0, M // 2, M], device="cuda")
+    ref = mxfp4_grouped_matmul_ref(x.float(), P, S, offs)
+    assert _err(mxfp4_grouped_matmul_triton(x, P, S, offs), ref) <= 1e-2 * ref.abs().max().item()
+
+
+@cuda
+@pytest.mark.parametrize("B", [1, 64])
+def test_cuda_markov(B):
+    from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
+
+    V, D, R = 163840, 8, 64
+    U = torch.randn(B, D, V, device="cuda") * 3
+    w1, w2 = torch.randn(V, R, device="cuda").bfloat16(), (torch.randn(V, R, device="cuda") * 0.1).bfloat16()
+    anc = torch.randint(0, V, (B,), device="cuda")
+    ri, rl = markov_sample_ref(U, w1, w2, anc)
+    for one in (True, False):
+        ki, kl = markov_sample_triton(U, w1, w2, anc, one_launch=one)
+        assert torch.equal(ki, ri) and _err(kl, rl) <= 1e-3
+    temp, noise = torch.rand(B, device="cuda"), torch.rand(B, D, V, device="cuda").clamp(1e-6, 1 - 1e-6)
+    ri, _ = markov_sample_ref(U, w1, w2, anc, temp, noise)
+    ki, _ = markov_sample_triton(U, w1, w2, anc, temp, noise)
+    assert (ki == ri).float().mean() >= 0.99  # Gumbel scores: fp32 near-ties may flip a rare row
