@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

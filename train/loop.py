@@ -8,9 +8,9 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm.auto import tqdm

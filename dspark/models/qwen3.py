@@ -141,7 +141,7 @@ class Qwen3ForCausalLM(nn.Module):
         save_hf_dir(out_dir, cfg, state)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32) -> "Qwen3ForCausalLM":
+    def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32) -> Qwen3ForCausalLM:
         from dspark.checkpoint import load_state_strict, read_config
 
         cfg = Qwen3Config(**read_config(path))

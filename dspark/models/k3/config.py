@@ -142,7 +142,7 @@ class K3TextConfig:
         return [f.name for f in dataclasses.fields(cls) if f.metadata.get("hf", True)]
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "K3TextConfig":
+    def from_dict(cls, d: dict[str, Any]) -> K3TextConfig:
         """Accepts a plain `kimi_linear` config.json dict or a `kimi_k3` one (text model under `text_config`)."""
         d = dict(d)
         wrapped = d.get("model_type") == "kimi_k3" or "text_config" in d

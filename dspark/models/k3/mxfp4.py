@@ -72,7 +72,7 @@ class MXFP4Linear(nn.Module):
         self.register_buffer("weight_scale", torch.full((out_features, in_features // BLOCK), 127, dtype=torch.uint8))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "MXFP4Linear":
+    def from_linear(cls, linear: nn.Linear) -> MXFP4Linear:
         q = cls(linear.in_features, linear.out_features).to(linear.weight.device)
         q.weight_packed, q.weight_scale = quantize_mxfp4(linear.weight)
         return q
