@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test install data-sources lint bench clean
+.PHONY: quickstart quickstart-ablation test install data-sources lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,8 +19,22 @@ install: $(STAMP)
 data-sources: $(STAMP)
 	PYTHON=$(BIN)/python bash scripts/install-data-sources.sh
 
+QS := runs/quickstart
 quickstart: data-sources
-	$(BIN)/python -m train recipes/targets/qwen3-tiny.yaml
+	$(BIN)/python -m train recipes/targets/qwen3-tiny.yaml output_dir=$(QS)/target
+	$(BIN)/python -m train recipes/quickstart.yaml target=$(QS)/target/final output_dir=$(QS)/drafter
+	$(BIN)/python -m eval --target $(QS)/target/final --drafter $(QS)/drafter/final --name dspark \
+		--corpus .cache/corpus-stdlib --tasks code_holdout,humaneval,creative,chat \
+		--num-prompts 20 --max-tokens 64 --threads 2 --out $(QS)/eval
+
+# DSpark vs the dflash layout, trained with the same data and steps (after `make quickstart`)
+quickstart-ablation: data-sources
+	$(BIN)/python -m train recipes/quickstart.yaml target=$(QS)/target/final output_dir=$(QS)/dflash \
+		drafter.mode=dflash drafter.block_size=5 drafter.markov_rank=0
+	$(BIN)/python -m eval --target $(QS)/target/final --drafter $(QS)/drafter/final --name dspark \
+		--drafter $(QS)/dflash/final --name dflash --corpus .cache/corpus-stdlib \
+		--tasks code_holdout,humaneval,creative,chat --num-prompts 20 --max-tokens 64 --threads 2 \
+		--out $(QS)/eval-ablation
 
 test: data-sources
 	$(BIN)/python -m pytest tests

@@ -261,6 +261,7 @@ class DrafterRecipe:
     optim: OptimConfig = doc(lambda: OptimConfig(lr=1e-3, warmup_steps=20, batch_size=8), "")
     log: LogConfig = doc(LogConfig, "")
     export: ExportConfig = doc(ExportConfig, "")
+    serve: dict = doc(dict, "deployment for `python -m serve --engine vllm --recipe` (keys: serve/vllm.py docstring)")
     max_steps: int = 400
     max_minutes: float | None = None
     seed: int = 0

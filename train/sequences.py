@@ -75,17 +75,35 @@ def encode_record(rec: dict, tok) -> tuple[list[int], list[bool], list[int]]:
     return ids, mask, prompt
 
 
-def _from_corpus(recipe, tok):
+class _Rows:
+    """Packed corpus rows [N, L] as (ids, loss mask, prompt) items, converted to lists only when picked."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        ids = self.rows[i].tolist()
+        return ids, [True] * len(ids), ids
+
+
+def _from_corpus(recipe, tok) -> dict[str, _Rows]:
+    """The corpus packed with the target's tokenizer. When data.corpus.tokenizer_dir holds that same tokenizer
+    (the usual case: the target was trained on it) the cached packed rows are reused, corpus or not."""
+    from train.data import _file_digest, prepare_tokens
+
+    cfg = recipe.data.corpus
+    if _file_digest(Path(cfg.tokenizer_dir) / "tokenizer.json") == _file_digest(Path(recipe.target) / "tokenizer.json"):
+        data = prepare_tokens(cfg)
+        return {"train": _Rows(data.train), "holdout": _Rows(data.holdout)}
     from dspark.data.tokenizer import pack_tokens
     from train.data import prepare_corpus
 
-    corpus, _ = prepare_corpus(recipe.data.corpus)
-    T = recipe.data.seq_len
-    splits = {}
-    for split in ("train", "holdout"):
-        rows = pack_tokens(corpus[split]["text"], tok, T)
-        splits[split] = [r.tolist() for r in rows]
-    return splits
+    corpus, _ = prepare_corpus(cfg)
+    return {split: _Rows(pack_tokens(corpus[split]["text"], tok, recipe.data.seq_len))
+            for split in ("train", "holdout")}
 
 
 def load_sequences(recipe, target, tok) -> Sequences:
@@ -96,8 +114,7 @@ def load_sequences(recipe, target, tok) -> Sequences:
     d, T = recipe.data, recipe.data.seq_len
     g = torch.Generator().manual_seed(recipe.seed)
     if d.dataset is None:
-        splits = _from_corpus(recipe, tok)
-        enc = {s: [(r, [True] * len(r), r) for r in rows] for s, rows in splits.items()}
+        enc = _from_corpus(recipe, tok)
     else:
         recs = [encode_record(r, tok) for r in load_records(d.dataset)]
         n_hold = max(1, min(d.holdout_sequences, len(recs) // 10))
@@ -121,8 +138,8 @@ def load_sequences(recipe, target, tok) -> Sequences:
             masks = [[False] * len(p) + [True] * (len(s) - len(p)) for p, s in zip(prompts, seqs)]
             # the prompt's last token anchors the first block of the response
         else:
-            items = items if split == "train" else items[:n]
-            rows, masks = [it[0] for it in items], [it[1] for it in items]
+            picked = [items[i] for i in range(len(items) if split == "train" else min(n, len(items)))]
+            rows, masks = [it[0] for it in picked], [it[1] for it in picked]
         x, m = _pad(rows, masks, min(T, max(len(r) for r in rows)), tok.pad_token_id or 0)
         result[split], result[f"{split}_mask"] = x, m
     seqs = Sequences(result["train"], result["train_mask"], result["holdout"], result["holdout_mask"])

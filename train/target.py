@@ -69,4 +69,7 @@ def train_target(recipe: TargetRecipe) -> dict:
 
     summary = run(recipe, LoopSpec(model, loss_step, evaluate, save_final), accelerator)
     summary["params"] = n_params
+    tokens = summary["steps"] * recipe.optim.batch_size * (recipe.data.seq_len - 1)
+    summary["train_tokens"] = tokens
+    summary["train_tokens_per_s"] = tokens / max(1e-9, summary["train_minutes"] * 60)
     return summary
