@@ -112,11 +112,43 @@ def load_target(path: str | Path, device="cpu", dtype="float32"):
 # --------------------------------------------------------------------------- drafters (vLLM layouts)
 DSPARK_ARCHS = ("Qwen3DSparkModel", "DSparkDraftModel")
 DFLASH_ARCHS = ("DFlashDraftModel",)
+K3_DSPARK_ARCHS = ("K3DSparkModel",)
+K3_DEFAULT_ROPE_THETA = 50000.0  # K3DSparkConfig's default (contract §4.4)
+K3_REJECTED = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor")  # must be false
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
+def k3_drafter_export_config(cfg) -> dict:
+    """config.json of a `K3DSparkModel` (contract §4.7). K3DSparkConfig has no defaults at init, so every field is
+    explicit; num_target_layers is the number of aux layers, the MLA is RoPE'd and ungated, the MLP dense."""
+    return {
+        "architectures": ["K3DSparkModel"], "model_type": "k3_dspark",
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_attention_heads,
+        "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "rms_norm_eps": cfg.rms_norm_eps,
+        "hidden_act": cfg.hidden_act, "max_position_embeddings": cfg.max_position_embeddings,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "logit_scale": cfg.logit_scale, "tie_word_embeddings": False, "attention_bias": False,
+        "torch_dtype": "float32", "mla_use_nope": False, "mla_use_output_gate": False,
+        "n_routed_experts": 0, "n_shared_experts": 0, "num_experts_per_tok": 0,
+        "target_hidden_size": cfg.target_hidden_size, "target_layer_ids": list(cfg.target_layer_ids),
+        "num_target_layers": len(cfg.target_layer_ids), "markov_rank": cfg.markov_rank,
+        "block_size": cfg.block_size, "mask_token_id": cfg.mask_token_id, "sample_from_anchor": True,
+        "enable_confidence_head": cfg.enable_confidence_head,
+        "confidence_head_with_markov": cfg.confidence_head_with_markov,
+    }
+
+
 def drafter_export_config(cfg, layout: str) -> dict:
-    """config.json for vLLM: `Qwen3DSparkModel` (method dspark) or `DFlashDraftModel` (method dflash)."""
+    """config.json for vLLM: `Qwen3DSparkModel` (method dspark) or `DFlashDraftModel` (method dflash); for a k3
+    backbone `K3DSparkModel` (dspark only)."""
+    if getattr(cfg, "backbone", "qwen3") == "k3":
+        if layout != "dspark":
+            raise ValueError(f"export.layout: {layout!r} is not defined for the k3 backbone; K3DSparkModel has only "
+                             "the dspark layout")
+        return k3_drafter_export_config(cfg)
     base = {
         "model_type": "qwen3", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
@@ -141,6 +173,9 @@ def export_drafter(drafter, out_dir: str | Path, layout: str = "dspark", tokeniz
     cfg = drafter.config
     if layout not in ("dspark", "dflash"):
         raise ValueError(f"export.layout: expected 'dspark' or 'dflash', got {layout!r}")
+    if cfg.backbone == "k3" and layout != "dspark":
+        raise ValueError(f"export.layout: {layout!r} is not defined for the k3 backbone; K3DSparkModel has only "
+                         "the dspark layout")
     if layout != cfg.mode:
         raise ValueError(f"export.layout: a {cfg.mode!r}-mode drafter cannot be exported as {layout!r} "
                          "(the query layouts differ: anchor-as-first vs 1+N fill-in)")
@@ -157,6 +192,8 @@ def drafter_config_from_json(cfg: dict, where: str):
     from dspark.models.drafter import DrafterConfig
 
     arch = (cfg.get("architectures") or [None])[0]
+    if arch in K3_DSPARK_ARCHS:
+        return k3_drafter_config_from_json(cfg, where)
     if arch in DSPARK_ARCHS:
         mode = "dspark"
         ids = cfg.get("target_layer_ids", cfg.get("dspark_target_layer_ids"))
@@ -169,7 +206,7 @@ def drafter_config_from_json(cfg: dict, where: str):
         ids, mask = dc.get("target_layer_ids"), dc.get("mask_token_id", cfg.get("mask_token_id"))
     else:
         raise ValueError(f"{where}: architectures {cfg.get('architectures')} is not a drafter; expected one of "
-                         f"{list(DSPARK_ARCHS + DFLASH_ARCHS)}")
+                         f"{list(DSPARK_ARCHS + DFLASH_ARCHS + K3_DSPARK_ARCHS)}")
     if mask is None:
         raise ValueError(f"{where}: no mask token id (mask_token_id / dflash_config.mask_token_id)")
     if not ids:
@@ -192,6 +229,51 @@ def drafter_config_from_json(cfg: dict, where: str):
             hidden_act=cfg.get("hidden_act", "silu"), attention_bias=cfg.get("attention_bias", False))
     except KeyError as e:
         raise ValueError(f"{where}: missing field {e.args[0]!r}") from None
+
+
+def k3_drafter_config_from_json(cfg: dict, where: str):
+    """A `K3DSparkModel` config.json (contract §4.7) -> DrafterConfig(backbone="k3"); strict on required fields."""
+    from dspark.models.drafter import DrafterConfig
+
+    if cfg.get("model_type", "k3_dspark") != "k3_dspark":
+        raise ValueError(f"{where}: model_type {cfg['model_type']!r}; a K3DSparkModel has model_type 'k3_dspark'")
+    for key in K3_REJECTED:
+        if cfg.get(key):
+            raise ValueError(f"{where}: {key} must be false or absent for K3DSparkModel")
+    if cfg.get("sample_from_anchor", True) is False:
+        raise ValueError(f"{where}: sample_from_anchor false (1+N layout) is not supported for K3DSparkModel")
+    if cfg.get("q_lora_rank") is None:
+        raise ValueError(f"{where}: q_lora_rank is required for K3DSparkModel")
+    ids = cfg.get("target_layer_ids", cfg.get("dspark_target_layer_ids"))
+    mask = cfg.get("mask_token_id", cfg.get("dspark_noise_token_id"))
+    if mask is None:
+        raise ValueError(f"{where}: no mask token id (mask_token_id / dspark_noise_token_id)")
+    if not ids:
+        raise ValueError(f"{where}: no target_layer_ids")
+    if cfg.get("draft_vocab_size", cfg.get("vocab_size")) != cfg.get("vocab_size"):
+        raise ValueError(f"{where}: draft_vocab_size {cfg['draft_vocab_size']} != vocab_size {cfg.get('vocab_size')} "
+                         "(a reduced draft vocabulary is not supported)")
+    block = cfg.get("block_size", cfg.get("dspark_block_size"))
+    if block is None:
+        raise ValueError(f"{where}: missing field 'block_size' (required for K3DSparkModel)")
+    rope = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", K3_DEFAULT_ROPE_THETA))
+    try:
+        return DrafterConfig(
+            vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], target_hidden_size=cfg["target_hidden_size"],
+            target_layer_ids=list(ids), num_target_layers=cfg.get("num_target_layers", len(ids)),
+            mask_token_id=mask, block_size=block,
+            num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_attention_heads"], intermediate_size=cfg["intermediate_size"],
+            rms_norm_eps=cfg["rms_norm_eps"], rope_theta=rope, max_position_embeddings=cfg["max_position_embeddings"],
+            mode="dspark", markov_rank=cfg["markov_rank"],
+            enable_confidence_head=bool(cfg.get("enable_confidence_head", False)),
+            confidence_head_with_markov=bool(cfg.get("confidence_head_with_markov", False)),
+            hidden_act=cfg["hidden_act"], backbone="k3", q_lora_rank=cfg["q_lora_rank"],
+            kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+            qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+            logit_scale=float(cfg.get("logit_scale", 1.0)))
+    except KeyError as e:
+        raise ValueError(f"{where}: missing field {e.args[0]!r} (required for K3DSparkModel)") from None
 
 
 def check_drafter_against_target(dcfg, target, where: str) -> None:
@@ -251,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     c = drafter.config
-    print(f"ok: {c.mode} drafter, block {c.block_size} ({c.num_drafts} drafts), {c.num_hidden_layers} layers, "
+    print(f"ok: {c.mode} drafter ({c.backbone} backbone), block {c.block_size} ({c.num_drafts} drafts), {c.num_hidden_layers} layers, "
           f"target_layer_ids {c.target_layer_ids} of {target.config.num_hidden_layers}, mask {c.mask_token_id}, "
           f"markov_rank {c.markov_rank}, confidence head {c.enable_confidence_head}")
     return 0

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from dspark.checkpoint import export_drafter, load_target
+from dspark.checkpoint import K3_DEFAULT_ROPE_THETA, export_drafter, load_target
 from dspark.config import DrafterRecipe
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.request import SamplingParams
-from train.losses import LossWeights, drafter_loss
 from train.loop import LoopSpec, make_accelerator, run
+from train.losses import LossWeights, drafter_loss
 from train.sequences import Sequences, load_sequences
 
 log = logging.getLogger(__name__)
@@ -32,25 +32,42 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 
 def drafter_config(recipe: DrafterRecipe, target, tokenizer) -> DrafterConfig:
+    """The drafter's config from the recipe and the target. backbone auto: qwen3 for Qwen3 targets, k3 (MLA,
+    K3DSparkModel) for kimi_linear / kimi_k3 ones; k3 dims default to the target's MLA dims."""
     m, tc = recipe.drafter, target.config
-    backbone = m.backbone if m.backbone != "auto" else ("qwen3" if tc.model_type == "qwen3" else "k3")
-    if backbone != "qwen3":
-        raise ValueError("drafter.backbone: the k3 (MLA) drafter backbone is not available yet; use a qwen3 target")
+    backbone = m.backbone if m.backbone != "auto" else (
+        "qwen3" if getattr(tc, "model_type", None) == "qwen3" else "k3")
     mask_id = tokenizer.convert_tokens_to_ids(tokenizer.mask_token) if tokenizer.mask_token else None
     if mask_id is None:
         raise ValueError(f"target tokenizer ({recipe.target}): no mask token; DSpark drafting needs one "
                          "(a tokenizer built by `python -m dspark.data tokenizer` has <|mask|>)")
-    return DrafterConfig(
+    ids = m.target_layer_ids or default_layer_ids(tc.num_hidden_layers)
+    common = dict(
         vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, target_hidden_size=tc.hidden_size,
-        target_layer_ids=m.target_layer_ids or default_layer_ids(tc.num_hidden_layers),
-        num_target_layers=tc.num_hidden_layers, mask_token_id=mask_id, block_size=m.block_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads or tc.num_attention_heads,
-        num_key_value_heads=m.num_kv_heads or tc.num_key_value_heads, head_dim=m.head_dim or tc.head_dim,
+        target_layer_ids=ids, mask_token_id=mask_id, block_size=m.block_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads or tc.num_attention_heads,
         intermediate_size=m.intermediate_size or tc.intermediate_size, rms_norm_eps=tc.rms_norm_eps,
-        rope_theta=getattr(target, "rope_theta", 10000.0), max_position_embeddings=tc.max_position_embeddings,
-        mode=m.mode, markov_rank=0 if m.mode == "dflash" else m.markov_rank,
+        max_position_embeddings=tc.max_position_embeddings, mode=m.mode,
+        markov_rank=0 if m.mode == "dflash" else m.markov_rank,
         enable_confidence_head=m.enable_confidence_head and m.mode == "dspark",
         confidence_head_with_markov=m.confidence_head_with_markov)
+    if backbone == "k3":
+        return DrafterConfig(**common, **_k3_fields(m, tc), backbone="k3", num_target_layers=len(ids),
+                             rope_theta=K3_DEFAULT_ROPE_THETA)
+    return DrafterConfig(
+        **common, num_target_layers=tc.num_hidden_layers, num_key_value_heads=m.num_kv_heads or tc.num_key_value_heads,
+        head_dim=m.head_dim or tc.head_dim, rope_theta=getattr(target, "rope_theta", 10000.0))
+
+
+def _k3_fields(m, tc) -> dict:
+    """MLA dims: the recipe's (when it has them), else the target's MLA dims, else DrafterConfig's defaults;
+    q_lora_rank falls back to hidden_size // 2 (the drafter needs one; a target may have none)."""
+    d = DrafterConfig.__dataclass_fields__
+    dims = {k: getattr(m, k, None) or getattr(tc, k, None) or d[k].default
+            for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    q_lora = getattr(m, "q_lora_rank", None) or getattr(tc, "q_lora_rank", None) or tc.hidden_size // 2
+    return {**dims, "q_lora_rank": q_lora, "hidden_act": getattr(m, "hidden_act", None) or "silu",
+            "logit_scale": float(getattr(m, "logit_scale", None) or 1.0)}
 
 
 def sample_anchors(loss_mask: torch.Tensor, num: int, drafts: int, generator: torch.Generator) -> torch.Tensor:

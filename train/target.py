@@ -45,8 +45,10 @@ def holdout_loss(model, rows: torch.Tensor, batch_size: int, device) -> float:
 
 def train_target(recipe: TargetRecipe) -> dict:
     torch.manual_seed(recipe.seed)
-    data: TokenData = prepare_tokens(recipe.data)
     accelerator = make_accelerator(recipe)
+    with accelerator.main_process_first():  # rank 0 builds corpus/tokenizer/packed rows, the others reuse them
+        data: TokenData = prepare_tokens(recipe.data)
+    torch.manual_seed(recipe.seed)  # same initial weights on every rank and however the data was prepared
     model = build_target(recipe.arch, recipe.model, data.tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     log.info("%s target: %.2fM params, %d train rows x %d tokens", recipe.arch, n_params / 1e6,

@@ -1,14 +1,19 @@
-"""The DSpark drafter (DFlash backbone + Markov head + confidence head), in vLLM's `Qwen3DSparkModel` layout.
+"""The DSpark drafter (parallel block backbone + Markov head + confidence head), in vLLM's layouts.
 
 One parallel pass drafts a whole block. Target hidden states after `target_layer_ids` (concatenated) become a
-context: ctx = hidden_norm(fc(aux)); every draft layer turns ctx into its own K/V (k_norm(k_proj(ctx)) + RoPE,
-v_proj(ctx)) and the query block attends to it and, non-causally, to itself.
+context; every draft layer turns the context into its own cache rows and the query block attends to them and,
+non-causally, to itself. Two backbones (drafter_backbones.py), picked by `DrafterConfig.backbone`:
+- qwen3 (`Qwen3DSparkModel` / `DFlashDraftModel`): ctx = hidden_norm(fc(aux)); rows = [k_norm(k_proj(ctx)) + RoPE
+  | v_proj(ctx)]; Qwen3 decoder layers; final `norm`.
+- k3 (`K3DSparkModel`, contract §4.3/§4.4): ctx = context_norm(context_proj(aux)); rows = the MLA latent
+  [kv_a_layernorm(kv_c) | RoPE(k_pe)] of kv_a_proj_with_mqa(ctx); MLA (interleaved RoPE, no output gate) +
+  dense gate/up/down MLP layers; `final_norm`; logits x logit_scale.
 
 Query layouts (vLLM §4.2):
 - dspark (anchor-as-first, `sample_from_anchor`): N queries [anchor, mask x (N-1)] at positions p0..p0+N-1;
   query j predicts the token at p0+j+1, so a block gives N drafts.
 - dflash (1+N fill-in): the same block, but query j >= 1 predicts the token at its own position p0+j, so a block
-  of N gives N-1 drafts and query 0 is not sampled.
+  of N gives N-1 drafts and query 0 is not sampled (qwen3 backbone only).
 
 Embedding and LM head are the target's, frozen (non-persistent buffers: never trained, never saved).
 Markov head: logits_j = U_j + markov_w2 @ markov_w1[prev_j], prev_0 = anchor, prev_j = draft j-1.
@@ -22,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, rope_cos_sin
-from dspark.models.qwen3 import Qwen3Attention
+BACKBONE_NAMES = ("qwen3", "k3")
 
 
 @dataclass
@@ -32,23 +36,32 @@ class DrafterConfig:
     hidden_size: int  # = the target's hidden size (shared embedding / LM head)
     target_hidden_size: int
     target_layer_ids: list[int]  # 0-based "after layer i" of the target
-    num_target_layers: int  # the target's depth (Qwen3 DSpark / DFlash convention)
+    # qwen3: the target's depth (Qwen3 DSpark / DFlash convention); k3: len(target_layer_ids) (K3DSparkModel)
+    num_target_layers: int
     mask_token_id: int
     block_size: int = 4
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    head_dim: int = 64
+    num_key_value_heads: int = 4  # qwen3 only
+    head_dim: int = 64  # qwen3 only
     intermediate_size: int = 768
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope_theta: float = 10000.0  # K3DSparkModel's default is 50000 (set explicitly for k3)
     max_position_embeddings: int = 4096
     mode: str = "dspark"  # dspark | dflash
     markov_rank: int = 32  # 0 = no Markov head
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = False
-    hidden_act: str = "silu"
-    attention_bias: bool = False
+    hidden_act: str = "silu"  # silu | situ (SiTU-GLU with beta = 1)
+    attention_bias: bool = False  # qwen3 only
+    backbone: str = "qwen3"  # qwen3 (GQA, fc + hidden_norm) | k3 (MLA, context_proj + context_norm)
+    # MLA dims, k3 only (contract §1.4); q_lora_rank is required there
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    logit_scale: float = 1.0  # logits = logit_scale * (lm_head(h) + markov bias)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -56,6 +69,8 @@ class DrafterConfig:
         return self.block_size if self.mode == "dspark" else self.block_size - 1
 
     def validate(self) -> None:
+        if self.backbone not in BACKBONE_NAMES:
+            raise ValueError(f"backbone: expected one of {BACKBONE_NAMES}, got {self.backbone!r}")
         if self.mode not in ("dspark", "dflash"):
             raise ValueError(f"mode: expected 'dspark' or 'dflash', got {self.mode!r}")
         if self.mode == "dflash" and (self.markov_rank or self.enable_confidence_head):
@@ -65,12 +80,36 @@ class DrafterConfig:
             raise ValueError(f"block_size: too small for mode {self.mode!r}: {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids: expected a non-empty list")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(f"target_layer_ids: {bad} out of range for a target of {self.num_target_layers} layers "
-                             f"(valid 0..{self.num_target_layers - 1})")
+        if self.backbone == "k3":
+            self._validate_k3()
+        else:
+            bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+            if bad:
+                raise ValueError(f"target_layer_ids: {bad} out of range for a target of {self.num_target_layers} "
+                                 f"layers (valid 0..{self.num_target_layers - 1})")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(f"mask_token_id: {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
+
+    def _validate_k3(self) -> None:
+        """K3DSparkModel (contract §4.7): dspark layout only, q_lora_rank required, num_target_layers = #aux."""
+        if self.mode != "dspark":
+            raise ValueError("mode: the k3 backbone has only the dspark layout (K3DSparkModel); dflash is not "
+                             "defined for K3")
+        if not self.q_lora_rank or self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank: required (> 0) for the k3 (MLA) backbone, got {self.q_lora_rank!r}")
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected > 0, got {getattr(self, name)}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim: RoPE rotates pairs; expected an even size, got {self.qk_rope_head_dim}")
+        if self.hidden_act not in ("silu", "situ"):
+            raise ValueError(f"hidden_act: expected 'silu' or 'situ', got {self.hidden_act!r}")
+        bad = [i for i in self.target_layer_ids if i < 0]
+        if bad:
+            raise ValueError(f"target_layer_ids: {bad} are negative (0-based 'after layer i')")
+        if self.num_target_layers != len(self.target_layer_ids):
+            raise ValueError(f"num_target_layers: for the k3 backbone it is the number of aux layers "
+                             f"(len(target_layer_ids) = {len(self.target_layer_ids)}), got {self.num_target_layers}")
 
     def as_qwen3(self):
         from transformers import Qwen3Config
@@ -82,42 +121,6 @@ class DrafterConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class DraftAttention(Qwen3Attention):
-    """Qwen3 attention (same weights/names) used the DFlash way: K/V of the context + of the block itself."""
-
-    def kv_rows(self, h: torch.Tensor, cos, sin) -> torch.Tensor:
-        """h: [B, L, H] -> cache rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]."""
-        B, L, _ = h.shape
-        k = self.k_norm(self.k_proj(h).view(B, L, self.n_kv, self.head_dim)).transpose(1, 2)
-        k = apply_rope_neox(k, cos, sin)
-        v = self.v_proj(h).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
-        return torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
-
-    def attend(self, x, cos, sin, ctx_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x: [B, Q, H] queries; ctx_rows: [B, L, C]; mask: [B, 1, Q, L + Q] bool over [context ; block]."""
-        B, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, Q, self.n_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope_neox(q, cos, sin)
-        rows = torch.cat([ctx_rows.to(x.dtype), self.kv_rows(x, cos, sin)], dim=1)
-        k, v = rows.view(B, rows.shape[1], 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
-
-
-class DraftLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig, idx: int):
-        super().__init__()
-        qcfg = cfg.as_qwen3()
-        self.self_attn = DraftAttention(qcfg, idx)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, cos, sin, ctx_rows, mask):
-        x = x + self.self_attn.attend(self.input_layernorm(x), cos, sin, ctx_rows, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class MarkovHead(nn.Module):
@@ -143,15 +146,32 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDrafter(nn.Module):
+    """The backbone-independent drafter: heads, frozen target embedding / LM head, block layout, training pass.
+
+    `DSparkDrafter(cfg, embed, lm_head)` builds the subclass of `cfg.backbone` (drafter_backbones.BACKBONES),
+    which registers its modules under the vLLM names and implements the backbone interface:
+      row_width: int                                  per-token context row width in the paged cache
+      context(aux [B, L, n*Ht]) -> ctx [B, L, H]
+      context_rows(ctx [B, L, H], positions [B, L] | [L]) -> per draft layer [B, L, row_width]
+      decode(x [B, Q, H] embedded block, positions [B, Q], ctx_rows, mask [B, 1, Q, L+Q]) -> post-norm [B, Q, H]
+    """
+
+    row_width: int
+
+    def __new__(cls, cfg: DrafterConfig | None = None, *args, **kwargs):
+        if cls is DSparkDrafter:
+            from dspark.models.drafter_backbones import BACKBONES
+
+            if cfg.backbone not in BACKBONES:
+                raise ValueError(f"backbone: expected one of {sorted(BACKBONES)}, got {cfg.backbone!r}")
+            cls = BACKBONES[cfg.backbone]
+        return super().__new__(cls)
+
     def __init__(self, cfg: DrafterConfig, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()
         cfg.validate()
         self.config = cfg
-        n_aux = len(cfg.target_layer_ids)
-        self.fc = nn.Linear(cfg.target_hidden_size * n_aux, cfg.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.build_backbone(cfg)
         self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank) if cfg.markov_rank else None
         conf_dim = cfg.hidden_size + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
         self.confidence_head = ConfidenceHead(conf_dim) if cfg.enable_confidence_head else None
@@ -162,6 +182,9 @@ class DSparkDrafter(nn.Module):
             nn.init.zeros_(self.confidence_head.proj.bias)
         self.set_target_weights(embed_weight, lm_head_weight)
 
+    def build_backbone(self, cfg: DrafterConfig) -> None:  # registers the backbone modules (vLLM names)
+        raise NotImplementedError
+
     def set_target_weights(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         if embed_weight.shape != (self.config.vocab_size, self.config.hidden_size):
             raise ValueError(f"target embedding {tuple(embed_weight.shape)} does not match the drafter "
@@ -169,33 +192,28 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
 
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype the backbone computes in (that of its first parameter: fc / context_proj)."""
+        return next(self.parameters()).dtype
+
     # ---------------------------------------------------------------- pieces
-    def context(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux: [B, L, n*target_hidden] -> ctx [B, L, H]."""
-        return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
-
-    def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """Per draft layer, the K/V rows of the context tokens at `positions` ([B, L] or [L])."""
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, ctx.dtype)
-        return [layer.self_attn.kv_rows(ctx, cos, sin) for layer in self.layers]
-
     def backbone(self, tokens, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
         """tokens/positions: [B, Q]; returns the post-norm draft hidden states [B, Q, H]."""
-        x = F.embedding(tokens, self.embed_weight).to(self.fc.weight.dtype)
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        for layer, rows in zip(self.layers, ctx_rows):
-            x = layer(x, cos, sin, rows, mask)
-        return self.norm(x)
+        x = F.embedding(tokens, self.embed_weight).to(self.param_dtype)
+        return self.decode(x, positions, ctx_rows, mask)
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(h, self.lm_head_weight.to(h.dtype)).float()
+        U = F.linear(h, self.lm_head_weight.to(h.dtype)).float()
+        return U if self.config.logit_scale == 1.0 else U * self.config.logit_scale
 
     def markov(self, prev: torch.Tensor):
         """-> (logit bias [..., V] fp32 or 0, m [..., r] or None)."""
         if self.markov_head is None:
             return 0.0, None
         bias, m = self.markov_head(prev)
-        return bias.float(), m
+        bias = bias.float()
+        return (bias if self.config.logit_scale == 1.0 else bias * self.config.logit_scale), m
 
     def confidence(self, h: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor | None:
         if self.confidence_head is None:
@@ -237,3 +255,11 @@ class DSparkDrafter(nn.Module):
         mask = torch.cat([ctx_vis, blk_vis], dim=-1)[:, None]
         h = self.backbone(blocks.flatten(1), pos.flatten(1), ctx_rows, mask)
         return h.view(B, A, N, -1)[:, :, self.draft_slots()]
+
+
+def __getattr__(name: str):  # the backbone classes live in drafter_backbones.py (imported lazily: no cycle)
+    if name in ("DraftAttention", "DraftLayer", "Qwen3DSparkDrafter", "K3DraftLayer", "K3DSparkDrafter", "BACKBONES"):
+        from dspark.models import drafter_backbones
+
+        return getattr(drafter_backbones, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

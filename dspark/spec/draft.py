@@ -1,14 +1,15 @@
 """Drafting at inference: the drafter's context cache, the parallel block pass, and sequential Markov sampling.
 
-Per request the drafter keeps the K/V rows of its context (one row per target position) in the target's paged cache,
-written right after each target forward from its aux features. A draft step runs the block
+Per request the drafter keeps the rows of its context (one row per target position and draft layer: [k | v] for the
+qwen3 backbone, the MLA latent [kv_c | k_pe] for k3) in the target's paged cache, written right after each target
+forward from its aux features. A draft step runs the block
 [anchor, mask x (N-1)] at positions p0.. (p0 = target cache length) against them, then samples left to right:
 logits_j = U_j + markov(prev), prev_0 = anchor, prev_j = draft_{j-1}.
 """
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 import torch
 
@@ -60,7 +61,7 @@ class DraftRunner:
         self.drafter = drafter
         cfg = drafter.config
         self.layers = [layer_offset + i for i in range(cfg.num_hidden_layers)]
-        self.row_width = 2 * cfg.num_key_value_heads * cfg.head_dim
+        self.row_width = drafter.row_width  # qwen3: 2*n_kv*head_dim ([k | v]); k3: kv_lora+rope (MLA latent)
 
     def cache_layout(self) -> dict[int, int]:
         return {layer: self.row_width for layer in self.layers}
@@ -80,7 +81,7 @@ class DraftRunner:
         d = self.drafter
         B, N = len(rids), d.config.block_size
         fb = cache.batch(rids, 0)  # a read-only view: no new tokens
-        empty = torch.zeros(B, 0, self.row_width, dtype=d.fc.weight.dtype, device=anchors.device)
+        empty = torch.zeros(B, 0, self.row_width, dtype=d.param_dtype, device=anchors.device)
         ctx_rows = [fb.cache.attn_append(layer, empty) for layer in self.layers]
         cache.commit()
         ctx_len = fb.num_cached.to(anchors.device)  # [B] = p0

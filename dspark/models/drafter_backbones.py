@@ -1,0 +1,135 @@
+"""The drafter backbones behind `DSparkDrafter` (see drafter.py for the interface they implement).
+
+- `Qwen3DSparkDrafter` (backbone "qwen3", vLLM `Qwen3DSparkModel` / `DFlashDraftModel`): fc + hidden_norm, Qwen3
+  decoder layers whose context rows are [k_norm(k_proj(ctx)) + NeoX RoPE | v_proj(ctx)], final `norm`.
+- `K3DSparkDrafter` (backbone "k3", vLLM `K3DSparkModel`, contract §4.3/§4.4): context_proj + context_norm, MLA
+  layers (interleaved RoPE on q_pe/k_pe, no output gate, non-causal) + dense gate/up/down MLP, `final_norm`.
+  A context row is the MLA latent [kv_a_layernorm(kv_c) | RoPE(k_pe)] of kv_a_proj_with_mqa(ctx), i.e. the
+  compressed cache vLLM stores: row_width = kv_lora_rank + qk_rope_head_dim.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.models.drafter import DrafterConfig, DSparkDrafter
+from dspark.models.k3.mla import MLAttention
+from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, rope_cos_sin
+from dspark.models.qwen3 import Qwen3Attention
+
+
+# --------------------------------------------------------------------------- qwen3
+class DraftAttention(Qwen3Attention):
+    """Qwen3 attention (same weights/names) used the DFlash way: K/V of the context + of the block itself."""
+
+    def kv_rows(self, h: torch.Tensor, cos, sin) -> torch.Tensor:
+        """h: [B, L, H] -> cache rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]."""
+        B, L, _ = h.shape
+        k = self.k_norm(self.k_proj(h).view(B, L, self.n_kv, self.head_dim)).transpose(1, 2)
+        k = apply_rope_neox(k, cos, sin)
+        v = self.v_proj(h).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
+        return torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
+
+    def attend(self, x, cos, sin, ctx_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x: [B, Q, H] queries; ctx_rows: [B, L, C]; mask: [B, 1, Q, L + Q] bool over [context ; block]."""
+        B, Q, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope_neox(q, cos, sin)
+        rows = torch.cat([ctx_rows.to(x.dtype), self.kv_rows(x, cos, sin)], dim=1)
+        k, v = rows.view(B, rows.shape[1], 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, idx: int):
+        super().__init__()
+        qcfg = cfg.as_qwen3()
+        self.self_attn = DraftAttention(qcfg, idx)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, ctx_rows, mask):
+        x = x + self.self_attn.attend(self.input_layernorm(x), cos, sin, ctx_rows, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3DSparkDrafter(DSparkDrafter):
+    def build_backbone(self, cfg: DrafterConfig) -> None:
+        n_aux = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(cfg.target_hidden_size * n_aux, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def row_width(self) -> int:
+        return 2 * self.config.num_key_value_heads * self.config.head_dim
+
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, L, n*target_hidden] -> ctx [B, L, H]."""
+        return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+
+    def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Per draft layer, the K/V rows of the context tokens at `positions` ([B, L] or [L])."""
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, ctx.dtype)
+        return [layer.self_attn.kv_rows(ctx, cos, sin) for layer in self.layers]
+
+    def decode(self, x, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer, rows in zip(self.layers, ctx_rows):
+            x = layer(x, cos, sin, rows, mask)
+        return self.norm(x)
+
+
+# --------------------------------------------------------------------------- k3 (MLA)
+class K3DraftLayer(nn.Module):
+    """K3DSparkDecoderLayer: pre-norm MLA (RoPE on, no output gate) + pre-norm dense gate/up/down MLP."""
+
+    def __init__(self, cfg: DrafterConfig, idx: int):
+        super().__init__()
+        self.self_attn = MLAttention(
+            cfg.hidden_size, cfg.num_attention_heads, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_nope_head_dim,
+            cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.rms_norm_eps, use_output_gate=False,
+            rope_theta=cfg.rope_theta, causal=False, layer_idx=idx)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)  # situ: beta 1, no up clamp
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, positions, ctx_rows, mask):
+        """x [B, Q, H], positions [B, Q], ctx_rows [B, L, kv_lora+rope], mask [B, 1, Q, L+Q] -> [B, Q, H]."""
+        attn, h = self.self_attn, self.input_layernorm(x)
+        rows = torch.cat([ctx_rows.to(h.dtype), attn.latent_rows(h, positions)], dim=1)  # [B, L+Q, C]
+        x = x + attn.output(attn.attend(attn.queries(h, positions), rows, mask), h)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class K3DSparkDrafter(DSparkDrafter):
+    def build_backbone(self, cfg: DrafterConfig) -> None:
+        n_aux = len(cfg.target_layer_ids)
+        self.context_proj = nn.Linear(cfg.target_hidden_size * n_aux, cfg.hidden_size, bias=False)
+        self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(K3DraftLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @property
+    def row_width(self) -> int:
+        return self.config.kv_lora_rank + self.config.qk_rope_head_dim
+
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, L, n*target_hidden] -> ctx [B, L, H]."""
+        return self.context_norm(self.context_proj(aux.to(self.context_proj.weight.dtype)))
+
+    def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Per draft layer, the latent rows [B, L, kv_lora+rope] of the context tokens at `positions`."""
+        return [layer.self_attn.latent_rows(ctx, positions) for layer in self.layers]
+
+    def decode(self, x, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
+        for layer, rows in zip(self.layers, ctx_rows):
+            x = layer(x, positions, rows, mask)
+        return self.final_norm(x)
+
+
+BACKBONES: dict[str, type[DSparkDrafter]] = {"qwen3": Qwen3DSparkDrafter, "k3": K3DSparkDrafter}
