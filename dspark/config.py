@@ -43,6 +43,8 @@ def _coerce(value: Any, tp, where: str):
                 errors.append(str(e))
         raise RecipeError(f"{where}: expected {' or '.join(_type_name(a) for a in args)}, got {value!r}")
     if origin is Literal:
+        if value is False and "no" in typing.get_args(tp):  # YAML 1.1 reads a bare `no` as false
+            value = "no"
         if value not in typing.get_args(tp):
             raise RecipeError(f"{where}: expected one of {list(typing.get_args(tp))}, got {value!r}")
         return value

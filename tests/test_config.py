@@ -21,6 +21,7 @@ def test_loads_with_defaults_and_overrides(tmp_path):
                                             "resume=true"])
     assert (r.max_steps, r.optim.lr, r.data.sources, r.resume) == (7, 0.01, ["python_stdlib"], True)
     assert r.optim.batch_size == 16 and r.data.seq_len == 256
+    assert load_recipe(write(tmp_path, BASE), ["mixed_precision=no"]).mixed_precision == "no"  # YAML's bare no
 
 
 def test_unknown_key_lists_valid_fields(tmp_path):
