@@ -167,6 +167,7 @@ class Engine:
     def _prefill(self, reqs: list[Request]):
         chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
         logits = self._forward(reqs, chunks, record=False)
+        last = torch.stack([logits[b, len(c) - 1] for b, c in enumerate(chunks)]).float().cpu()  # sampling on CPU
         self.cache.commit()
         emitted = []
         for b, (r, chunk) in enumerate(zip(reqs, chunks)):
@@ -174,7 +175,7 @@ class Engine:
             self.cache.after_prefill(r.id, r.prompt_ids, r.num_computed)
             if r.num_computed == len(r.prompt_ids):
                 self.counters["prompt_tokens"] += len(r.prompt_ids)
-                probs = process_logits(logits[b, len(chunk) - 1], r.params.temperature, r.params.top_k, r.params.top_p)
+                probs = process_logits(last[b], r.params.temperature, r.params.top_k, r.params.top_p)
                 tok = int(torch.multinomial(probs, 1, generator=r.generator)[0])
                 r.status = Status.DECODE
                 emitted.append((r, self._emit(r, [tok])))
@@ -191,13 +192,13 @@ class Engine:
             prop = self.drafts.propose(self.cache, [r.id for r in reqs], anchors, temps, sample=self.draft_sample, top_k=self.draft_top_k,
                                        generators=[r.generator for r in reqs])
             drafts = prop.draft_ids[:, : self.k].cpu()
-            draft_probs = None if prop.draft_probs is None else prop.draft_probs[:, : self.k]
+            draft_probs = None if prop.draft_probs is None else prop.draft_probs[:, : self.k].cpu()
             budget = [min(self.k, r.params.max_tokens - len(r.output_ids) - 1) for r in reqs]
             n_drafts = torch.tensor([max(0, b) for b in budget])
             if self.adaptive:
-                n_drafts = torch.minimum(n_drafts, choose_verify_lengths(prop.confidence[:, : self.k].cpu()))
+                n_drafts = torch.minimum(n_drafts, choose_verify_lengths(prop.confidence[:, : self.k].float().cpu()))
         tokens = [[r.last_token] + drafts[b, : n_drafts[b]].tolist() for b, r in enumerate(reqs)]
-        logits = self._forward(reqs, tokens, record=True)
+        logits = self._forward(reqs, tokens, record=True).float().cpu()  # verification runs on CPU (per request)
         results = []
         for b, r in enumerate(reqs):
             n = int(n_drafts[b])

@@ -1,4 +1,7 @@
-"""Tiny random-weight targets of every kind the engine serves (shared by the engine/cache tests)."""
+"""Tiny random-weight targets of every kind the engine serves (shared by the engine/cache tests).
+DSPARK_TEST_DEVICE=cuda runs the same engine tests on a GPU (fp32)."""
+import os
+
 import torch
 
 from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
@@ -22,7 +25,7 @@ TARGETS = {"qwen3": _qwen3, "k3": _k3}
 
 def make_target(kind: str, vocab: int = 300, seed: int = 0):
     torch.manual_seed(seed)
-    model = TARGETS[kind](vocab).eval()
+    model = TARGETS[kind](vocab).eval().to(os.environ.get("DSPARK_TEST_DEVICE", "cpu"))
     # sharpen the random model a little so greedy continuations are not dominated by near-ties
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)

@@ -27,9 +27,10 @@ def make_drafter(target, block_size=4, markov_rank=8, mode="dspark", seed=1):
 def reference_greedy(target, prompt, n):
     """Plain full-sequence forwards, no cache: the definition of the target's greedy output."""
     ids = list(prompt)
+    dev = next(target.parameters()).device
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(target(torch.tensor([ids]))[0, -1].argmax()))
+            ids.append(int(target(torch.tensor([ids], device=dev))[0, -1].argmax()))
     return ids[len(prompt):]
 
 

@@ -38,16 +38,18 @@ class CacheView(Protocol):
 
 @dataclass
 class ForwardBatch:
-    num_cached: torch.Tensor  # [B] long: tokens already in the cache per request
-    num_new: torch.Tensor  # [B] long: valid new tokens per request (rest of the row is padding)
+    num_cached: torch.Tensor  # [B] long (CPU bookkeeping): tokens already in the cache per request
+    num_new: torch.Tensor  # [B] long (CPU): valid new tokens per request (rest of the row is padding)
     cache: CacheView | None = None
     record: bool = False  # keep per-position recurrent states for a later commit (verify)
+    device: torch.device | str = "cpu"  # where the model runs: positions / valid / key_mask are built there
 
-    def positions(self, T: int) -> torch.Tensor:  # [B, T]
-        return self.num_cached[:, None] + torch.arange(T, device=self.num_cached.device)[None]
+    def positions(self, T: int) -> torch.Tensor:  # [B, T] on self.device
+        start = self.num_cached.to(self.device)
+        return start[:, None] + torch.arange(T, device=self.device)[None]
 
-    def valid(self, T: int) -> torch.Tensor:  # [B, T] bool
-        return torch.arange(T, device=self.num_new.device)[None] < self.num_new[:, None]
+    def valid(self, T: int) -> torch.Tensor:  # [B, T] bool on self.device
+        return torch.arange(T, device=self.device)[None] < self.num_new.to(self.device)[:, None]
 
     def key_mask(self, T: int, L: int) -> torch.Tensor:
         """[B, 1, T, L] bool: query j of row b (position num_cached+j) may see key i iff i <= its position."""
@@ -70,12 +72,12 @@ class DenseCache:
         self._batch: ForwardBatch | None = None
 
     # --- the caller's side ---
-    def batch(self, num_new, record: bool = False) -> ForwardBatch:
+    def batch(self, num_new, record: bool = False, device="cpu") -> ForwardBatch:
         num_new = torch.as_tensor(num_new, dtype=torch.long)
         need = int((self.lengths + num_new).max())
         if need > self.max_len:
             raise ValueError(f"DenseCache: {need} tokens exceed max_len={self.max_len}")
-        self._batch = ForwardBatch(self.lengths.clone(), num_new, self, record)
+        self._batch = ForwardBatch(self.lengths.clone(), num_new, self, record, device)
         return self._batch
 
     def commit(self, n_keep=None) -> None:
@@ -106,7 +108,7 @@ class DenseCache:
             self.attn[layer] = new.new_zeros(self.B, self.max_len, C)
         store = self.attn[layer]
         valid = b.valid(T)
-        rows = torch.arange(B)[:, None].expand(B, T)
+        rows = torch.arange(B, device=valid.device)[:, None].expand(B, T)
         store[rows[valid], b.positions(T)[valid]] = new[valid].to(store.dtype)
         return store[:, : int((b.num_cached + b.num_new).max())]
 

@@ -34,9 +34,10 @@ class PagedView:
         self.cache, self.reqs, self.fb = cache, reqs, batch
         self.slots = [r.slot for r in reqs]
         width = max([len(r.table.blocks) for r in reqs] + [1])
-        self.table = torch.zeros(len(reqs), width, dtype=torch.long)  # [B, max blocks]; padding -> block 0
+        table = torch.zeros(len(reqs), width, dtype=torch.long)  # [B, max blocks]; padding -> block 0
         for i, r in enumerate(reqs):
-            self.table[i, : len(r.table.blocks)] = torch.tensor(r.table.blocks, dtype=torch.long)
+            table[i, : len(r.table.blocks)] = torch.tensor(r.table.blocks, dtype=torch.long)
+        self.table = table.to(cache.device)
 
     def _rows(self, pos: torch.Tensor) -> torch.Tensor:  # pos [B, *] token positions -> flat storage rows
         bs = self.cache.block_size
@@ -52,7 +53,8 @@ class PagedView:
         flat[self._rows(fb.positions(T))[valid]] = new[valid].to(flat.dtype)
         lengths = fb.num_cached + fb.num_new
         L = int(lengths.max()) if B else 0
-        pos = torch.arange(L)[None].expand(B, L)
+        lengths = lengths.to(flat.device)
+        pos = torch.arange(L, device=flat.device)[None].expand(B, L)
         out = flat[self._rows(pos)]  # [B, L, C]
         return out.masked_fill((pos >= lengths[:, None])[..., None], 0)
 
@@ -72,6 +74,7 @@ class PagedCache:
                  prefix_cache: PrefixCacheConfig | None = None):
         """attn_layers: {layer: C}; kda_layers: {layer: (H, K, V, conv_channels, W)}."""
         self.attn_layers, self.kda_layers = dict(attn_layers), dict(kda_layers)
+        self.device = torch.device(device)
         self.block_size, self.max_requests = block_size, max_requests
         self.pool = BlockPool(num_blocks, block_size)
         self.kv = {ly: torch.zeros(num_blocks, block_size, C, dtype=dtype, device=device)
@@ -124,7 +127,7 @@ class PagedCache:
         for r, k in zip(reqs, need):
             r.table.blocks += fresh[:k]
             fresh = fresh[k:]
-        fb = ForwardBatch(num_cached, num_new, None, record)
+        fb = ForwardBatch(num_cached, num_new, None, record, self.device)
         fb.cache = PagedView(self, reqs, fb)
         self._batch = (fb, reqs)
         return fb

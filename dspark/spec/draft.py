@@ -41,8 +41,9 @@ def sample_markov(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor
         c = drafter.confidence(h[:, j], m)
         if sample:
             p = process_logits(logits, temperature)
-            x = torch.stack([torch.multinomial(p[b], 1, generator=None if generators is None else generators[b])[0]
-                             for b in range(B)])
+            pc = p.cpu()  # per-request CPU generators (seeded sampling)
+            x = torch.stack([torch.multinomial(pc[b], 1, generator=None if generators is None else generators[b])[0]
+                             for b in range(B)]).to(p.device)
             probs.append(p)
         else:
             x = logits.argmax(-1)

@@ -202,7 +202,8 @@ class KimiDeltaAttention(nn.Module):
         if record:
             o, S = kda_recurrent(q, k, v, g, beta, S0, return_all_states=True)  # S: [B,T,H,K,V]
         elif fla_available(x):
-            o, S = kda_fla(q.to(x.dtype), k.to(x.dtype), v, g, beta.to(x.dtype), S0, decode=T <= RECURRENT_MAX_T)
+            dt = v.dtype  # fla wants q, k, v, beta in one dtype (bf16 under autocast); g stays fp32
+            o, S = kda_fla(q.to(dt), k.to(dt), v, g, beta.to(dt), S0, decode=T <= RECURRENT_MAX_T)
         elif T <= RECURRENT_MAX_T:
             o, S = kda_recurrent(q, k, v, g, beta, S0)
         else:
