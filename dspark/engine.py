@@ -199,11 +199,19 @@ class Engine:
                 n_drafts = torch.minimum(n_drafts, choose_verify_lengths(prop.confidence[:, : self.k].float().cpu()))
         tokens = [[r.last_token] + drafts[b, : n_drafts[b]].tolist() for b, r in enumerate(reqs)]
         logits = self._forward(reqs, tokens, record=True).float().cpu()  # verification runs on CPU (per request)
-        results = []
+        results: list = [None] * B
+        greedy = [b for b, r in enumerate(reqs) if r.params.temperature == 0]
+        if greedy:  # all greedy rows in one vectorised call
+            g = torch.tensor(greedy)
+            width = logits.shape[1] - 1  # the forward is as wide as the longest verified row
+            a, nxt = verify_greedy(drafts[g, :width], logits[g], n_drafts[g])
+            for i, b in enumerate(greedy):
+                results[b] = (int(n_drafts[b]), int(a[i]), int(nxt[i]))
         for b, r in enumerate(reqs):
-            n = int(n_drafts[b])
-            dp = None if draft_probs is None else draft_probs[b: b + 1, :n]
-            results.append((n, *self._verify(r, drafts[b: b + 1, :n], dp, logits[b: b + 1, : n + 1])))
+            if results[b] is None:
+                n = int(n_drafts[b])
+                dp = None if draft_probs is None else draft_probs[b: b + 1, :n]
+                results[b] = (n, *self._verify(r, drafts[b: b + 1, :n], dp, logits[b: b + 1, : n + 1]))
         self.cache.commit(torch.tensor([a + 1 for _, a, _ in results]))
         emitted = []
         for b, (r, (n, a, nxt)) in enumerate(zip(reqs, results)):
@@ -217,15 +225,12 @@ class Engine:
         return emitted
 
     def _verify(self, r: Request, drafts, draft_probs, logits) -> tuple[int, int]:
-        """One request: (accepted drafts, next token) under its own sampling parameters."""
+        """One sampled request: (accepted drafts, next token) under its own sampling parameters."""
         p = r.params
         n = torch.tensor([drafts.shape[1]])
-        if p.temperature == 0:
-            a, nxt = verify_greedy(drafts, logits, n)
-        else:
-            probs = process_logits(logits, p.temperature, p.top_k, p.top_p)
-            fn = verify_block if self.rejection == "block" else verify_rejection
-            a, nxt = fn(drafts, draft_probs, probs, n, r.generator)
+        probs = process_logits(logits, p.temperature, p.top_k, p.top_p)
+        fn = verify_block if self.rejection == "block" else verify_rejection
+        a, nxt = fn(drafts, draft_probs, probs, n, r.generator)
         return int(a[0]), int(nxt[0])
 
     def _count(self, n: int, a: int) -> None:
