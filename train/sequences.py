@@ -40,7 +40,12 @@ def load_records(spec: str) -> list[dict]:
         builder = {"jsonl": "json", "json": "json", "parquet": "parquet", "txt": "text", "text": "text"}.get(ext)
         if builder is None:
             raise ValueError(f"data.dataset: {spec}: expected .json/.jsonl/.parquet/.txt files, found {ext or 'none'}")
-        ds = datasets.load_dataset(builder, data_files=files, split="train")
+        if all(Path(f).stat().st_size == 0 for f in files):
+            raise ValueError(f"data.dataset: {spec} is empty")
+        try:
+            ds = datasets.load_dataset(builder, data_files=files, split="train")
+        except Exception as e:  # malformed json and the like: one line naming the file
+            raise ValueError(f"data.dataset: {spec}: could not be read as {builder} ({type(e).__name__}: {e})") from None
     else:
         try:
             ds = datasets.load_dataset(spec, split="train")

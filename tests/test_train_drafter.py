@@ -1,0 +1,122 @@
+"""`python -m train` for drafters: a real run on a local dataset, resume after kill -9, and bad input."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from dspark.checkpoint import load_drafter, load_target
+from dspark.data.tokenizer import train_tokenizer
+from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny random Qwen3 target with a real BPE tokenizer, and a local jsonl dataset of real stdlib code."""
+    root = tmp_path_factory.mktemp("drafter")
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    texts = [f.read_text(errors="replace") for f in files]
+    tok = train_tokenizer(texts, 400, root / "tok")
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(qwen3_config(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4,
+                                           num_kv_heads=2, head_dim=16, intermediate_size=96,
+                                           eos_token_id=tok.eos_token_id))
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(str(root / "target"))
+    with open(root / "data.jsonl", "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t[:3000]}) + "\n")
+    return root
+
+
+def recipe(root: Path, out: str, **over) -> Path:
+    r = {"kind": "drafter", "output_dir": str(root / out), "target": str(root / "target"), "max_steps": 6,
+         "device": "cpu", "drafter": {"block_size": 3, "num_layers": 1, "markov_rank": 8},
+         "data": {"dataset": str(root / "data.jsonl"), "seq_len": 96, "regenerate": {"enabled": False},
+                  "holdout_sequences": 4},
+         "anchors_per_seq": 8, "optim": {"batch_size": 4, "warmup_steps": 2},
+         "log": {"wandb_mode": "disabled", "eval_every": 3, "save_every": 2}}
+    for k, v in over.items():
+        r[k] = v
+    p = root / f"{out}.yaml"
+    p.write_text(yaml.safe_dump(r))
+    return p
+
+
+def train(path: Path, *extra: str, wait: bool = True):
+    cmd = [sys.executable, "-m", "train", str(path), *extra]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+
+
+def test_drafter_run_exports_a_loadable_dspark_drafter(setup):
+    res = train(recipe(setup, "run"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    final = setup / "run" / "final"
+    cfg = json.loads((final / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["block_size"] == 3
+    metrics = json.loads((setup / "run" / "final_metrics.json").read_text())
+    assert metrics["steps"] == 6 and "tau" in metrics["final"] and metrics["final"]["tau"] >= 1.0
+    target = load_target(setup / "target")
+    drafter = load_drafter(final, target)
+    assert drafter.config.mask_token_id == target.tokenizer.convert_tokens_to_ids("<|mask|>")
+
+
+def test_resume_after_kill_9_continues_from_the_last_checkpoint(setup):
+    """Kill -9 after the step-2 checkpoint, resume: the result equals an uninterrupted run, bit for bit."""
+    ref = train(recipe(setup, "straight"))
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    path = recipe(setup, "killed")
+    proc = train(path, "log.save_every=2", wait=False)
+    ckpt = setup / "killed" / "checkpoints" / "step-2" / "trainer_state.json"
+    deadline = time.time() + 240
+    while not ckpt.is_file() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert ckpt.is_file(), "no checkpoint appeared"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (setup / "killed" / "final").exists() or proc.returncode != 0
+    res = train(path, "resume=true")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed from" in res.stderr
+    a = load_file(str(setup / "straight" / "final" / "model.safetensors"))
+    b = load_file(str(setup / "killed" / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"data": {"dataset": "EMPTY", "regenerate": {"enabled": False}}}, "is empty"),
+    ({"drafter": {"target_layer_ids": [5]}}, r"target_layer_ids: \[5\] out of range"),
+    ({"target": "MISSING"}, "does not exist"),
+])
+def test_bad_input_is_one_clear_line(setup, over, message):
+    if over.get("data", {}).get("dataset") == "EMPTY":
+        (setup / "empty.jsonl").write_text("")
+        over = {"data": {"dataset": str(setup / "empty.jsonl"), "regenerate": {"enabled": False}}}
+    if over.get("target") == "MISSING":
+        over = {"target": str(setup / "nope")}
+    res = train(recipe(setup, "bad", **over))
+    assert res.returncode == 2
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and __import__("re").search(message, last), last
+
+
+def test_target_without_mask_token_is_refused(setup, tmp_path):
+    import shutil
+
+    shutil.copytree(setup / "target", tmp_path / "t")
+    cfg = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
+    cfg.pop("mask_token", None)
+    (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "t" / "special_tokens_map.json").unlink(missing_ok=True)
+    res = train(recipe(setup, "nomask", target=str(tmp_path / "t")))
+    assert res.returncode == 2 and "mask token" in res.stderr.strip().splitlines()[-1]
