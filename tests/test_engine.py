@@ -21,7 +21,8 @@ def make_drafter(target, block_size=4, markov_rank=8, mode="dspark", seed=1):
                         mask_token_id=1, block_size=block_size, num_hidden_layers=1, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=16, intermediate_size=96, mode=mode,
                         markov_rank=markov_rank if mode == "dspark" else 0, enable_confidence_head=mode == "dspark")
-    return DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight).eval()
+    d = DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
+    return d.to(next(target.parameters()).device).eval()
 
 
 def reference_greedy(target, prompt, n):
