@@ -77,7 +77,7 @@ def main() -> int:
         o_ref, S_ref = kda_chunked(q, k, v, g, beta, S0)
     rows = []
     print(f"fla {getattr(fla, '__version__', '?')}, torch {torch.__version__}, {torch.cuda.get_device_name()}; "
-          f"B={B} T={T} H={H} D={D} gate={'lower_bound=%g' % lb if lb is not None else 'softplus'}")
+          f"B={B} T={T} H={H} D={D} gate={f'lower_bound={lb:g}' if lb is not None else 'softplus'}")
 
     def case(name, fn, ref_o, ref_S, ref_ms):
         try:
