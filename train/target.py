@@ -74,4 +74,8 @@ def train_target(recipe: TargetRecipe) -> dict:
     tokens = summary["steps"] * recipe.optim.batch_size * (recipe.data.seq_len - 1)
     summary["train_tokens"] = tokens
     summary["train_tokens_per_s"] = tokens / max(1e-9, summary["train_minutes"] * 60)
+    if accelerator.is_main_process:  # the loop wrote final_metrics.json before these were known
+        import json
+
+        (Path(recipe.output_dir) / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
