@@ -30,3 +30,28 @@ def make_target(kind: str, vocab: int = 300, seed: int = 0):
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     return model
+
+
+def write_tiny_target_and_data(root):
+    """A tiny random Qwen3 target dir with a real BPE tokenizer (incl. <|mask|>) and a local jsonl dataset of real
+    stdlib code, for end-to-end `python -m train` runs: returns (target_dir, data_file)."""
+    import json
+    import sysconfig
+    from pathlib import Path
+
+    from dspark.data.tokenizer import train_tokenizer
+
+    root = Path(root)
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    texts = [f.read_text(errors="replace") for f in files]
+    tok = train_tokenizer(texts, 400, root / "tok")
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(qwen3_config(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4,
+                                           num_kv_heads=2, head_dim=16, intermediate_size=96,
+                                           eos_token_id=tok.eos_token_id))
+    target.save_pretrained(root / "target")
+    tok.save_pretrained(str(root / "target"))
+    with open(root / "data.jsonl", "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t[:3000]}) + "\n")
+    return root / "target", root / "data.jsonl"

@@ -55,3 +55,26 @@ def test_two_gloo_processes_equal_one_process_target(data):
     diff = max((one[k] - two[k]).abs().max().item() for k in one)
     assert moved > 1e-3  # training changed the weights ...
     assert diff < 0.01 * moved  # ... and 2 processes changed them the same way as 1 (fp32 reduction order)
+
+
+def test_two_gloo_processes_equal_one_process_drafter(tmp_path):
+    """The drafter trainer too: rows and anchors are drawn per global batch and sliced per process."""
+    from tests.targets import write_tiny_target_and_data
+
+    target, data_file = write_tiny_target_and_data(tmp_path)
+    r = {"kind": "drafter", "output_dir": str(tmp_path / "x"), "target": str(target), "max_steps": 3,
+         "device": "cpu", "drafter": {"block_size": 3, "num_layers": 1, "markov_rank": 8},
+         "data": {"dataset": str(data_file), "seq_len": 96, "regenerate": {"enabled": False},
+                  "holdout_sequences": 4},
+         "anchors_per_seq": 8, "optim": {"batch_size": 4, "warmup_steps": 1},
+         "log": {"wandb_mode": "disabled", "eval_every": 3, "save_every": 100}}
+    recipe = tmp_path / "drafter.yaml"
+    recipe.write_text(yaml.safe_dump(r))
+    one = _run(1, recipe, tmp_path / "one")
+    two = _run(2, recipe, tmp_path / "two")
+    r["optim"]["lr"] = 1e-12
+    recipe.write_text(yaml.safe_dump(r))
+    init = _run(1, recipe, tmp_path / "init")
+    moved = max((one[k] - init[k]).abs().max().item() for k in one)
+    diff = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert moved > 1e-3 and diff < 0.01 * moved

@@ -4,7 +4,6 @@ import os
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
@@ -14,26 +13,14 @@ import yaml
 from safetensors.torch import load_file
 
 from dspark.checkpoint import load_drafter, load_target
-from dspark.data.tokenizer import train_tokenizer
-from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
+from tests.targets import write_tiny_target_and_data
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """A tiny random Qwen3 target with a real BPE tokenizer, and a local jsonl dataset of real stdlib code."""
     root = tmp_path_factory.mktemp("drafter")
-    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
-    texts = [f.read_text(errors="replace") for f in files]
-    tok = train_tokenizer(texts, 400, root / "tok")
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(qwen3_config(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4,
-                                           num_kv_heads=2, head_dim=16, intermediate_size=96,
-                                           eos_token_id=tok.eos_token_id))
-    target.save_pretrained(root / "target")
-    tok.save_pretrained(str(root / "target"))
-    with open(root / "data.jsonl", "w") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t[:3000]}) + "\n")
+    write_tiny_target_and_data(root)
     return root
 
 

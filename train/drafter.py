@@ -103,7 +103,8 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
     tok = target.tokenizer
     cfg = drafter_config(recipe, target, tok)
     drafter = DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
-    seqs: Sequences = load_sequences(recipe, target, tok)
+    with accelerator.main_process_first():  # rank 0 regenerates; the others reuse its sequences
+        seqs: Sequences = load_sequences(recipe, target, tok, reuse=not accelerator.is_main_process)
     D, A, ids = cfg.num_drafts, recipe.anchors_per_seq, cfg.target_layer_ids
     weights = LossWeights(recipe.loss.ce, recipe.loss.distill, recipe.loss.confidence, recipe.loss.decay_gamma)
     bs = recipe.optim.batch_size // accelerator.num_processes
@@ -111,25 +112,27 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
              cfg.mode, cfg.block_size, cfg.num_hidden_layers, ids,
              sum(p.numel() for p in drafter.parameters()) / 1e6, len(seqs.train))
 
-    def forward(m, x, mask, g):
-        x, mask = x.to(accelerator.device), mask.to(accelerator.device)
+    def forward(m, x, anchors):
+        x, anchors = x.to(accelerator.device), anchors.to(accelerator.device)
         with torch.no_grad():
             logits, aux = target(x, aux_layer_ids=ids)
-        anchors = sample_anchors(mask.cpu(), A, D, g).to(accelerator.device)
         lab, tl = block_targets(logits, x, anchors, D, recipe.data.labels)
-        h = m.train_forward(aux, x, anchors)
-        return drafter_loss(m, h, x.gather(1, anchors), lab, tl, weights)
+        h = m(aux, x, anchors)  # through the (possibly DDP-wrapped) module, so gradients are synchronised
+        return drafter_loss(accelerator.unwrap_model(m), h, x.gather(1, anchors), lab, tl, weights)
 
     def loss_step(m, step):
+        """Rows and anchors are drawn for the global batch, then sliced per process: N processes see exactly the
+        blocks one process would (data parallel == single process with the same global batch)."""
         g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step)
         idx = torch.randint(0, len(seqs.train), (recipe.optim.batch_size,), generator=g)
-        idx = idx[accelerator.process_index * bs:(accelerator.process_index + 1) * bs]
-        return forward(m, seqs.train[idx], seqs.train_mask[idx], g)
+        anchors = sample_anchors(seqs.train_mask[idx], A, D, g)
+        mine = slice(accelerator.process_index * bs, (accelerator.process_index + 1) * bs)
+        return forward(m, seqs.train[idx][mine], anchors[mine])
 
     def evaluate(m):
         g = torch.Generator().manual_seed(12345)
-        out = [forward(m, seqs.holdout[i:i + bs], seqs.holdout_mask[i:i + bs], g)[1]
-               for i in range(0, len(seqs.holdout), bs)]
+        anchors = sample_anchors(seqs.holdout_mask, A, D, g)
+        out = [forward(m, seqs.holdout[i:i + bs], anchors[i:i + bs])[1] for i in range(0, len(seqs.holdout), bs)]
         return {k: sum(o[k] for o in out) / len(out) for k in out[0]}
 
     def save_final(m, path: Path):

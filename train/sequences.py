@@ -111,10 +111,11 @@ def _from_corpus(recipe, tok) -> dict[str, _Rows]:
             for split in ("train", "holdout")}
 
 
-def load_sequences(recipe, target, tok) -> Sequences:
+def load_sequences(recipe, target, tok, reuse: bool = False) -> Sequences:
+    """reuse: take `<output_dir>/sequences.pt` if present (resume, or a non-main data-parallel process)."""
     out = Path(recipe.output_dir)
     cache = out / "sequences.pt"
-    if recipe.resume and cache.is_file():
+    if (recipe.resume or reuse) and cache.is_file():
         return Sequences(**torch.load(cache))
     d, T = recipe.data, recipe.data.seq_len
     g = torch.Generator().manual_seed(recipe.seed)

@@ -235,6 +235,10 @@ class DSparkDrafter(nn.Module):
         return slice(0, None) if self.config.mode == "dspark" else slice(1, None)
 
     # ---------------------------------------------------------------- training: many blocks per sequence
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """The training forward (what DDP / FSDP wrap): see train_forward."""
+        return self.train_forward(aux, input_ids, anchors)
+
     def train_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """All anchors' blocks of each sequence in one pass with a block-sparse mask.
 
