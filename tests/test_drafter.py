@@ -115,3 +115,17 @@ def test_check_cli(target, tmp_path, capsys):
     _edit(tmp_path / "d", target_layer_ids=[7])
     assert main(["check", str(tmp_path / "d"), "--target", str(tmp_path / "t")]) == 2
     assert "out of range" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["dspark", "dflash"])
+def test_flex_block_mask_equals_dense_mask(target, mode):
+    """The block-sparse training pass: flex attention's BlockMask (the CUDA path; eager on CPU) == dense SDPA mask."""
+    d = make_drafter(target, block_size=4, mode=mode)
+    x = torch.randint(2, 300, (2, 40))
+    with torch.no_grad():
+        _, aux = target(x, aux_layer_ids=d.config.target_layer_ids)
+    anchors = torch.tensor([[5, 17, 30], [1, 9, 33]])
+    with torch.no_grad():  # flex attention has no CPU backward; the CUDA training path compiles it
+        dense = d.train_forward(aux, x, anchors, flex=False)
+        flex = d.train_forward(aux, x, anchors, flex=True)
+    assert torch.allclose(dense, flex, atol=1e-5)

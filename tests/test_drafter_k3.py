@@ -235,3 +235,15 @@ def test_speculative_greedy_with_k3_drafter_equals_plain_greedy(target):
     m = engine.metrics()
     assert m["num_draft_tokens"] > 0  # the drafter really drafted (and was verified) every decode step
     assert engine.cache.pool.num_used == 0
+
+
+def test_k3_flex_block_mask_equals_dense_mask():
+    target = make_target("k3", vocab=V)
+    d = make_k3_drafter(target)
+    x = torch.randint(2, V, (2, 40))
+    with torch.no_grad():
+        _, aux = target(x, aux_layer_ids=d.config.target_layer_ids)
+    anchors = torch.tensor([[5, 17, 30], [1, 9, 33]])
+    with torch.no_grad():  # flex attention has no CPU backward; the CUDA training path compiles it
+        assert torch.allclose(d.train_forward(aux, x, anchors, flex=False),
+                              d.train_forward(aux, x, anchors, flex=True), atol=1e-5)

@@ -239,8 +239,10 @@ class DSparkDrafter(nn.Module):
         """The training forward (what DDP / FSDP wrap): see train_forward."""
         return self.train_forward(aux, input_ids, anchors)
 
-    def train_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
-        """All anchors' blocks of each sequence in one pass with a block-sparse mask.
+    def train_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                      flex: bool | None = None) -> torch.Tensor:
+        """All anchors' blocks of each sequence in one pass with a block-sparse mask: a flex-attention BlockMask
+        (flex=None: on CUDA) or a dense bool mask for SDPA (CPU); both compute the same thing.
 
         aux: [B, T, n*Ht] target features; input_ids: [B, T]; anchors: [B, A] positions (>= 1).
         Block a sees the context at positions < anchors[a] and, non-causally, its own N queries only.
@@ -253,10 +255,18 @@ class DSparkDrafter(nn.Module):
         blocks = self.block_tokens(input_ids.gather(1, anchors))  # [B, A, N]
         pos = anchors[..., None] + torch.arange(N, device=dev)  # [B, A, N]
         q_anchor = anchors.repeat_interleave(N, dim=1)  # [B, A*N]
-        ctx_vis = torch.arange(T, device=dev)[None, None, :] < q_anchor[:, :, None]  # [B, A*N, T]
-        blk = torch.arange(A, device=dev).repeat_interleave(N)
-        blk_vis = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, A*N, A*N]
-        mask = torch.cat([ctx_vis, blk_vis], dim=-1)[:, None]
+        if flex if flex is not None else dev.type == "cuda":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def visible(b, h, q, kv):  # keys: T context positions, then the A*N block queries
+                return torch.where(kv < T, kv < q_anchor[b, q], (kv - T) // N == q // N)
+
+            mask = create_block_mask(visible, B, None, A * N, T + A * N, device=dev)
+        else:
+            ctx_vis = torch.arange(T, device=dev)[None, None, :] < q_anchor[:, :, None]  # [B, A*N, T]
+            blk = torch.arange(A, device=dev).repeat_interleave(N)
+            blk_vis = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, A*N, A*N]
+            mask = torch.cat([ctx_vis, blk_vis], dim=-1)[:, None]
         h = self.backbone(blocks.flatten(1), pos.flatten(1), ctx_rows, mask)
         return h.view(B, A, N, -1)[:, :, self.draft_slots()]
 

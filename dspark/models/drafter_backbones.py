@@ -10,12 +10,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.mla import MLAttention
-from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, rope_cos_sin
+from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, attention, rope_cos_sin
 from dspark.models.qwen3 import Qwen3Attention
 
 
@@ -38,7 +37,7 @@ class DraftAttention(Qwen3Attention):
         q = apply_rope_neox(q, cos, sin)
         rows = torch.cat([ctx_rows.to(x.dtype), self.kv_rows(x, cos, sin)], dim=1)
         k, v = rows.view(B, rows.shape[1], 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        o = attention(q, k, v, mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
 
 

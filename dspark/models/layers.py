@@ -5,6 +5,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+_compiled_flex = None
+
+
+def attention(q, k, v, mask=None, scale=None, enable_gqa=False, is_causal=False):
+    """q [B, H, Q, D], k/v [B, Hkv, L, *]. `mask` is a bool tensor [B, 1, Q, L] (True = may attend; SDPA) or a flex
+    `BlockMask` (block-sparse training: only the live tiles are computed; compiled on CUDA)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    if isinstance(mask, BlockMask):
+        global _compiled_flex
+        fn = flex_attention
+        if q.is_cuda:
+            _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
+            fn = _compiled_flex
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
+                                          is_causal=is_causal and mask is None)
+
 
 class RMSNorm(nn.Module):
     """RMSNorm as HF Qwen3/DeepSeek compute it: normalise in fp32, scale, cast back."""

@@ -10,10 +10,9 @@ kv_b_proj (no weight absorption: readable reference).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dspark.models.layers import RMSNorm, apply_rope_interleaved, rope_cos_sin
+from dspark.models.layers import RMSNorm, apply_rope_interleaved, attention, rope_cos_sin
 
 
 class MLAttention(nn.Module):
@@ -74,8 +73,7 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(c_kv).view(B, L, self.num_heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], -1)  # [B,H,L,nope], [B,H,L,v]
         k = torch.cat([k_nope, k_pe[:, None].expand(-1, self.num_heads, -1, -1)], -1)  # k_pe shared by heads
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal and mask is None,
-                                           scale=self.scale)
+        o = attention(q, k, v, mask, scale=self.scale, is_causal=is_causal)
         return o.transpose(1, 2).reshape(B, q.shape[2], self.num_heads * self.v_dim)
 
     def output(self, attn: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
