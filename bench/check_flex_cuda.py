@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 import os  # noqa: E402
 
 os.environ["DSPARK_TEST_DEVICE"] = "cuda"
-for kind in ("qwen3", "k3"):
+for kind in (sys.argv[1:] or ["qwen3", "k3"]):
     target = make_target(kind, vocab=300)
     d = make_drafter(target, block_size=4) if kind == "qwen3" else make_k3_drafter(target).cuda()
     x = torch.randint(2, 300, (4, 256), device="cuda")
