@@ -198,20 +198,21 @@ class Engine:
             if self.adaptive:
                 n_drafts = torch.minimum(n_drafts, choose_verify_lengths(prop.confidence[:, : self.k].float().cpu()))
         tokens = [[r.last_token] + drafts[b, : n_drafts[b]].tolist() for b, r in enumerate(reqs)]
-        logits = self._forward(reqs, tokens, record=True).float().cpu()  # verification runs on CPU (per request)
+        logits = self._forward(reqs, tokens, record=True)  # [B, 1 + max n_drafts, V] on the model's device
         results: list = [None] * B
         greedy = [b for b, r in enumerate(reqs) if r.params.temperature == 0]
-        if greedy:  # all greedy rows in one vectorised call
+        if greedy:  # all greedy rows in one vectorised call, on the device: only the counts come back
             g = torch.tensor(greedy)
             width = logits.shape[1] - 1  # the forward is as wide as the longest verified row
-            a, nxt = verify_greedy(drafts[g, :width], logits[g], n_drafts[g])
+            a, nxt = verify_greedy(drafts[g, :width].to(logits.device), logits[g.to(logits.device)],
+                                   n_drafts[g].to(logits.device))
             for i, b in enumerate(greedy):
                 results[b] = (int(n_drafts[b]), int(a[i]), int(nxt[i]))
-        for b, r in enumerate(reqs):
+        for b, r in enumerate(reqs):  # sampled rows: per-request CPU generators, so their logits go to the host
             if results[b] is None:
                 n = int(n_drafts[b])
                 dp = None if draft_probs is None else draft_probs[b: b + 1, :n]
-                results[b] = (n, *self._verify(r, drafts[b: b + 1, :n], dp, logits[b: b + 1, : n + 1]))
+                results[b] = (n, *self._verify(r, drafts[b: b + 1, :n], dp, logits[b: b + 1, : n + 1].float().cpu()))
         self.cache.commit(torch.tensor([a + 1 for _, a, _ in results]))
         emitted = []
         for b, (r, (n, a, nxt)) in enumerate(zip(reqs, results)):

@@ -55,3 +55,18 @@ def write_tiny_target_and_data(root):
         for t in texts:
             f.write(json.dumps({"text": t[:3000]}) + "\n")
     return root / "target", root / "data.jsonl"
+
+
+def propose_after_prefix(drafter, aux, input_ids, anchor: int, layer_offset: int = 0):
+    """Draft one block the way the engine does: the context rows of positions < anchor written into a fresh paged
+    cache through a DraftRunner, then the block [x_anchor, mask...] proposed greedily. Returns (runner, Proposal)."""
+    from dspark.cache.paged import PagedCache
+    from dspark.spec.draft import DraftRunner
+
+    runner = DraftRunner(drafter, layer_offset=layer_offset)
+    cache = PagedCache(runner.cache_layout(), {}, num_blocks=8, block_size=16)
+    cache.add_request("r")
+    runner.write_context(cache.batch(["r"], [anchor]), aux[:, :anchor])
+    cache.commit()
+    anchor_tok = input_ids[0, anchor:anchor + 1]
+    return runner, runner.propose(cache, ["r"], anchor_tok, torch.zeros(1))

@@ -5,10 +5,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.cache.paged import PagedCache
 from dspark.checkpoint import export_drafter, load_drafter
-from dspark.spec.draft import DraftRunner, sample_markov
-from tests.targets import make_target
+from dspark.spec.draft import sample_markov
+from tests.targets import make_target, propose_after_prefix
 from tests.test_engine import make_drafter
 from train.losses import LossWeights, drafter_loss
 
@@ -31,13 +30,7 @@ def test_block_sparse_training_pass_equals_inference_pass(target, mode):
         anchors = torch.tensor([[5, 17, 30]])
         h_train = d.train_forward(aux, x, anchors)  # [1, 3, D, H]
         for i, a in enumerate(anchors[0].tolist()):
-            runner = DraftRunner(d, layer_offset=0)
-            cache = PagedCache(runner.cache_layout(), {}, num_blocks=8, block_size=16)
-            cache.add_request("r")
-            fb = cache.batch(["r"], [a])
-            runner.write_context(fb, aux[:, :a])
-            cache.commit()
-            prop = runner.propose(cache, ["r"], x[0, a:a + 1], torch.zeros(1))
+            _, prop = propose_after_prefix(d, aux, x, a)
             ref = sample_markov(d, h_train[:, i], x[0, a:a + 1], torch.zeros(1), sample=False)
             assert torch.equal(prop.draft_ids, ref.draft_ids)
             if mode == "dspark":

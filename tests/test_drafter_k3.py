@@ -6,14 +6,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dspark.cache.paged import PagedCache
 from dspark.checkpoint import export_drafter, load_drafter
 from dspark.config import DrafterRecipe
 from dspark.engine import Engine
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.request import SamplingParams
-from dspark.spec.draft import DraftRunner, sample_markov
-from tests.targets import make_target
+from dspark.spec.draft import sample_markov
+from tests.targets import make_target, propose_after_prefix
 from tests.test_engine import reference_greedy
 from train.drafter import drafter_config
 
@@ -90,14 +89,8 @@ def test_block_sparse_training_pass_equals_inference_pass(target, opts):
         h_train = d.train_forward(aux, x, anchors)  # [1, 3, N, H]
         assert h_train.shape == (1, 3, 4, 64)
         for i, a in enumerate(anchors[0].tolist()):
-            runner = DraftRunner(d, layer_offset=10)
+            runner, prop = propose_after_prefix(d, aux, x, a, layer_offset=10)
             assert runner.cache_layout() == {10: 40, 11: 40}  # kv_lora 32 + rope 8 per token
-            cache = PagedCache(runner.cache_layout(), {}, num_blocks=8, block_size=16)
-            cache.add_request("r")
-            fb = cache.batch(["r"], [a])
-            runner.write_context(fb, aux[:, :a])
-            cache.commit()
-            prop = runner.propose(cache, ["r"], x[0, a:a + 1], torch.zeros(1))
             ref = sample_markov(d, h_train[:, i], x[0, a:a + 1], torch.zeros(1), sample=False)
             assert torch.allclose(seen[-1], h_train[:, i], atol=1e-5)
             assert torch.equal(prop.draft_ids, ref.draft_ids)
