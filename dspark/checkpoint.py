@@ -44,10 +44,10 @@ def save_hf_dir(out_dir: str | Path, config: dict, state: dict[str, torch.Tensor
 def read_config(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint dir {str(path)!r} does not exist")
+        raise FileNotFoundError(f"checkpoint dir {str(path)!r} does not exist (not a directory)")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
-        raise FileNotFoundError(f"{cfg_file}: missing; a checkpoint dir needs config.json and {WEIGHTS}")
+        raise FileNotFoundError(f"{path}: config.json missing; a checkpoint dir needs config.json and {WEIGHTS}")
     try:
         return json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:

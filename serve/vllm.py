@@ -41,6 +41,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dspark.checkpoint import read_config
+
 DSPARK_ARCHS = ("Qwen3DSparkModel", "K3DSparkModel", "DSparkDraftModel", "Qwen3OmniDSparkModel", "Gemma4DSparkModel")
 DFLASH_ARCHS = ("DFlashDraftModel",)
 TOPK_ARCHS = ("Qwen3DSparkModel", "DSparkDraftModel", "Qwen3OmniDSparkModel")  # dspark_draft_topk: Qwen3 / Omni
@@ -66,22 +68,10 @@ class VllmCommand:
         os.execvpe(self.argv[0], self.argv, {**os.environ, **self.env})
 
 
-def _read_json(d: str | Path, what: str) -> dict:
-    f = Path(d) / "config.json"
-    if not Path(d).is_dir():
-        raise FileNotFoundError(f"{what} {str(d)!r}: not a directory")
-    if not f.is_file():
-        raise FileNotFoundError(f"{what} {str(d)!r}: config.json missing (expected an HF-style checkpoint dir)")
-    try:
-        return json.loads(f.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{f}: not valid JSON ({e})") from None
-
-
 def speculative_config(drafter_dir: str | Path, num_speculative_tokens: int | None = None,
                        adaptive_verification: bool = False, draft_top_k: int | None = None) -> dict:
     """vLLM's --speculative-config for our drafter, from its config.json."""
-    cfg = _read_json(drafter_dir, "drafter")
+    cfg = read_config(drafter_dir)
     where = str(Path(drafter_dir) / "config.json")
     arch = (cfg.get("architectures") or [None])[0]
     model = str(Path(drafter_dir).resolve())
@@ -227,7 +217,7 @@ def build_command(target: str | Path, drafter: str | Path | None = None, *, reci
                      ("adaptive_verification", adaptive_verification), ("draft_top_k", draft_top_k)):
         if val is not None:
             sec[key] = val
-    target_cfg = _read_json(target, "target")
+    target_cfg = read_config(target)
     tpath = str(Path(target).resolve())
     argv = list(entrypoint(tpath))
     argv += ["--host", str(sec.get("host") or "127.0.0.1"), "--port", str(sec.get("port") or 8000),
