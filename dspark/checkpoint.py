@@ -297,6 +297,25 @@ def check_drafter_against_target(dcfg, target, where: str) -> None:
                              f"{tok.mask_token!r} ({tid})")
 
 
+def tensor_parallel_problems(cfg: dict, tp: int) -> list[str]:
+    """Why a drafter config (config.json dict) cannot be sharded at tensor-parallel size `tp` the way vLLM shards it
+    (attention heads and MLP columns split across ranks; GQA kv heads split, or replicated when tp is a multiple of
+    them); [] when it can. vLLM's `draft_tensor_parallel_size` is 1 or the target's TP, so a drafter that does not
+    shard at the target's TP runs unsharded (draft_tensor_parallel_size 1) on every rank."""
+    if tp < 1:
+        raise ValueError(f"tensor_parallel_size: expected >= 1, got {tp}")
+    out = []
+    heads, inter = cfg.get("num_attention_heads"), cfg.get("intermediate_size")
+    if heads is not None and heads % tp:
+        out.append(f"num_attention_heads {heads} is not divisible by {tp}")
+    if inter is not None and inter % tp:
+        out.append(f"intermediate_size {inter} is not divisible by {tp}")
+    kv = cfg.get("num_key_value_heads")
+    if kv is not None and "kv_lora_rank" not in cfg and kv % tp and tp % kv:  # GQA (the MLA latent is replicated)
+        out.append(f"num_key_value_heads {kv} neither divides nor is divisible by {tp}")
+    return out
+
+
 def load_drafter(path: str | Path, target, device=None, dtype=None):
     """A drafter in vLLM's dspark or dflash layout, bound to (and checked against) its target."""
     from dspark.models.drafter import DSparkDrafter
@@ -316,7 +335,7 @@ def load_drafter(path: str | Path, target, device=None, dtype=None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m dspark.checkpoint check DRAFTER --target TARGET"""
+    """python -m dspark.checkpoint check DRAFTER --target TARGET [--tensor-parallel-size N]"""
     import argparse
     import sys
 
@@ -325,17 +344,25 @@ def main(argv: list[str] | None = None) -> int:
     chk = sub.add_parser("check", help="validate a drafter against its target (vocab, hidden, layer ids, mask, shapes)")
     chk.add_argument("drafter")
     chk.add_argument("--target", required=True)
+    chk.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="also check that the drafter shards at this draft TP (vLLM's draft_tensor_parallel_size)")
     args = ap.parse_args(argv)
     try:
         target = load_target(args.target)
         drafter = load_drafter(args.drafter, target)
+        problems = tensor_parallel_problems(read_config(args.drafter), args.tensor_parallel_size)
+        if problems:
+            raise ValueError(f"{Path(args.drafter) / 'config.json'}: cannot shard at tensor_parallel_size "
+                             f"{args.tensor_parallel_size}: " + "; ".join(problems) +
+                             " (serve it with draft_tensor_parallel_size 1)")
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     c = drafter.config
     print(f"ok: {c.mode} drafter ({c.backbone} backbone), block {c.block_size} ({c.num_drafts} drafts), {c.num_hidden_layers} layers, "
           f"target_layer_ids {c.target_layer_ids} of {target.config.num_hidden_layers}, mask {c.mask_token_id}, "
-          f"markov_rank {c.markov_rank}, confidence head {c.enable_confidence_head}")
+          f"markov_rank {c.markov_rank}, confidence head {c.enable_confidence_head}"
+          + (f", shards at tensor_parallel_size {args.tensor_parallel_size}" if args.tensor_parallel_size > 1 else ""))
     return 0
 
 

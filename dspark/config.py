@@ -259,6 +259,9 @@ class DrafterRecipe:
     drafter: DrafterModelConfig = doc(DrafterModelConfig, "")
     data: DrafterDataConfig = doc(DrafterDataConfig, "")
     anchors_per_seq: int = doc(32, "random blocks trained per sequence in one pass")
+    block_mask: Literal["auto", "flex", "dense"] = doc(
+        "auto", "flex: flex-attention BlockMask (compiled, CUDA); dense: SDPA bool mask; auto: flex on CUDA "
+        "(dense if its first step fails to compile, with a warning), dense on CPU")
     loss: LossConfig = doc(LossConfig, "")
     optim: OptimConfig = doc(lambda: OptimConfig(lr=1e-3, warmup_steps=20, batch_size=8), "")
     log: LogConfig = doc(LogConfig, "")

@@ -41,7 +41,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dspark.checkpoint import read_config
+from dspark.checkpoint import read_config, tensor_parallel_problems
 
 DSPARK_ARCHS = ("Qwen3DSparkModel", "K3DSparkModel", "DSparkDraftModel", "Qwen3OmniDSparkModel", "Gemma4DSparkModel")
 DFLASH_ARCHS = ("DFlashDraftModel",)
@@ -227,6 +227,9 @@ def build_command(target: str | Path, drafter: str | Path | None = None, *, reci
     if drafter is not None:
         spec = speculative_config(drafter, sec.get("num_speculative_tokens"), bool(sec.get("adaptive_verification")),
                                   sec.get("draft_top_k") or None)
+        tp = int(dep_args[dep_args.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in dep_args else 1
+        if tp > 1 and tensor_parallel_problems(read_config(drafter), tp):  # vLLM: draft TP is 1 or the target's
+            spec["draft_tensor_parallel_size"] = 1
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
         if spec["method"] == "dspark":
             env = {"VLLM_USE_V2_MODEL_RUNNER": "1", **env}

@@ -1,5 +1,6 @@
 """Data parallel training: 2 gloo processes (torchrun, the same code path accelerate uses on GPUs) give the same
 result as 1 process with the same global batch."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -78,3 +79,16 @@ def test_two_gloo_processes_equal_one_process_drafter(tmp_path):
     moved = max((one[k] - init[k]).abs().max().item() for k in one)
     diff = max((one[k] - two[k]).abs().max().item() for k in one)
     assert moved > 1e-3 and diff < 0.01 * moved
+    # the per-step loss curve (train_log.jsonl: the loss of the global batch, averaged over processes) is the same
+    curves = [[json.loads(ln) for ln in (tmp_path / n / "train_log.jsonl").read_text().splitlines()] for n in ("one", "two")]
+    assert [c["step"] for c in curves[0]] == [c["step"] for c in curves[1]] == [1, 2, 3]
+    for a, b in zip(*curves):
+        assert abs(a["loss"] - b["loss"]) < 1e-4 * max(1.0, abs(a["loss"]))
+    assert len({round(c["loss"], 6) for c in curves[0]}) == 3  # the loss moves: the curve is not a constant
+    summary = json.loads((tmp_path / "two" / "final_metrics.json").read_text())
+    assert summary["num_processes"] == 2 and summary["block_mask"] == "dense"  # CPU: the SDPA mask
+    # the comparison the GPU run reports (bench/ddp_compare.py) reads the same logs
+    res = subprocess.run([sys.executable, "bench/ddp_compare.py", str(tmp_path / "one"), str(tmp_path / "two"),
+                          "--every", "1", "--skip", "0"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert "| 3 |" in res.stdout and "loss, 2 GPUs" in res.stdout and "relative loss difference max" in res.stdout

@@ -105,9 +105,30 @@ def test_check_cli(target, tmp_path, capsys):
     export_drafter(make_drafter(target), tmp_path / "d", layout="dspark")
     assert main(["check", str(tmp_path / "d"), "--target", str(tmp_path / "t")]) == 0
     assert "ok: dspark drafter" in capsys.readouterr().out
+    # the tensor-parallel contract (4 heads, 2 kv heads, intermediate 96): TP 2 and 4 shard (kv heads replicated
+    # at 4), TP 8 does not
+    for tp, rc in ((2, 0), (4, 0), (8, 2)):
+        assert main(["check", str(tmp_path / "d"), "--target", str(tmp_path / "t"), "--tensor-parallel-size", str(tp)]) == rc
+    out = capsys.readouterr()
+    assert "shards at tensor_parallel_size 4" in out.out
+    assert "num_attention_heads 4 is not divisible by 8" in out.err and "draft_tensor_parallel_size 1" in out.err
     _edit(tmp_path / "d", target_layer_ids=[7])
     assert main(["check", str(tmp_path / "d"), "--target", str(tmp_path / "t")]) == 2
     assert "out of range" in capsys.readouterr().err
+
+
+def test_tensor_parallel_problems():
+    from dspark.checkpoint import tensor_parallel_problems
+
+    gqa = {"num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 12288}
+    assert tensor_parallel_problems(gqa, 8) == [] and tensor_parallel_problems(gqa, 16) == []  # kv replicated x2
+    assert tensor_parallel_problems({**gqa, "num_key_value_heads": 6}, 4) == [
+        "num_key_value_heads 6 neither divides nor is divisible by 4"]
+    mla = {"num_attention_heads": 6, "intermediate_size": 2048, "kv_lora_rank": 256, "num_key_value_heads": 6}
+    assert tensor_parallel_problems(mla, 2) == []  # the MLA latent is replicated: kv heads do not matter
+    assert tensor_parallel_problems(mla, 4) == ["num_attention_heads 6 is not divisible by 4"]
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        tensor_parallel_problems(gqa, 0)
 
 
 @pytest.mark.parametrize("mode", ["dspark", "dflash"])

@@ -167,6 +167,20 @@ def test_recipe_errors_and_cli_overrides(tmp_path):
     assert json.loads(a[a.index("--speculative-config") + 1])["num_speculative_tokens"] == 5
 
 
+def test_draft_tensor_parallel_follows_the_sharding_contract(tmp_path):
+    """vLLM's draft TP is 1 or the target's: a drafter whose heads shard at the target's TP gets the default (the
+    target's TP); one that does not is served unsharded on every rank (draft_tensor_parallel_size 1)."""
+    t = ckpt(tmp_path, "t", K3_TARGET)
+    even = ckpt(tmp_path, "even", {**K3_DSPARK, "num_attention_heads": 64, "intermediate_size": 2048})
+    odd = ckpt(tmp_path, "odd", {**K3_DSPARK, "num_attention_heads": 6, "intermediate_size": 2048})
+    sec = {"hardware": "8xB300", "moe": "tp"}
+    spec = [json.loads(c.argv[c.argv.index("--speculative-config") + 1])
+            for c in (build_command(t, d, recipe_serve=sec, entrypoint=module_entry) for d in (even, odd))]
+    assert "draft_tensor_parallel_size" not in spec[0] and spec[1]["draft_tensor_parallel_size"] == 1
+    one = build_command(t, odd, recipe_serve={"hardware": "1xB300"}, entrypoint=module_entry).argv
+    assert "draft_tensor_parallel_size" not in json.loads(one[one.index("--speculative-config") + 1])
+
+
 def _write(p: Path, text: str) -> Path:
     p.write_text(text)
     return p

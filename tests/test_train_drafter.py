@@ -107,3 +107,24 @@ def test_target_without_mask_token_is_refused(setup, tmp_path):
     (tmp_path / "t" / "special_tokens_map.json").unlink(missing_ok=True)
     res = train(recipe(setup, "nomask", target=str(tmp_path / "t")))
     assert res.returncode == 2 and "mask token" in res.stderr.strip().splitlines()[-1]
+
+
+def test_block_mask_auto_falls_back_to_dense_when_flex_cannot_train():
+    """block_mask=auto probes one flex forward + backward first; where that fails (here: flex has no CPU backward,
+    on a GPU: a kernel that does not lower) training uses the dense mask, and the probe leaves no gradients."""
+    from accelerate import Accelerator
+
+    from tests.targets import make_target
+    from tests.test_drafter_k3 import make_k3_drafter
+    from train.drafter import _flex_compiles
+
+    target = make_target("k3", vocab=300)
+    d = make_k3_drafter(target).train()
+    x = torch.randint(2, 300, (2, 64))
+    with torch.no_grad():
+        _, aux = target(x, aux_layer_ids=d.config.target_layer_ids)
+    anchors = torch.tensor([[3, 10, 20], [5, 9, 30]])
+    acc = Accelerator(cpu=True)
+    assert not _flex_compiles(lambda: d.train_forward(aux, x, anchors, flex=True).pow(2).mean(), d, acc)
+    assert _flex_compiles(lambda: d.train_forward(aux, x, anchors, flex=False).pow(2).mean(), d, acc)
+    assert all(p.grad is None for p in d.parameters())

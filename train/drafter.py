@@ -112,12 +112,14 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
              cfg.mode, cfg.block_size, cfg.num_hidden_layers, ids,
              sum(p.numel() for p in drafter.parameters()) / 1e6, len(seqs.train))
 
-    def forward(m, x, anchors):
+    mask = {"flex": True, "dense": False}.get(recipe.block_mask, accelerator.device.type == "cuda")
+
+    def forward(m, x, anchors, flex=None):
         x, anchors = x.to(accelerator.device), anchors.to(accelerator.device)
         with torch.no_grad():
             logits, aux = target(x, aux_layer_ids=ids)
         lab, tl = block_targets(logits, x, anchors, D, recipe.data.labels)
-        h = m(aux, x, anchors)  # through the (possibly DDP-wrapped) module, so gradients are synchronised
+        h = m(aux, x, anchors, flex=mask if flex is None else flex)  # through the DDP-wrapped module: synced grads
         return drafter_loss(accelerator.unwrap_model(m), h, x.gather(1, anchors), lab, tl, weights)
 
     def loss_step(m, step):
@@ -129,6 +131,10 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
         mine = slice(accelerator.process_index * bs, (accelerator.process_index + 1) * bs)
         return forward(m, seqs.train[idx][mine], anchors[mine])
 
+    if mask and recipe.block_mask == "auto":  # compile flex once (forward + backward) before training relies on it
+        mask = _flex_compiles(lambda: forward(drafter, seqs.train[:bs], sample_anchors(
+            seqs.train_mask[:bs], A, D, torch.Generator().manual_seed(0)), flex=True)[0], drafter, accelerator)
+
     def evaluate(m):
         g = torch.Generator().manual_seed(12345)
         anchors = sample_anchors(seqs.holdout_mask, A, D, g)
@@ -138,7 +144,26 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
     def save_final(m, path: Path):
         export_drafter(m, path, layout=recipe.export.layout or cfg.mode, tokenizer=tok)
 
-    return run(recipe, LoopSpec(drafter, loss_step, evaluate, save_final, extra_modules=[target]), accelerator)
+    return run(recipe, LoopSpec(drafter, loss_step, evaluate, save_final, extra_modules=[target],
+                                info={"block_mask": "flex" if mask else "dense"}), accelerator)
+
+
+def _flex_compiles(loss_fn, drafter, accelerator) -> bool:
+    """block_mask=auto on CUDA: one flex forward + backward; if the compiled kernel fails on this GPU / torch, train
+    with the dense SDPA mask instead (a warning says why). All processes agree (any failure -> dense)."""
+    drafter.to(accelerator.device)
+    try:
+        with accelerator.autocast():  # the dtype training will use (bf16 under mixed precision)
+            loss = loss_fn()
+        loss.backward()
+        ok = 1.0
+    except Exception as e:  # inductor lowering / Triton resource errors
+        log.warning("block_mask=auto: flex attention failed on this device (%s: %s); using the dense SDPA mask",
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        ok = 0.0
+    drafter.zero_grad(set_to_none=True)
+    ok = float(accelerator.reduce(torch.tensor(ok, device=accelerator.device), reduction="sum"))
+    return ok == accelerator.num_processes
 
 
 def regenerate(target, tokenizer, prompts: list[list[int]], new_tokens: int, temperature: float, batch_size: int,

@@ -27,6 +27,7 @@ class LoopSpec:
     evaluate: Callable[[torch.nn.Module], dict]  # holdout metrics
     save_final: Callable[[torch.nn.Module, Path], None]
     extra_modules: list = field(default_factory=list)  # frozen modules moved to the device (e.g. the target)
+    info: dict = field(default_factory=dict)  # facts about the run added to final_metrics.json (e.g. block_mask)
 
 
 def cosine_lr(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:
@@ -84,8 +85,16 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
             state = json.loads((last / "trainer_state.json").read_text())
             start_step, history = state["step"], state.get("history", [])
             log.info("resumed from %s (step %d)", last, start_step)
-    elif ckpt_root.exists() and accelerator.is_main_process:
-        shutil.rmtree(ckpt_root)
+    elif accelerator.is_main_process:
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+    step_log = None
+    if accelerator.is_main_process:  # one line per step: the loss averaged over all processes (the global batch)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / "train_log.jsonl"
+        kept = [ln for ln in (path.read_text().splitlines() if path.is_file() else [])
+                if json.loads(ln)["step"] <= start_step]  # a resumed run rewrites the steps after its checkpoint
+        path.write_text("".join(ln + "\n" for ln in kept))
+        step_log = open(path, "a")
 
     wandb_run = _init_wandb(recipe, accelerator)
     t0, metrics, step = time.time(), {}, start_step
@@ -109,7 +118,11 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         if hook is not None:
             hook()
         step += 1
-        metrics = {"loss": float(loss.detach()), "lr": sched.get_last_lr()[0], **metrics}
+        global_loss = accelerator.reduce(loss.detach().float(), reduction="mean")
+        metrics = {"loss": float(global_loss), "lr": sched.get_last_lr()[0], **metrics}
+        if step_log is not None:
+            step_log.write(json.dumps({"step": step, "loss": metrics["loss"], "seconds": time.time() - t0}) + "\n")
+            step_log.flush()
         bar.update(1)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}")
         if step % recipe.log.log_every == 0 and wandb_run is not None:
@@ -123,11 +136,13 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         if step % recipe.log.save_every == 0 and step < recipe.max_steps:
             _save_checkpoint(accelerator, ckpt_root, step, history)
     bar.close()
+    if step_log is not None:
+        step_log.close()
     if not history or history[-1]["step"] != step:
         history.append({"step": step, "minutes": (time.time() - t0) / 60, **_evaluate(spec, model, accelerator)})
     accelerator.wait_for_everyone()
     summary = {"steps": step, "train_minutes": (time.time() - t0) / 60, "final": history[-1], "history": history,
-               "last_train_metrics": metrics}
+               "last_train_metrics": metrics, "num_processes": accelerator.num_processes, **spec.info}
     if accelerator.is_main_process:
         spec.save_final(accelerator.unwrap_model(model), out / "final")
         (out / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -235,16 +235,16 @@ class DSparkDrafter(nn.Module):
         return slice(0, None) if self.config.mode == "dspark" else slice(1, None)
 
     # ---------------------------------------------------------------- training: many blocks per sequence
-    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    def forward(self, aux: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
+                flex: bool = False) -> torch.Tensor:
         """The training forward (what DDP / FSDP wrap): see train_forward."""
-        return self.train_forward(aux, input_ids, anchors)
+        return self.train_forward(aux, input_ids, anchors, flex=flex)
 
     def train_forward(self, aux: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor,
                       flex: bool = False) -> torch.Tensor:
         """All anchors' blocks of each sequence in one pass with a block-sparse mask: a flex-attention BlockMask
-        (flex=True) or a dense bool mask for SDPA (default); both compute the same thing (tested on CPU). The
-        compiled flex kernel did not lower on the H200 image yet (inductor NoValidChoicesError), so the dense mask
-        is the default on every device until that is solved.
+        (flex=True: only the live tiles are computed, compiled on CUDA; the trainer's default there) or a dense
+        bool mask for SDPA (flex=False); both compute the same thing (tests on CPU, bench/check_flex_cuda.py on CUDA).
 
         aux: [B, T, n*Ht] target features; input_ids: [B, T]; anchors: [B, A] positions (>= 1).
         Block a sees the context at positions < anchors[a] and, non-causally, its own N queries only.

@@ -6,6 +6,16 @@ import torch.nn.functional as F
 from torch import nn
 
 _compiled_flex = None
+# Flex tiles for wide heads (MLA: qk 192 = nope 128 + rope 64) or fp32: the default tiles stage a head dim padded
+# to 256 and can exceed shared memory, which inductor reports as NoValidChoicesError (pytorch#180278, #198224).
+SMALL_FLEX_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_M1": 32, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 32,
+                    "num_stages": 1, "num_warps": 4}
+
+
+def flex_kernel_options(q: torch.Tensor, v: torch.Tensor) -> dict | None:
+    """None (inductor's defaults) for head dims <= 128 in 16-bit; SMALL_FLEX_TILES otherwise."""
+    wide = max(q.shape[-1], v.shape[-1]) > 128 or q.dtype == torch.float32
+    return dict(SMALL_FLEX_TILES) if wide and q.is_cuda else None
 
 
 def attention(q, k, v, mask=None, scale=None, enable_gqa=False, is_causal=False):
@@ -19,7 +29,8 @@ def attention(q, k, v, mask=None, scale=None, enable_gqa=False, is_causal=False)
         if q.is_cuda:
             _compiled_flex = _compiled_flex or torch.compile(flex_attention, dynamic=False)
             fn = _compiled_flex
-        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
+        return fn(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa,
+                  kernel_options=flex_kernel_options(q, v))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa,
                                           is_causal=is_causal and mask is None)
 
