@@ -9,6 +9,7 @@
 #   bash bench/h200_run.sh x2-drafter  # k3-mini drafter data-parallel on 2 GPUs (accelerate launch), then the same
 #                                      #   recipe on 1 GPU (GPU0, same global batch, same sequences) while GPU1
 #                                      #   evaluates the 2-GPU drafter; bench/ddp_compare.py prints the comparison
+#   bash bench/h200_run.sh x2-bench    # the engine as-is on the k3-mini pair: bs=1 step profile, throughput vs batch
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -66,5 +67,10 @@ case "${1:-kernels}" in
     python3 bench/ddp_compare.py runs/k3-mini-drafter-1gpu runs/k3-mini-drafter-2gpu 2>&1 | tee "$OUT/ddp.txt"
     cp runs/k3-mini-drafter-2gpu/train_log.jsonl "$OUT/train_log_2gpu.jsonl"
     cp runs/k3-mini-drafter-1gpu/train_log.jsonl "$OUT/train_log_1gpu.jsonl"
+    ;;
+  x2-bench)
+    CUDA_VISIBLE_DEVICES=0 python3 bench/engine_gpu.py --target runs/k3-mini/final \
+      --drafter runs/k3-mini-drafter-2gpu/final --append 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
+    cp bench/RESULTS.md "$OUT/RESULTS.md"
     ;;
 esac
