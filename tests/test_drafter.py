@@ -143,3 +143,21 @@ def test_flex_block_mask_equals_dense_mask(target, mode):
         dense = d.train_forward(aux, x, anchors, flex=False)
         flex = d.train_forward(aux, x, anchors, flex=True)
     assert torch.allclose(dense, flex, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "k3"])
+def test_bf16_pair_drafts_with_the_confidence_head(kind):
+    """Served in bf16 (as on a GPU), the whole draft step runs: the confidence head takes bf16 hidden states (a fp32
+    cast here once broke every bf16 DSpark engine step) and the adaptive verification budget comes from it."""
+    from dspark import Engine, SamplingParams
+    from tests.test_drafter_k3 import make_k3_drafter
+
+    t = make_target(kind, vocab=300).to(torch.bfloat16)
+    d = (make_drafter(t) if kind == "qwen3" else make_k3_drafter(t)).to(torch.bfloat16)
+    assert d.confidence_head is not None
+    engine = Engine(t, d, adaptive_verification=True)
+    out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert len(out.token_ids) == 12 and out.num_steps >= 1
+    h = torch.randn(2, d.config.hidden_size, dtype=torch.bfloat16)
+    c = d.confidence(h, None)
+    assert c.dtype == torch.float32 and c.shape == (2,)

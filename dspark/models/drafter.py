@@ -142,7 +142,8 @@ class ConfidenceHead(nn.Module):
         self.proj = nn.Linear(dim, 1, bias=True)
 
     def forward(self, h):  # [..., dim] -> [...] logits (sigmoid = conditional acceptance)
-        return self.proj(h.float()).squeeze(-1)
+        w = self.proj.weight  # fp32 while training (the head's logits in fp32); bf16 when served in bf16
+        return self.proj(h.to(w.dtype)).float().squeeze(-1)
 
 
 class DSparkDrafter(nn.Module):
