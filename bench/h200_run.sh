@@ -3,11 +3,11 @@
 #   bash bench/h200_run.sh kernels   # CUDA kernel tests + fla KDA tests + kernel benchmark
 #   bash bench/h200_run.sh k3-mini   # train the k3-mini target (recipes/targets/k3-mini.yaml), ~6 min
 #   bash bench/h200_run.sh drafter   # train + evaluate the k3-mini DSpark drafter (recipes/k3-mini.yaml)
-# On nvidia-h200-x2 (two calls in a row, the second while the machine is warm):
+# On nvidia-h200-x2 (four calls in a row, each while the machine is still warm: runs/ lives only there):
 #   bash bench/h200_run.sh x2-target   # GPU0: k3-mini target (4.5 min); GPU1 meanwhile: flex check, CUDA tests
-#   bash bench/h200_run.sh x2-drafter  # k3-mini drafter data-parallel on 2 GPUs (accelerate launch), then the same
-#                                      #   recipe on 1 GPU (GPU0, same global batch, same sequences) while GPU1
-#                                      #   evaluates the 2-GPU drafter; bench/ddp_compare.py prints the comparison
+#   bash bench/h200_run.sh x2-drafter  # k3-mini drafter data-parallel on 2 GPUs (accelerate launch), < 8 min
+#   bash bench/h200_run.sh x2-compare  # the same recipe on 1 GPU (GPU0, same global batch, same sequences) while
+#                                      #   GPU1 evaluates the 2-GPU drafter; bench/ddp_compare.py compares the curves
 #   bash bench/h200_run.sh x2-bench    # GPU0: the engine as-is on the k3-mini pair (bs=1 step profile, throughput vs
 #                                      #   batch); GPU1: the 8B-shape AR decode vs the HBM floor (bench/ar_floor.py)
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens).
@@ -51,18 +51,22 @@ case "${1:-kernels}" in
     cp runs/k3-mini/final_metrics.json "$OUT/k3_mini_final_metrics.json" 2>/dev/null
     ;;
   x2-drafter)
-    python3 -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision bf16 --dynamo_backend no \
-      -m train recipes/k3-mini.yaml output_dir=runs/k3-mini-drafter-2gpu max_steps=600 max_minutes=3 \
-      log.wandb_mode=disabled 2>&1 | grep -v "it/s\]" | tail -40 | tee "$OUT/drafter_2gpu.txt"
-    mkdir -p runs/k3-mini-drafter-1gpu && cp runs/k3-mini-drafter-2gpu/sequences.pt runs/k3-mini-drafter-1gpu/
+    python3 -m accelerate.commands.launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision bf16 \
+      --dynamo_backend no -m train recipes/k3-mini.yaml output_dir=runs/k3-mini-drafter-2gpu max_steps=600 \
+      max_minutes=3 log.wandb_mode=disabled 2>&1 | grep -v "it/s\]" | tail -40 | tee "$OUT/drafter_2gpu.txt"
+    ;;
+  x2-compare)
+    rm -rf runs/k3-mini-drafter-1gpu && mkdir -p runs/k3-mini-drafter-1gpu
+    cp runs/k3-mini-drafter-2gpu/sequences.pt runs/k3-mini-drafter-1gpu/
     # resume=true with no checkpoint: starts at step 0 but reuses the 2-GPU run's regenerated sequences
-    CUDA_VISIBLE_DEVICES=0 python3 -m train recipes/k3-mini.yaml output_dir=runs/k3-mini-drafter-1gpu max_steps=600 \
-      max_minutes=2 resume=true log.wandb_mode=disabled > /tmp/drafter_1gpu.log 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m train recipes/k3-mini.yaml output_dir=runs/k3-mini-drafter-1gpu \
+      max_steps=600 max_minutes=1.6 resume=true log.wandb_mode=disabled > /tmp/drafter_1gpu.log 2>&1 &
     one_pid=$!
-    CUDA_VISIBLE_DEVICES=1 python3 -m eval --target runs/k3-mini/final --drafter runs/k3-mini-drafter-2gpu/final \
-      --name dspark --tasks humaneval,creative --num-prompts 12 --max-tokens 128 --out "$OUT/eval" 2>&1 | tail -25
+    CUDA_VISIBLE_DEVICES=1 timeout 330 python3 -m eval --target runs/k3-mini/final \
+      --drafter runs/k3-mini-drafter-2gpu/final --name dspark --tasks humaneval,creative --num-prompts 8 \
+      --max-tokens 96 --out "$OUT/eval" 2>&1 | tail -14
     wait $one_pid
-    grep -v "it/s\]" /tmp/drafter_1gpu.log | tail -12
+    grep -v "it/s\]" /tmp/drafter_1gpu.log | tail -6
     python3 bench/ddp_compare.py runs/k3-mini-drafter-1gpu runs/k3-mini-drafter-2gpu 2>&1 | tee "$OUT/ddp.txt"
     cp runs/k3-mini-drafter-2gpu/train_log.jsonl "$OUT/train_log_2gpu.jsonl"
     cp runs/k3-mini-drafter-1gpu/train_log.jsonl "$OUT/train_log_1gpu.jsonl"
@@ -72,7 +76,7 @@ case "${1:-kernels}" in
       CUDA_VISIBLE_DEVICES=1 python3 bench/ar_floor.py > "$OUT/ar_floor.txt" 2>&1 &
     fi
     CUDA_VISIBLE_DEVICES=0 python3 bench/engine_gpu.py --target runs/k3-mini/final \
-      --drafter runs/k3-mini-drafter-2gpu/final 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
+      --drafter runs/k3-mini-drafter-2gpu/final --dtype "${DTYPE:-bfloat16}" 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
     wait
     cat "$OUT/ar_floor.txt" 2>/dev/null
     ;;
