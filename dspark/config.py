@@ -262,6 +262,9 @@ class DrafterRecipe:
     block_mask: Literal["auto", "flex", "dense"] = doc(
         "auto", "flex: flex-attention BlockMask (compiled, CUDA); dense: SDPA bool mask; auto: flex on CUDA "
         "(dense if its first step fails to compile, with a warning), dense on CPU")
+    target_sharding: Literal["none", "fsdp"] = doc(
+        "none", "fsdp: shard the frozen target over the data-parallel processes (FSDP2, one unit per layer) for "
+        "targets that do not fit one GPU; needs pre-regenerated data (data.regenerate.enabled=false)")
     loss: LossConfig = doc(LossConfig, "")
     optim: OptimConfig = doc(lambda: OptimConfig(lr=1e-3, warmup_steps=20, batch_size=8), "")
     log: LogConfig = doc(LogConfig, "")

@@ -51,3 +51,15 @@ def test_cli_help_and_one_line_error(tmp_path):
     out = subprocess.run([sys.executable, "-m", "train", str(bad)], capture_output=True, text=True)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0 and "colour: unknown field" in out.stderr
+
+
+def test_every_shipped_recipe_validates():
+    """The recipes in recipes/ (CPU quickstart to the real K3) parse and validate as they are shipped."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    paths = sorted(root.glob("*.yaml")) + sorted(root.glob("targets/*.yaml"))
+    assert len(paths) >= 7
+    kinds = {str(p.relative_to(root)): load_recipe(p).kind for p in paths}
+    assert kinds["k3.yaml"] == kinds["k3-mini.yaml"] == "drafter" and kinds["targets/k3-mini.yaml"] == "target"
+    assert load_recipe(root / "k3.yaml").target_sharding == "fsdp"

@@ -84,8 +84,11 @@ def test_resume_after_kill_9_continues_from_the_last_checkpoint(setup):
     ({"data": {"dataset": "EMPTY", "regenerate": {"enabled": False}}}, "is empty"),
     ({"drafter": {"target_layer_ids": [5]}}, r"target_layer_ids: \[5\] out of range"),
     ({"target": "MISSING"}, "does not exist"),
+    ({"target_sharding": "fsdp", "data": "REGENERATE"}, "target_sharding: fsdp cannot regenerate"),
 ])
 def test_bad_input_is_one_clear_line(setup, over, message):
+    if over.get("data") == "REGENERATE":
+        over = {**over, "data": {"dataset": str(setup / "data.jsonl"), "seq_len": 96, "regenerate": {"enabled": True}}}
     if over.get("data", {}).get("dataset") == "EMPTY":
         (setup / "empty.jsonl").write_text("")
         over = {"data": {"dataset": str(setup / "empty.jsonl"), "regenerate": {"enabled": False}}}

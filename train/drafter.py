@@ -98,13 +98,24 @@ def block_targets(target_logits, input_ids, anchors, drafts: int, labels: str):
 def train_drafter(recipe: DrafterRecipe) -> dict:
     torch.manual_seed(recipe.seed)
     accelerator = make_accelerator(recipe)
-    target = load_target(recipe.target, device=accelerator.device)
+    shard = recipe.target_sharding == "fsdp" and accelerator.num_processes > 1  # 1 process: nothing to shard
+    if recipe.target_sharding == "fsdp" and recipe.data.regenerate.enabled:
+        raise ValueError("target_sharding: fsdp cannot regenerate (one process would run the sharded target alone); "
+                         "regenerate beforehand (e.g. vLLM: python -m serve --engine vllm) into data.dataset and set "
+                         "data.regenerate.enabled=false")
+    # a sharded target is loaded on the host and sharded layer by layer onto the devices (never whole on one GPU)
+    target = load_target(recipe.target, device="cpu" if shard else accelerator.device)
     target.requires_grad_(False)
     tok = target.tokenizer
     cfg = drafter_config(recipe, target, tok)
-    drafter = DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
+    emb, head = target.model.embed_tokens.weight, target.lm_head.weight
+    if shard:  # the drafter keeps whole copies of the frozen embedding and LM head; the target's get sharded
+        emb, head = emb.detach().clone(), head.detach().clone()
+    drafter = DSparkDrafter(cfg, emb, head)
     with accelerator.main_process_first():  # rank 0 regenerates; the others reuse its sequences
         seqs: Sequences = load_sequences(recipe, target, tok, reuse=not accelerator.is_main_process)
+    if shard:
+        shard_target(target, accelerator)
     D, A, ids = cfg.num_drafts, recipe.anchors_per_seq, cfg.target_layer_ids
     weights = LossWeights(recipe.loss.ce, recipe.loss.distill, recipe.loss.confidence, recipe.loss.decay_gamma)
     bs = recipe.optim.batch_size // accelerator.num_processes
@@ -145,7 +156,22 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
         export_drafter(m, path, layout=recipe.export.layout or cfg.mode, tokenizer=tok)
 
     return run(recipe, LoopSpec(drafter, loss_step, evaluate, save_final, extra_modules=[target],
-                                info={"block_mask": "flex" if mask else "dense"}), accelerator)
+                                info={"block_mask": "flex" if mask else "dense",
+                                      "target_sharding": "fsdp" if shard else "none"}), accelerator)
+
+
+def shard_target(target, accelerator) -> None:
+    """target_sharding=fsdp: FSDP2 `fully_shard` of the frozen target over the data-parallel processes, one unit per
+    decoder layer plus the root (embedding, final norm, LM head). Each process holds 1/N of the target and its forward
+    all-gathers one layer at a time (every process runs the same forwards: training, evals, the flex probe)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
+    for layer in target.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(target, mesh=mesh)
+    log.info("target sharded with FSDP over %d processes", accelerator.num_processes)
 
 
 def _flex_compiles(loss_fn, drafter, accelerator) -> bool:
