@@ -58,17 +58,22 @@ def test_two_gloo_processes_equal_one_process_target(data):
     assert diff < 0.01 * moved  # ... and 2 processes changed them the same way as 1 (fp32 reduction order)
 
 
-def test_two_gloo_processes_equal_one_process_drafter(tmp_path):
-    """The drafter trainer too: rows and anchors are drawn per global batch and sliced per process."""
+def _drafter_recipe(tmp_path: Path) -> dict:
+    """A 3-step drafter recipe on a tiny random Qwen3 target and a local jsonl of real code (no regeneration)."""
     from tests.targets import write_tiny_target_and_data
 
     target, data_file = write_tiny_target_and_data(tmp_path)
-    r = {"kind": "drafter", "output_dir": str(tmp_path / "x"), "target": str(target), "max_steps": 3,
-         "device": "cpu", "drafter": {"block_size": 3, "num_layers": 1, "markov_rank": 8},
-         "data": {"dataset": str(data_file), "seq_len": 96, "regenerate": {"enabled": False},
-                  "holdout_sequences": 4},
-         "anchors_per_seq": 8, "optim": {"batch_size": 4, "warmup_steps": 1},
-         "log": {"wandb_mode": "disabled", "eval_every": 3, "save_every": 100}}
+    return {"kind": "drafter", "output_dir": str(tmp_path / "x"), "target": str(target), "max_steps": 3,
+            "device": "cpu", "drafter": {"block_size": 3, "num_layers": 1, "markov_rank": 8},
+            "data": {"dataset": str(data_file), "seq_len": 96, "regenerate": {"enabled": False},
+                     "holdout_sequences": 4},
+            "anchors_per_seq": 8, "optim": {"batch_size": 4, "warmup_steps": 1},
+            "log": {"wandb_mode": "disabled", "eval_every": 3, "save_every": 100}}
+
+
+def test_two_gloo_processes_equal_one_process_drafter(tmp_path):
+    """The drafter trainer too: rows and anchors are drawn per global batch and sliced per process."""
+    r = _drafter_recipe(tmp_path)
     recipe = tmp_path / "drafter.yaml"
     recipe.write_text(yaml.safe_dump(r))
     one = _run(1, recipe, tmp_path / "one")
@@ -97,15 +102,7 @@ def test_two_gloo_processes_equal_one_process_drafter(tmp_path):
 def test_fsdp_sharded_target_equals_the_whole_target(tmp_path):
     """target_sharding=fsdp: 2 processes each holding half of the frozen target (FSDP2, all-gathered layer by layer)
     train the same drafter as 1 process with the whole target."""
-    from tests.targets import write_tiny_target_and_data
-
-    target, data_file = write_tiny_target_and_data(tmp_path)
-    r = {"kind": "drafter", "output_dir": str(tmp_path / "x"), "target": str(target), "max_steps": 3,
-         "device": "cpu", "drafter": {"block_size": 3, "num_layers": 1, "markov_rank": 8},
-         "data": {"dataset": str(data_file), "seq_len": 96, "regenerate": {"enabled": False},
-                  "holdout_sequences": 4},
-         "anchors_per_seq": 8, "optim": {"batch_size": 4, "warmup_steps": 1},
-         "log": {"wandb_mode": "disabled", "eval_every": 3, "save_every": 100}}
+    r = _drafter_recipe(tmp_path)
     recipe = tmp_path / "drafter.yaml"
     recipe.write_text(yaml.safe_dump(r))
     whole = _run(1, recipe, tmp_path / "whole")
