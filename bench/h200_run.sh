@@ -10,6 +10,8 @@
 #                                      #   GPU1 evaluates the 2-GPU drafter; bench/ddp_compare.py compares the curves
 #   bash bench/h200_run.sh x2-bench    # GPU0: the engine as-is on the k3-mini pair (bs=1 step profile, throughput vs
 #                                      #   batch); GPU1: the 8B-shape AR decode vs the HBM floor (bench/ar_floor.py)
+# After a k3-mini target + drafter exist on the machine (x2-target + x2-drafter, or k3-mini + drafter):
+#   bash bench/h200_run.sh pair        # CUDA-graph static path: graph == eager tests, then bs=1 AR vs DSpark per task
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -79,5 +81,12 @@ case "${1:-kernels}" in
       --drafter runs/k3-mini-drafter-2gpu/final --dtype "${DTYPE:-bfloat16}" 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
     wait
     cat "$OUT/ar_floor.txt" 2>/dev/null
+    ;;
+  pair)
+    python3 -m pytest tests/test_static_spec.py tests/test_static_decode.py -q -p no:cacheprovider 2>&1 | tail -5 \
+      | tee "$OUT/static_tests.txt"
+    drafter=$(ls -d runs/k3-mini-drafter-2gpu/final runs/k3-mini-drafter/final 2>/dev/null | head -1)
+    python3 bench/pair_decode.py --target runs/k3-mini/final --drafter "$drafter" --tasks humaneval,creative \
+      --prompts 8 --max-tokens 128 --append "$OUT/pair_decode.md" 2>&1 | tee "$OUT/pair_decode.txt"
     ;;
 esac

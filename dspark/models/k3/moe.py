@@ -5,6 +5,14 @@
     y = W_up RMSNorm_R(u) + SharedMLP(x)
 Names: `block_sparse_moe.{gate, routed_expert_down_proj, routed_expert_norm, routed_expert_up_proj, experts.{e}.w1/w2/w3,
 shared_experts.{gate,up,down}_proj}`.
+
+Two ways to run the routed experts, same function:
+- loop (default): sort the (token, slot) pairs by expert and run each active expert once; the active set is read on
+  the host (`bincount(...).tolist()`), so it cannot be captured in a CUDA graph.
+- gathered (`set_static_moe(model, max_tokens)`: forwards of N <= max_tokens tokens): every (token, slot) pair
+  gathers its expert's weights from stacked copies [E, 2I, R] / [E, R, I] (made once: a second copy of the expert
+  weights, MXFP4 ones dequantised) and runs one bmm per projection; device ops only (graph-safe), N*k*3*I*R
+  gathered weight elements per forward, so meant for decode / verify sizes.
 """
 from __future__ import annotations
 
@@ -68,6 +76,8 @@ class LatentMoE(nn.Module):
                                if c.num_shared_experts else None)
         # Quantile Balancing records: (scores [N, E], cutoffs [N]) per training forward since the last update
         self._qb_records: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.static_tokens = 0  # forwards of N <= static_tokens tokens take the gathered (graph-safe) path
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- routing --------------------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,6 +128,19 @@ class LatentMoE(nn.Module):
         if self.training and torch.isfinite(cutoff).all():
             self._qb_records.append((s.detach(), cutoff.detach()))
         z = self.routed_expert_down_proj(x) if self.latent else x  # [N, R]
+        out = (self._experts_gathered(z, idx, w) if x.shape[0] <= self.static_tokens
+               else self._experts_loop(z, idx, w))
+        y = out.to(x.dtype)
+        if self.routed_expert_norm is not None:
+            y = self.routed_expert_norm(y)
+        if self.latent:
+            y = self.routed_expert_up_proj(y)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x)
+        return y.reshape(shape)
+
+    def _experts_loop(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """z [N, R], idx / w [N, k] -> sum_j w_j E_idx_j(z) [N, R] fp32, one matmul chain per active expert."""
         out = torch.zeros(z.shape, dtype=torch.float32, device=z.device)
         flat_idx = idx.reshape(-1)  # [N*k]
         order = flat_idx.argsort(stable=True)  # sort (token, slot) pairs by expert
@@ -132,17 +155,47 @@ class LatentMoE(nn.Module):
             y = self.experts[e](z[tok])
             out.index_add_(0, tok, y.float() * weight_of[start:start + n, None])
             start += n
-        y = out.to(x.dtype)
-        if self.routed_expert_norm is not None:
-            y = self.routed_expert_norm(y)
-        if self.latent:
-            y = self.routed_expert_up_proj(y)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x)
-        return y.reshape(shape)
+        return out
+
+    def stack_experts(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stacked copies of the routed experts' weights: ([w1 | w3] [E, 2I, R], w2 [E, R, I]), made once (a snapshot:
+        later weight updates are not seen; call again to refresh). MXFP4 experts are dequantised into them."""
+        with torch.no_grad():
+            dtype = dtype or self.gate.weight.dtype
+            w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in self.experts]).to(dtype)
+            w2 = torch.stack([e.w2.weight for e in self.experts]).to(dtype)
+        self._stacked = (w13, w2)
+        return self._stacked
+
+    def _experts_gathered(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Same as _experts_loop with device ops only: per (token, slot) pair its expert's weights, one bmm each."""
+        N, k = idx.shape
+        w13, w2 = self._stacked if self._stacked is not None else self.stack_experts()
+        flat = idx.reshape(-1)  # [N*k]
+        zk = z.to(w13.dtype)[:, None].expand(N, k, z.shape[-1]).reshape(N * k, -1, 1)  # [N*k, R, 1]
+        gate, up = torch.bmm(w13.index_select(0, flat), zk)[..., 0].chunk(2, -1)  # [N*k, I] each
+        e = self.experts[0]
+        a = glu(gate, up, e.act, e.situ_beta, e.situ_linear_beta)
+        y = torch.bmm(w2.index_select(0, flat), a[:, :, None])[..., 0]  # [N*k, R]
+        return (y.float().view(N, k, -1) * w[..., None]).sum(1)
 
     def expert_load(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens routed to each expert for x [.., hidden] with the current bias -> [E] (diagnostics / tests)."""
         with torch.no_grad():
             idx = self.route(x.reshape(-1, x.shape[-1]))[0]
         return torch.bincount(idx.reshape(-1), minlength=self.num_experts)
+
+
+def set_static_moe(model: nn.Module, max_tokens: int) -> int:
+    """Route forwards of up to max_tokens tokens (per MoE call: batch rows x new tokens) of every LatentMoE in
+    `model` through the gathered, graph-safe expert path, stacking the expert weights on first use; 0 turns it off.
+    The stacked copies stay on the module (captured graphs point at them; stack_experts() refreshes them).
+    Returns the previous setting."""
+    prev = 0
+    for m in model.modules():
+        if isinstance(m, LatentMoE):
+            prev = m.static_tokens
+            m.static_tokens = max_tokens
+            if max_tokens and m._stacked is None:
+                m.stack_experts()
+    return prev

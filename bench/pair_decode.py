@@ -1,0 +1,149 @@
+"""A target + drafter pair on the static, graph-safe decode path (dspark/static_spec.py): AR vs DSpark at bs=1, greedy.
+
+    python3 bench/pair_decode.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter-2gpu/final \
+        [--tasks humaneval,creative] [--prompts 8] [--max-tokens 128] [--append bench/RESULTS.md]
+    python3 bench/pair_decode.py --target DIR --drafter DIR --device cpu --prompts 2 --max-tokens 16   # CPU check
+
+Per task (humaneval = code, creative = prose; prompts from eval.tasks, the last --prompt-tokens tokens, raw text
+or the chat template with --chat): N prompts one at a time, max_tokens each (no EOS stop), with a StaticGenerator
+per mode (CUDA graphs of the whole step on CUDA unless --no-graphs; captured in a warm-up call, not timed).
+Reports decode AR tok/s, DSpark tok/s (tokens after the prefill's first one / wall time of the decode steps), speedup,
+tau = mean (accepted + 1) per verify, wall ms per step, the prefill (eager, one forward) apart, and greedy
+agreement of the static DSpark tokens with the eager engine's (dspark.Engine) on the first --agree prompts, as the
+matched prefix (tokens equal up to the first difference; bf16 rounding may split late near-ties).
+On CPU (fp32, no graphs) it is a correctness check of the script, not a benchmark.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E402
+from dspark.static_decode import _round_up  # noqa: E402
+from dspark.static_spec import StaticGenerator  # noqa: E402
+from eval.tasks import build_task, select, truncate_ids  # noqa: E402
+
+KINDS = {"humaneval": "code", "creative": "prose"}
+
+
+def encode(task, tok, n: int, prompt_tokens: int, chat: bool) -> list[list[int]]:
+    out = []
+    for p in select(task.prompts, n):
+        if chat and task.chat and getattr(tok, "chat_template", None):
+            p = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+        out.append(truncate_ids(tok.encode(p, add_special_tokens=False), prompt_tokens))
+    return out
+
+
+def timed(gen: StaticGenerator, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Generate each prompt; decode tok/s and ms/step count the decode steps only (the tokens after the prefill's
+    first one, timed from the end of the prefill to the last step's host read), the prefill is reported apart."""
+    secs, pre, toks, steps, acc, outs = 0.0, 0.0, 0, 0, 0, []
+    for p in prompts:
+        out = gen.generate(p, max_tokens)
+        secs += out.decode_s
+        pre += out.prefill_s
+        toks += len(out.token_ids[0]) - 1
+        steps += out.num_steps
+        acc += sum(out.accepted_per_step[0]) if out.accepted_per_step else 0
+        outs.append(out.token_ids[0])
+    return {"tok_s": toks / secs, "ms_step": 1e3 * secs / max(steps, 1), "tau": (acc + steps) / max(steps, 1),
+            "prefill_ms": 1e3 * pre / len(prompts), "outs": outs}
+
+
+def prefix_match(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def run_task(name, prompts, target, drafter, a, graphs) -> dict:
+    k = a.k or drafter.config.num_drafts
+    max_len = _round_up(max(len(p) for p in prompts) + a.max_tokens + k + 1, 64)
+    gens = {"AR": StaticGenerator(target, None, max_len=max_len, graphs=graphs),
+            "DSpark": StaticGenerator(target, drafter, k, max_len=max_len, graphs=graphs)}
+    res = {}
+    for mode, gen in gens.items():
+        gen.generate(prompts[0], min(a.max_tokens, 8))  # warm-up: graph capture, allocator, kernel autotune
+        res[mode] = timed(gen, prompts, a.max_tokens)
+    agree = []
+    engine = Engine(target, drafter, num_speculative_tokens=k)
+    for p, static in zip(prompts[: a.agree], res["DSpark"]["outs"]):
+        ref = engine.generate([p], SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True))[0]
+        agree.append(prefix_match(ref.token_ids, static))
+    lossless = sum(x == y for x, y in zip(res["AR"]["outs"], res["DSpark"]["outs"]))
+    return {"task": f"{name} ({KINDS.get(name, name)})", "n": len(prompts), "ar": res["AR"], "ds": res["DSpark"],
+            "agree": agree, "lossless": lossless, "k": k}
+
+
+def table(rows: list[dict], max_tokens: int) -> str:
+    lines = ["| task | prompts | k | AR tok/s | DSpark tok/s | speedup | τ | AR ms/step | DSpark ms/step | "
+             "prefill ms | static DSpark == static AR | engine agreement (matched prefix) |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+    for r in rows:
+        ar, ds = r["ar"], r["ds"]
+        agree = ", ".join(f"{m}/{max_tokens}" for m in r["agree"]) or "-"
+        lines.append(f"| {r['task']} | {r['n']} | {r['k']} | {ar['tok_s']:.1f} | {ds['tok_s']:.1f} | "
+                     f"{ds['tok_s'] / ar['tok_s']:.2f}x | {ds['tau']:.2f} | {ar['ms_step']:.2f} | {ds['ms_step']:.2f} | "
+                     f"{ar['prefill_ms']:.1f} | {r['lossless']}/{r['n']} | {agree} |")
+    return "\n".join(lines)
+
+
+def versions() -> str:
+    parts = [f"torch {torch.__version__}", f"python {platform.python_version()}"]
+    for mod in ("triton", "fla"):
+        try:
+            parts.append(f"{mod} {__import__(mod).__version__}")
+        except Exception:  # noqa: BLE001 - optional
+            parts.append(f"{mod} -")
+    return ", ".join(parts)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--tasks", default="humaneval,creative")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per task (evenly spread over the task)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompt-tokens", type=int, default=256, help="keep the last N prompt tokens")
+    ap.add_argument("--k", type=int, default=0, help="drafts per step (default: the drafter's num_drafts)")
+    ap.add_argument("--agree", type=int, default=2, help="prompts checked against the eager engine")
+    ap.add_argument("--chat", action="store_true", help="chat template for chat tasks (creative)")
+    ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
+    ap.add_argument("--dtype", default="bfloat16", help="on CUDA (CPU always runs float32)")
+    ap.add_argument("--no-graphs", action="store_true", help="eager static steps on CUDA too")
+    ap.add_argument("--append", metavar="FILE", help="append a dated section (command, GPU, versions, table)")
+    a = ap.parse_args(argv)
+    dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
+    dtype = getattr(torch, a.dtype) if dev.type == "cuda" else torch.float32
+    graphs = dev.type == "cuda" and not a.no_graphs
+    target = load_target(a.target, device=dev, dtype=dtype)
+    drafter = load_drafter(a.drafter, target)
+    tok = target.tokenizer
+    if tok is None:
+        raise SystemExit(f"--target {a.target}: no tokenizer files in the target dir")
+    rows = []
+    for name in a.tasks.split(","):
+        prompts = encode(build_task(name), tok, a.prompts, a.prompt_tokens, a.chat)
+        rows.append(run_task(name, prompts, target, drafter, a, graphs))
+    out = table(rows, a.max_tokens)
+    print(out)
+    if a.append:
+        gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
+        cmd = "python3 bench/pair_decode.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
+        head = (f"\n## Static decode path, AR vs DSpark at bs=1 on {gpu} ({datetime.date.today()})\n\n"
+                f"`{cmd}` — {versions()}; {str(dtype).replace('torch.', '')}, "
+                f"{'CUDA graphs' if graphs else 'no CUDA graphs'}, greedy, {a.max_tokens} tokens per prompt, "
+                f"prompts cut to the last {a.prompt_tokens} tokens.\n\n")
+        with open(a.append, "a") as f:
+            f.write(head + out + "\n")
+
+
+if __name__ == "__main__":
+    main()
