@@ -315,5 +315,36 @@ def generate_ar_greedy(target, prompt_ids, max_new_tokens: int, graphs: bool = F
     return _one_shot(target, None, prompt_ids, max_new_tokens, graphs, None, max_len)
 
 
+@dataclass
+class StaticRequestOutput:  # the RequestOutput fields `python -m eval` reads
+    token_ids: list[int]
+    accepted_per_step: list[int]
+    num_drafts_per_step: list[int]
+    num_steps: int
+
+
+class StaticEngine:
+    """`Engine.generate(prompts, params)` over a bs=1 StaticGenerator (`python -m eval --engine static`): greedy
+    requests one at a time, max_tokens and EOS (unless ignore_eos) honoured; graphs captured at the first request."""
+
+    def __init__(self, target, drafter=None, num_speculative_tokens: int | None = None, max_len: int = 1024,
+                 graphs: bool = False):
+        self.gen = StaticGenerator(target, drafter, num_speculative_tokens, max_len, 1, graphs)
+        eos = getattr(target.config, "eos_token_id", None)
+        self.eos = eos if isinstance(eos, int) else None
+
+    def generate(self, prompts, params) -> list[StaticRequestOutput]:
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        outs = []
+        for ids, p in zip(prompts, params):
+            if p.temperature != 0:
+                raise ValueError("StaticEngine: greedy only (temperature 0)")
+            o = self.gen.generate(list(ids), p.max_tokens, None if p.ignore_eos else self.eos)
+            acc = o.accepted_per_step[0] if o.accepted_per_step else []
+            drafted = o.num_drafts_per_step[0] if o.num_drafts_per_step else []
+            outs.append(StaticRequestOutput(o.token_ids[0], acc, drafted, o.num_steps))
+        return outs
+
+
 __all__ = ["HybridCache", "SpecBatch", "propose_static", "SpecStep", "CapturedStep", "StaticOutput",
-           "StaticGenerator", "generate_spec_greedy", "generate_ar_greedy"]
+           "StaticGenerator", "StaticEngine", "generate_spec_greedy", "generate_ar_greedy"]

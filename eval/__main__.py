@@ -47,6 +47,11 @@ def parse_args(argv):
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--repeats", type=int, default=1, help="time each prompt this many times, keep the fastest")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest for tiny models on a busy machine)")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
+    p.add_argument("--engine", default="eager", choices=["eager", "static"],
+                   help="eager: dspark.Engine; static: the graph-safe bs=1 path (dspark/static_spec.py, CUDA graphs "
+                        "on a GPU; greedy only)")
     p.add_argument("--server", help="measure a running OpenAI-compatible server instead of local engines")
     p.add_argument("--model", help="--server: model name (default: the first of /v1/models)")
     a = p.parse_args(argv)
@@ -55,6 +60,8 @@ def parse_args(argv):
                 "--repeats >= 1")
     if a.server is None and (a.target is None or not a.drafter):
         p.error("local mode needs --target DIR and at least one --drafter DIR (or use --server URL)")
+    if a.engine == "static" and a.temperature != 0:
+        p.error("--engine static: greedy only (--temperature 0)")
     if a.name and len(a.name) != max(len(a.drafter), 1):
         p.error(f"--name: give one per --drafter ({len(a.drafter)}), got {len(a.name)}")
     return a
@@ -105,7 +112,8 @@ def run_local(a, tasks: list[Task], names: list[str], log=print) -> dict:
     torch.manual_seed(a.seed)
     if a.threads:
         torch.set_num_threads(a.threads)
-    target = load_target(a.target)
+    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    target = load_target(a.target, device=device, dtype=a.dtype)
     tok = getattr(target, "tokenizer", None)
     if tok is None:
         raise ValueError(f"--target {a.target}: no tokenizer.json in the checkpoint; eval needs one for text prompts")
@@ -114,9 +122,15 @@ def run_local(a, tasks: list[Task], names: list[str], log=print) -> dict:
     prompts = {t.name: encode(t, tok, a.chat, a.max_prompt_tokens) for t in tasks}
     longest = max(len(p) for ps in prompts.values() for p in ps)
     mml = min(target.config.max_position_embeddings, longest + a.max_tokens + max(ks) + 1)
-    engines = [Engine(target, None, tokenizer=tok, max_batch_size=1, max_model_len=mml)]
-    engines += [Engine(target, d, num_speculative_tokens=k, tokenizer=tok, max_batch_size=1, max_model_len=mml)
-                for d, k in zip(drafters, ks)]
+    if a.engine == "static":
+        from dspark.static_spec import StaticEngine
+
+        graphs = torch.device(device).type == "cuda"
+        engines = [StaticEngine(target, d, k, max_len=mml, graphs=graphs) for d, k in [(None, None), *zip(drafters, ks)]]
+    else:
+        engines = [Engine(target, None, tokenizer=tok, max_batch_size=1, max_model_len=mml)]
+        engines += [Engine(target, d, num_speculative_tokens=k, tokenizer=tok, max_batch_size=1, max_model_len=mml)
+                    for d, k in zip(drafters, ks)]
     first = next(p for ps in prompts.values() for p in ps)
     for e in engines:  # warm up (lazy allocations, first-call overheads) outside the timed runs
         M.generate_timed(e, first, M.sampling(2, a.temperature, a.seed, 0))

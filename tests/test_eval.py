@@ -289,6 +289,28 @@ def test_cli_end_to_end(tiny_models, tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[0] == md[0]  # the table is printed
 
 
+def test_static_engine_gives_the_eager_engine_report(tiny_models, tmp_path):
+    """--engine static (the graph-safe bs=1 path; CUDA graphs on a GPU) measures the same tokens and acceptance as the
+    eager engine, EOS included (no --ignore-eos here)."""
+    root = tiny_models
+    reps = []
+    for engine in ("eager", "static"):
+        out = tmp_path / engine
+        assert main(["--target", str(root / "target"), "--drafter", str(root / "dspark"), "--out", str(out),
+                     "--tasks", "humaneval,qa", "--num-prompts", "2", "--max-tokens", "12", "--max-prompt-tokens", "32",
+                     "--threads", "1", "--engine", engine, "--device", "cpu"]) == 0
+        reps.append(json.loads((out / "report.json").read_text()))
+    for task in ("humaneval", "qa"):
+        e, s = reps[0]["tasks"][task], reps[1]["tasks"][task]
+        assert e["num_tokens"] == s["num_tokens"] and e["entropy"] == pytest.approx(s["entropy"])
+        de, ds = e["drafters"]["dspark"], s["drafters"]["dspark"]
+        assert ds["identical_to_ar"] == 2 and ds["tau"] == pytest.approx(de["tau"])
+        assert ds["per_position"] == de["per_position"]
+    with pytest.raises(SystemExit):
+        main(["--target", str(root / "target"), "--drafter", str(root / "dspark"), "--out", str(tmp_path),
+              "--engine", "static", "--temperature", "0.7"])
+
+
 def test_cli_errors(tiny_models, tmp_path, capsys):
     rc = main(["--target", str(tmp_path / "missing"), "--drafter", str(tiny_models / "dspark"), "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
