@@ -87,7 +87,7 @@ case "${1:-kernels}" in
       | tee "$OUT/static_tests.txt"
     drafter=$(ls -d runs/k3-mini-drafter-2gpu/final runs/k3-mini-drafter/final 2>/dev/null | head -1)
     python3 bench/pair_decode.py --target runs/k3-mini/final --drafter "$drafter" --tasks humaneval,creative \
-      --prompts 8 --max-tokens 128 --append "$OUT/pair_decode.md" 2>&1 | tee "$OUT/pair_decode.txt"
+      --prompts 8 --max-tokens 128 --batches 1,4,16,64 --append "$OUT/pair_decode.md" 2>&1 | tee "$OUT/pair_decode.txt"
     python3 -m eval --target runs/k3-mini/final --drafter "$drafter" --engine static --dtype bfloat16 \
       --tasks humaneval,creative --num-prompts 8 --max-tokens 128 --out "$OUT/eval_static" 2>&1 | tail -8
     ;;

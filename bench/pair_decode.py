@@ -94,6 +94,27 @@ def table(rows: list[dict], max_tokens: int) -> str:
     return "\n".join(lines)
 
 
+def throughput(prompts, target, drafter, k: int, batches: list[int], max_tokens: int, graphs: bool) -> str:
+    """B equal-length prompts (the task's prompts cut to the shortest, repeated) decoded together: generated tokens
+    after the prefill / decode wall time, AR and DSpark, per batch size."""
+    P = min(len(p) for p in prompts)
+    lines = ["| batch | AR tok/s | DSpark tok/s | DSpark / AR | DSpark τ |", "|--:|--:|--:|--:|--:|"]
+    for B in batches:
+        ids = [prompts[i % len(prompts)][-P:] for i in range(B)]
+        res = {}
+        for mode, d in (("AR", None), ("DSpark", drafter)):
+            gen = StaticGenerator(target, d, k if d is not None else None, max_len=_round_up(P + max_tokens + k + 1, 64),
+                                  batch_size=B, graphs=graphs)
+            gen.generate(ids, min(max_tokens, 8))  # warm-up / capture
+            out = gen.generate(ids, max_tokens)
+            acc = [a for row in out.accepted_per_step for a in row]
+            res[mode] = (sum(len(t) - 1 for t in out.token_ids) / out.decode_s,
+                         1 + sum(acc) / len(acc) if acc else 1.0)
+        (ar, _), (ds, tau) = res["AR"], res["DSpark"]
+        lines.append(f"| {B} | {ar:.0f} | {ds:.0f} | {ds / ar:.2f}x | {tau:.2f} |")
+    return "\n".join(lines)
+
+
 def versions() -> str:
     parts = [f"torch {torch.__version__}", f"python {platform.python_version()}"]
     for mod in ("triton", "fla"):
@@ -118,6 +139,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
     ap.add_argument("--dtype", default="bfloat16", help="on CUDA (CPU always runs float32)")
     ap.add_argument("--no-graphs", action="store_true", help="eager static steps on CUDA too")
+    ap.add_argument("--batches", default="", help="also throughput vs batch size, e.g. 1,4,16,64 (first task)")
     ap.add_argument("--append", metavar="FILE", help="append a dated section (command, GPU, versions, table)")
     a = ap.parse_args(argv)
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
@@ -133,6 +155,12 @@ def main(argv=None) -> None:
         prompts = encode(build_task(name), tok, a.prompts, a.prompt_tokens, a.chat)
         rows.append(run_task(name, prompts, target, drafter, a, graphs))
     out = table(rows, a.max_tokens)
+    if a.batches:
+        first = encode(build_task(a.tasks.split(",")[0]), tok, max(a.prompts, 8), a.prompt_tokens, a.chat)
+        k = a.k or drafter.config.num_drafts
+        out += (f"\n\nThroughput vs batch ({a.tasks.split(',')[0]} prompts cut to one length, {a.max_tokens} tokens "
+                f"per row):\n\n" + throughput(first, target, drafter, k, [int(b) for b in a.batches.split(",")],
+                                                 a.max_tokens, graphs))
     print(out)
     if a.append:
         gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
