@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import statistics
 import sys
 import time
 from functools import partial
@@ -27,6 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import median_ms  # noqa: E402  (bench/timing.py; bench/ is sys.path[0] for a script)
+
 from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config  # noqa: E402
 from dspark.static_decode import (  # noqa: E402
     GraphDecoder,
@@ -41,26 +42,6 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32
                 intermediate_size=12288, max_position_embeddings=40960, rope_theta=1e6)
 TINY = dict(vocab_size=512, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
             intermediate_size=96, max_position_embeddings=512)
-
-
-def median_ms(fn, warm: int, iters: int, cuda: bool) -> float:
-    for _ in range(warm):
-        fn()
-    if not cuda:
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

@@ -8,28 +8,15 @@ CUDA or fla is missing.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import median_ms  # noqa: E402  (bench/timing.py)
+
 from dspark.models.k3.kda import kda_chunked, kda_gate, kda_recurrent, l2norm  # noqa: E402
-
-
-def _time_ms(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _err(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
@@ -83,7 +70,7 @@ def main() -> int:
         try:
             with torch.no_grad():
                 o, S = fn()
-                ms = _time_ms(fn, args.iters)
+                ms = median_ms(fn, 3, args.iters)
         except Exception as e:  # noqa: BLE001 - keep going: report which call failed and why
             rows.append((name, f"FAILED: {type(e).__name__}: {str(e)[:120]}"))
             return
@@ -93,7 +80,7 @@ def main() -> int:
         rows.append((name, f"{oa:10.2e} {orel:10.2e} {sa:10.2e} {srel:10.2e} {ms:10.3f} {ref_ms:10.3f}"))
 
     init_vfirst = S0.transpose(-1, -2).contiguous()
-    ref_ms = _time_ms(lambda: kda_chunked(q, k, v, g, beta, S0), max(3, args.iters // 4))
+    ref_ms = median_ms(lambda: kda_chunked(q, k, v, g, beta, S0), 3, max(3, args.iters // 4))
     case("chunk_kda pre-activated g/beta, l2-normed q/k",
          lambda: chunk_kda(q.to(bf), k.to(bf), v, g, beta.to(bf), initial_state=init_vfirst,
                            output_final_state=True, state_v_first=True), o_ref, S_ref, ref_ms)
@@ -106,7 +93,7 @@ def main() -> int:
     n = args.decode_T
     with torch.no_grad():
         o_dec, S_dec = kda_recurrent(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], S0)
-    dec_ms = _time_ms(lambda: kda_recurrent(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], S0), args.iters)
+    dec_ms = median_ms(lambda: kda_recurrent(q[:, :n], k[:, :n], v[:, :n], g[:, :n], beta[:, :n], S0), 3, args.iters)
     case(f"fused_recurrent_kda T={n} pre-activated",
          lambda: fused_recurrent_kda(q[:, :n].to(bf), k[:, :n].to(bf), v[:, :n], g[:, :n], beta[:, :n].to(bf),
                                      initial_state=init_vfirst, output_final_state=True, state_v_first=True),

@@ -9,7 +9,6 @@ Exits with code 2 and a message without CUDA or triton.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -17,26 +16,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import median_ms  # noqa: E402  (bench/timing.py)
+
 HBM = 4.8e12  # bytes/s, H200 datasheet
 
 
-def _time_us(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
 def _row(name, err, ref_fn, ker_fn, nbytes, iters):
-    t_ref, t_ker = _time_us(ref_fn, iters), _time_us(ker_fn, iters)
+    t_ref, t_ker = 1e3 * median_ms(ref_fn, 5, iters), 1e3 * median_ms(ker_fn, 5, iters)
     floor = nbytes / HBM * 1e6
     print(f"{name:<44} {err:>9.2e} {t_ref:>10.1f} {t_ker:>9.1f} {t_ref / t_ker:>7.1f}x {nbytes / 1e6:>9.2f} "
           f"{floor:>8.2f} {floor / t_ker:>6.1%}", flush=True)
