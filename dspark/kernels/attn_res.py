@@ -32,6 +32,16 @@ def attn_res_mix_ref(sources, norm_w, query, eps=1e-5, out_w=None, out_eps=1e-5,
 
 
 @triton.jit
+def _load_candidates(src_rows, pre_row, c, cm, from_src, is_pre, HAS_PREFIX: tl.constexpr):
+    """Columns c of every candidate [BS, BD] fp32: the strided sources, then (HAS_PREFIX) the prefix row."""
+    v = tl.load(src_rows[:, None] + c[None, :], mask=from_src[:, None] & cm[None, :], other=0.0).to(tl.float32)
+    if HAS_PREFIX:
+        p = tl.load(pre_row + c, mask=cm, other=0.0).to(tl.float32)
+        v = tl.where(is_pre[:, None], p[None, :], v)
+    return v
+
+
+@triton.jit
 def _attn_res_kernel(src_ptr, pre_ptr, nw_ptr, q_ptr, ow_ptr, out_ptr,
                      S, d, stride_n, stride_s, stride_pn, eps, out_eps,
                      BS: tl.constexpr, BD: tl.constexpr, HAS_PREFIX: tl.constexpr, HAS_OUT: tl.constexpr):
@@ -51,10 +61,7 @@ def _attn_res_kernel(src_ptr, pre_ptr, nw_ptr, q_ptr, ow_ptr, out_ptr,
     for d0 in range(0, d, BD):
         c = d0 + offs
         cm = c < d
-        v = tl.load(src_rows[:, None] + c[None, :], mask=from_src[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        if HAS_PREFIX:
-            p = tl.load(pre_row + c, mask=cm, other=0.0).to(tl.float32)
-            v = tl.where(is_pre[:, None], p[None, :], v)
+        v = _load_candidates(src_rows, pre_row, c, cm, from_src, is_pre, HAS_PREFIX)
         wq = tl.load(nw_ptr + c, mask=cm, other=0.0).to(tl.float32) * tl.load(q_ptr + c, mask=cm, other=0.0).to(tl.float32)
         ss += tl.sum(v * v, 1)
         dot += tl.sum(v * wq[None, :], 1)
@@ -67,10 +74,7 @@ def _attn_res_kernel(src_ptr, pre_ptr, nw_ptr, q_ptr, ow_ptr, out_ptr,
     for d0 in range(0, d, BD):
         c = d0 + offs
         cm = c < d
-        v = tl.load(src_rows[:, None] + c[None, :], mask=from_src[:, None] & cm[None, :], other=0.0).to(tl.float32)
-        if HAS_PREFIX:
-            p = tl.load(pre_row + c, mask=cm, other=0.0).to(tl.float32)
-            v = tl.where(is_pre[:, None], p[None, :], v)
+        v = _load_candidates(src_rows, pre_row, c, cm, from_src, is_pre, HAS_PREFIX)
         mix = tl.sum(alpha[:, None] * v, 0).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + n * d + c, mix, mask=cm)
         m32 = mix.to(tl.float32)
