@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dspark.cache.state import committed_kda_state
 from dspark.models.k3.moe import LatentMoE, set_static_moe
 from dspark.spec.draft import DraftRunner
 from dspark.spec.verify import verify_greedy
@@ -91,17 +92,14 @@ class SpecBatch(StaticBatch):
     def commit(self, n_keep: torch.Tensor | None = None) -> None:
         """Keep n_keep [rows] (device, 0..T) of the new tokens per row (default all): the KDA state after position
         n_keep-1 (unchanged when 0), the conv window of the last W-1 kept raw inputs, lengths += n_keep."""
-        c, rows, T = self.static_cache, self.rows, self.T
+        c, rows = self.static_cache, self.rows
         if n_keep is not None and not self.record and c.state:
             raise ValueError("commit: a forward with record=False cannot roll back recurrent state; keep all tokens")
         n = self.num_new if n_keep is None else n_keep
-        r = torch.arange(rows, device=self.device)
         for layer, (states, ext) in self._pending.items():
-            S_old, W1 = c.state[layer][:rows], ext.shape[1] - T
-            S = states.flatten(0, 1).index_select(0, r * T + (n - 1).clamp(min=0))  # [rows, H, K, V]
-            S_old.copy_(torch.where((n > 0)[:, None, None, None], S, S_old))
-            cols = n[:, None] + torch.arange(W1, device=self.device)  # [rows, W-1]
-            c.conv[layer][:rows].copy_(ext.gather(1, cols[..., None].expand(-1, -1, ext.shape[-1])))
+            S, conv = committed_kda_state(states, ext, n, c.state[layer][:rows])
+            c.state[layer][:rows].copy_(S)
+            c.conv[layer][:rows].copy_(conv)
         self._pending.clear()
         c.lengths[:rows] += n
 

@@ -20,6 +20,8 @@ from typing import Protocol
 
 import torch
 
+from dspark.cache.state import committed_kda_state
+
 
 class CacheView(Protocol):
     def attn_append(self, layer: int, new: torch.Tensor) -> torch.Tensor:
@@ -89,14 +91,8 @@ class DenseCache:
             raise ValueError("commit: n_keep must lie in 0..num_new for every row")
         if self.kda and not b.record and not torch.equal(n_keep, b.num_new):
             raise ValueError("commit: a forward with record=False cannot roll back recurrent state")
-        rows = torch.arange(self.B)
         for layer, (states, conv_ext) in self._pending.items():
-            W1 = conv_ext.shape[1] - states.shape[1]
-            S = states[rows, (n_keep - 1).clamp(min=0)]
-            S_old, conv_old = self.kda.get(layer, (torch.zeros_like(S), None))
-            S = torch.where((n_keep > 0)[:, None, None, None], S, S_old)
-            conv = conv_ext[rows[:, None], n_keep[:, None] + torch.arange(W1)[None]]
-            self.kda[layer] = (S, conv)
+            self.kda[layer] = committed_kda_state(states, conv_ext, n_keep, self.kda.get(layer, (None, None))[0])
         self._pending.clear()
         self.lengths = self.lengths + n_keep
 

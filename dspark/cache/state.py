@@ -14,6 +14,21 @@ import torch
 LayerShape = tuple[int, int, int, int, int]  # (H, K, V, conv_channels, W)
 
 
+def committed_kda_state(states: torch.Tensor, conv_ext: torch.Tensor, n_keep, S_old: torch.Tensor | None = None):
+    """The rollback of a record=True forward, for every cache (paged pool, DenseCache, the static graph path), with
+    device ops only. states [B, T, H, K, V] after each new position; conv_ext [B, W-1+T, C] = the old window then
+    the new raw inputs; n_keep [B] in 0..T -> (S [B, H, K, V]: the state after n_keep tokens, S_old (zeros when
+    None) where n_keep = 0; conv [B, W-1, C]: the window of the last W-1 kept raw inputs)."""
+    B, T = states.shape[:2]
+    n = torch.as_tensor(n_keep, dtype=torch.long).to(states.device)
+    S = states.reshape(B * T, *states.shape[2:]).index_select(0, torch.arange(B, device=n.device) * T + (n - 1).clamp(min=0))
+    S = S.to(S_old.dtype) if S_old is not None else S
+    S = torch.where((n > 0)[:, None, None, None], S, S_old if S_old is not None else torch.zeros_like(S))
+    n = n.to(conv_ext.device)
+    cols = n[:, None] + torch.arange(conv_ext.shape[1] - T, device=n.device)  # [B, W-1]
+    return S, conv_ext.gather(1, cols[..., None].expand(-1, -1, conv_ext.shape[-1]))
+
+
 class KDAStatePool:
     def __init__(self, max_requests: int, layers: dict[int, LayerShape], device="cpu",
                  conv_dtype: torch.dtype = torch.float32):
@@ -85,12 +100,9 @@ class KDAStatePool:
             if idx.tolist() != list(slots):
                 raise ValueError("KDAStatePool.commit: slots differ from the pending forward's slots")
             rows = torch.arange(len(idx))[live]
-            idx, n = idx[live], n_keep[live]
-            W1 = conv_ext.shape[1] - states.shape[1]
-            S = states[rows, (n - 1).clamp(min=0)].float()
-            keep = (n > 0)[:, None, None, None].to(S.device)
-            self.S[layer][idx] = torch.where(keep, S, self.S[layer][idx])
-            win = conv_ext[rows[:, None], n[:, None] + torch.arange(W1)[None]]
+            idx = idx[live]
+            S, win = committed_kda_state(states[rows], conv_ext[rows], n_keep[live], self.S[layer][idx])
+            self.S[layer][idx] = S
             self.conv[layer][idx] = win.to(self.conv[layer].dtype)
             self.written[layer][idx] = True
         self._pending.clear()
