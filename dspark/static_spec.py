@@ -29,7 +29,7 @@ import torch
 
 from dspark.cache.state import committed_kda_state
 from dspark.models.k3.moe import LatentMoE, set_static_moe
-from dspark.spec.draft import DraftRunner
+from dspark.spec.draft import DraftRunner, draft_hidden, sample_markov
 from dspark.spec.verify import verify_greedy
 from dspark.static_decode import StaticBatch, _round_up
 
@@ -105,23 +105,12 @@ class SpecBatch(StaticBatch):
 
 
 def propose_static(runner: DraftRunner, cache: HybridCache, anchors: torch.Tensor, k: int) -> torch.Tensor:
-    """Greedy drafts [rows, k] for anchors [rows] at positions p0 = cache.lengths (device ops only): the block
-    [anchor, mask x (N-1)] against the context rows < p0 (keys masked from the device lengths), then the Markov
-    loop logits_j = U_j + markov(prev) with argmax (DraftRunner.propose + sample_markov, sample=False)."""
-    d, rows, L = runner.drafter, anchors.shape[0], cache.max_len
-    N, dev = d.config.block_size, anchors.device
-    p0 = cache.lengths[:rows]
-    ctx_rows = [cache.kv[layer][:rows] for layer in runner.layers]  # [rows, L, C] each
-    ctx_vis = (torch.arange(L, device=dev)[None] < p0[:, None])[:, None, :].expand(rows, N, L)
-    mask = torch.cat([ctx_vis, torch.ones(rows, N, N, dtype=torch.bool, device=dev)], dim=-1)[:, None]
-    q_pos = p0[:, None] + torch.arange(N, device=dev)  # [rows, N]
-    h = d.backbone(d.block_tokens(anchors), q_pos, ctx_rows, mask)[:, d.draft_slots()][:, :k]  # [rows, k, H]
-    U = d.base_logits(h)  # [rows, k, V] fp32
-    prev, ids = anchors, []
-    for j in range(k):
-        prev = (U[:, j] + d.markov(prev)[0]).argmax(-1)
-        ids.append(prev)
-    return torch.stack(ids, 1)
+    """Greedy drafts [rows, k] for anchors [rows] at positions p0 = cache.lengths (device ops only): the engine's
+    parallel pass (draft_hidden) over the static context rows, then the greedy Markov loop (sample_markov)."""
+    rows = anchors.shape[0]
+    ctx_rows = [cache.kv[layer][:rows] for layer in runner.layers]  # [rows, max_len, C] each, masked by p0
+    h = draft_hidden(runner.drafter, anchors, cache.lengths[:rows], ctx_rows)[:, :k]  # [rows, k, H]
+    return sample_markov(runner.drafter, h, anchors, None, sample=False).draft_ids
 
 
 class SpecStep:

@@ -54,6 +54,18 @@ def sample_markov(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor
                     None if conf[0] is None else torch.stack(conf, 1))
 
 
+def draft_hidden(drafter: DSparkDrafter, anchors: torch.Tensor, p0: torch.Tensor, ctx_rows: list[torch.Tensor]
+                 ) -> torch.Tensor:
+    """The parallel pass (device ops only): the block [anchor, mask x (N-1)] at positions p0.. against each draft
+    layer's context rows [B, L, C] (keys < p0 visible, the block non-causal) -> the post-norm hidden states of the
+    sampled queries [B, D, H]. anchors, p0: [B] on the drafter's device."""
+    B, N, L, dev = anchors.shape[0], drafter.config.block_size, ctx_rows[0].shape[1], anchors.device
+    ctx_vis = (torch.arange(L, device=dev)[None] < p0[:, None])[:, None, :].expand(B, N, L)
+    mask = torch.cat([ctx_vis, torch.ones(B, N, N, dtype=torch.bool, device=dev)], dim=-1)[:, None]
+    q_pos = p0[:, None] + torch.arange(N, device=dev)  # [B, N]
+    return drafter.backbone(drafter.block_tokens(anchors), q_pos, ctx_rows, mask)[:, drafter.draft_slots()]
+
+
 class DraftRunner:
     """The drafter's side of the engine. Its context K/V rows live in the target's paged cache as extra attention
     layers (ids offset past the target's), so they share block tables, prefix caching and export/import."""
@@ -79,17 +91,10 @@ class DraftRunner:
     def propose(self, cache, rids: Sequence[Hashable], anchors: torch.Tensor, temperature: torch.Tensor,
                 sample: bool = False, top_k: int = 0, generators=None) -> Proposal:
         """anchors [B]: each request's last committed token, at position p0 = its cache length."""
-        d = self.drafter
-        B, N = len(rids), d.config.block_size
+        d, B = self.drafter, len(rids)
         fb = cache.batch(rids, 0)  # a read-only view: no new tokens
         empty = torch.zeros(B, 0, self.row_width, dtype=d.param_dtype, device=anchors.device)
         ctx_rows = [fb.cache.attn_append(layer, empty) for layer in self.layers]
         cache.commit()
-        ctx_len = fb.num_cached.to(anchors.device)  # [B] = p0
-        L = ctx_rows[0].shape[1]
-        dev = anchors.device
-        mask = torch.cat([(torch.arange(L, device=dev)[None] < ctx_len[:, None])[:, None, :].expand(B, N, L),
-                          torch.ones(B, N, N, dtype=torch.bool, device=dev)], dim=-1)[:, None]
-        q_pos = ctx_len[:, None] + torch.arange(N, device=dev)
-        h = d.backbone(d.block_tokens(anchors), q_pos, ctx_rows, mask)[:, d.draft_slots()]
+        h = draft_hidden(d, anchors, fb.num_cached.to(anchors.device), ctx_rows)
         return sample_markov(d, h, anchors, temperature, sample, top_k, generators)
