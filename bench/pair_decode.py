@@ -16,6 +16,7 @@ On CPU (fp32, no graphs) it is a correctness check of the script, not a benchmar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import shlex
@@ -28,18 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E402
 from dspark.static_decode import _round_up  # noqa: E402
 from dspark.static_spec import StaticGenerator  # noqa: E402
-from eval.tasks import build_task, select, truncate_ids  # noqa: E402
+from eval.__main__ import encode as encode_task  # noqa: E402
+from eval.tasks import build_task, select  # noqa: E402
 
 KINDS = {"humaneval": "code", "creative": "prose"}
 
 
 def encode(task, tok, n: int, prompt_tokens: int, chat: bool) -> list[list[int]]:
-    out = []
-    for p in select(task.prompts, n):
-        if chat and task.chat and getattr(tok, "chat_template", None):
-            p = tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        out.append(truncate_ids(tok.encode(p, add_special_tokens=False), prompt_tokens))
-    return out
+    """n prompts of the task, evenly spread, encoded the way `python -m eval` does."""
+    return encode_task(dataclasses.replace(task, prompts=select(task.prompts, n)), tok, chat, prompt_tokens)
 
 
 def timed(gen: StaticGenerator, prompts: list[list[int]], max_tokens: int) -> dict:
