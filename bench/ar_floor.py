@@ -7,7 +7,9 @@ Usage:  python3 bench/ar_floor.py [--append [FILE]]   H200, about 1-2 minutes; -
 Random bf16 weights (normal, std 0.02, initialised on the device). Floor = bytes read per decode step (every
 linear weight + lm_head + norms + one embedding row) / the measured device copy bandwidth (a 2 GiB D2D copy, bytes
 read + written). Our paths (dspark.static_decode, static cache of max_len keys): eager, eager with fused
-projections, one CUDA graph per step, CUDA graph with fused [q|k|v] / [gate|up]; per-step median CUDA-event times
+projections, one CUDA graph per step, CUDA graph with fused [q|k|v] / [gate|up] (cuBLAS), the same with
+torch.compile'd glue, and CUDA graph with the fused decode kernels (five launches per layer: dspark.kernels.decode_gemv
+and decode_attention, tiles autotuned on first use); per-step median CUDA-event times
 after warm-up (greedy argmax and the length update included). Verify forwards of T=9 / T=17 tokens vs T=1 (graph,
 fused). HF `transformers.Qwen3ForCausalLM` with the same weights through `generate(do_sample=False)` (its default
 cache and attention), timed end to end (a 32-token prefill included). Greedy checks: the first 32 tokens of each path
@@ -105,7 +107,9 @@ def run(args) -> tuple[list[str], list[str]]:
         torch.cuda.empty_cache()
     t0 = time.perf_counter()
     model = build_model(shape, dev, dtype)
-    fused = fuse_projections(model)
+    fused = fuse_projections(model, kernels=False)  # cuBLAS matmuls + torch glue
+    kern = copy.copy(fused)  # the same fused weights; bs=1 one-token steps through the decode kernels
+    kern.kernels = True
     if cuda:
         torch.cuda.synchronize()
     n_params = sum(p.numel() for p in model.parameters())
@@ -151,7 +155,7 @@ def run(args) -> tuple[list[str], list[str]]:
         graph = GraphDecoder(model, cache)
         rows.append(("CUDA graph", timed(lambda: graph.step(tok)), ""))
         graph_fused = GraphDecoder(fused, cache)
-        rows.append(("CUDA graph, fused projections", timed(lambda: graph_fused.step(tok)), ""))
+        rows.append(("CUDA graph, fused projections (cuBLAS)", timed(lambda: graph_fused.step(tok)), ""))
         for T in (1, 9, 17):
             ids = torch.randint(0, c.vocab_size, (1, T), generator=g).to(dev)
             verify[T] = timed(lambda ids=ids: graph_fused.step(ids, advance=False), T, advance=False)
@@ -163,13 +167,27 @@ def run(args) -> tuple[list[str], list[str]]:
     if args.compile:
         try:
             t0 = time.perf_counter()
-            compiled = fuse_projections(model, compile=True)
+            compiled = fuse_projections(model, compile=True, kernels=False)
             step = GraphDecoder(compiled, cache).step if cuda else None
             ms = timed((lambda: step(tok)) if cuda else eager(compiled))
             rows.append((compiled_name, ms, f"compiled and timed in {time.perf_counter() - t0:.0f} s"))
         except Exception as e:  # an optional row: report why, keep the rest of the run
             compiled = None
             rows.append((compiled_name, None, f"failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}"))
+    kern_name = ("CUDA graph" if cuda else "eager") + ", fused decode kernels"
+    if cuda:
+        t0 = time.perf_counter()
+        graph_kern = GraphDecoder(kern, cache)
+        graph_kern.capture(1, 1)  # autotunes the matvec tiles (first use), then captures
+        tuned = time.perf_counter() - t0
+        rows.append((kern_name, timed(lambda: graph_kern.step(tok)), f"tiles autotuned + captured in {tuned:.0f} s"))
+        del graph_kern
+    # one step from the same state: the kernel path's logits vs the eager module path (bf16 rounding differs)
+    first = {}
+    for name, fwd in (("eager", model), ("kernels", kern)):
+        cache.reset(P)
+        first[name] = forward_static(fwd, tok, StaticBatch(cache, 1, 1))[0, 0].float()
+    logit_diff = (first["kernels"] - first["eager"]).abs().max().item() / first["eager"].abs().max().item()
 
     # greedy: first n_check tokens of every path vs our eager path, and HF generate
     greedy = lambda **kw: generate_greedy(model, prompt, n_check, max_len=max_len, **kw)[0].tolist()
@@ -177,10 +195,11 @@ def run(args) -> tuple[list[str], list[str]]:
     checks = [("eager, fused projections", greedy(graphs=False, fused=fused))]
     if cuda:
         checks += [("CUDA graph", greedy(graphs=True)), ("CUDA graph, fused projections", greedy(graphs=True, fused=fused))]
+    checks.append((kern_name, greedy(graphs=cuda, fused=kern)))
     if compiled is not None:
         checks.append((compiled_name, greedy(graphs=cuda, fused=compiled)))
     checks = [(name, agreement(out, ref)) for name, out in checks]
-    del fused, compiled
+    del fused, compiled, kern
     hf = build_hf(model)
     kw = dict(attention_mask=torch.ones_like(prompt), do_sample=False, pad_token_id=0)
     hf.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kw)  # warm-up
@@ -201,9 +220,13 @@ def run(args) -> tuple[list[str], list[str]]:
             continue
         frac = f"{floor_ms / ms:.1%}" if cuda else "—"
         table.append(f"| {name}{f' ({note})' if note else ''} | {ms:.3f} | {1e3 / ms:.1f} | {frac} |")
-    vname = "graph, fused" if cuda else "eager, fused"
+    vname = "graph, fused, cuBLAS" if cuda else "eager, fused"
+    kern_ms = next((ms for name, ms, _ in rows if name == kern_name and ms), None)
     lines.append(f"verify forward ({vname}): " + ", ".join(
-        f"T={T} {ms:.3f} ms ({ms / verify[1]:.2f}x T=1)" for T, ms in verify.items()))
+        f"T={T} {ms:.3f} ms ({ms / verify[1]:.2f}x T=1" + (f", {ms / kern_ms:.2f}x the kernel step)" if kern_ms else ")")
+        for T, ms in verify.items()))
+    lines.append(f"fused decode kernels vs the eager module path, one step from the same cache: max |logit diff| = "
+                 f"{logit_diff:.2e} of max |logit|")
     lines.append(f"greedy, first {n_check} tokens equal to our eager path: " +
                  "; ".join(f"{name} {a}" for name, a in checks))
     return table, lines

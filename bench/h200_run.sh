@@ -12,6 +12,10 @@
 #                                      #   batch); GPU1: the 8B-shape AR decode vs the HBM floor (bench/ar_floor.py)
 # After a k3-mini target + drafter exist on the machine (x2-target + x2-drafter, or k3-mini + drafter):
 #   bash bench/h200_run.sh pair        # CUDA-graph static path: graph == eager tests, then bs=1 AR vs DSpark per task
+# One nvidia-h200, two calls in a row while the machine is warm (runs/ lives only there):
+#   bash bench/h200_run.sh one-train   # k3-mini target (3.5 min) with the CUDA tests beside it, then its drafter
+#   bash bench/h200_run.sh one-bench   # pair_decode (graphs, bs=1 per task + throughput vs batch), ar_floor (8B
+#                                      #   shape vs the HBM floor, fused decode kernels), engine_gpu (eager, bf16)
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -90,5 +94,25 @@ case "${1:-kernels}" in
       --prompts 8 --max-tokens 128 --batches 1,4,16,64 --append "$OUT/pair_decode.md" 2>&1 | tee "$OUT/pair_decode.txt"
     python3 -m eval --target runs/k3-mini/final --drafter "$drafter" --engine static --dtype bfloat16 \
       --tasks humaneval,creative --num-prompts 8 --max-tokens 128 --out "$OUT/eval_static" 2>&1 | tail -8
+    ;;
+  one-train)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled max_minutes="${TARGET_MIN:-3.5}" \
+      > /tmp/k3_mini_train.log 2>&1 &
+    train_pid=$!
+    python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py tests/test_static_spec.py \
+      -q -p no:cacheprovider 2>&1 | grep -v "Warning\|warn" | tail -25 | tee "$OUT/gpu_tests.txt"
+    wait $train_pid
+    grep -v "it/s\]" /tmp/k3_mini_train.log | tail -12 | tee "$OUT/k3_mini_train.txt"
+    python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes="${DRAFTER_MIN:-2.2}" 2>&1 \
+      | grep -v "it/s\]" | tail -15 | tee "$OUT/k3_mini_drafter.txt"
+    ;;
+  one-bench)
+    timeout 330 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
+      --tasks humaneval,creative --prompts 8 --max-tokens 128 --batches 1,4,16,64 --append "$OUT/pair_decode.md" \
+      2>&1 | tee "$OUT/pair_decode.txt"
+    timeout 200 python3 bench/ar_floor.py --no-compile --append "$OUT/ar_floor.md" 2>&1 | tee "$OUT/ar_floor.txt"
+    timeout 60 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
+      --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
     ;;
 esac

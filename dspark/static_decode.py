@@ -13,6 +13,9 @@
   residual adds folded into the o/down matmuls (`addmm_`), q/k-norm + RoPE in four kernels written back into the
   qkv output. Norms use torch's fused `rms_norm` (fp32 math, one rounding), so in bf16 it differs from the module
   path by rounding only. `compile=True` also runs each layer's glue through torch.compile (optional).
+  `kernels=True` (default): a one-token step (B*T = 1, the bs=1 decode) on CUDA runs five launches per layer
+  instead: matvecs with the RMSNorm / silu*mul prologue and the residual add fused in (kernels/decode_gemv.py) and
+  one q/k-norm + RoPE + cache write + attention kernel (kernels/decode_attention.py); other shapes keep cuBLAS.
 - `GraphDecoder`: one `torch.cuda.CUDAGraph` per (batch-size bucket, T) of plan + forward + greedy argmax, with
   static input/output buffers; `step(ids)` = copy in, replay, advance lengths on the device. T=1 decodes, T=k+1
   verifies (`advance=False`, then `batch.commit(n_keep)` with a device tensor).
@@ -23,6 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dspark.kernels import use_triton
+from dspark.kernels.decode_attention import decode_attention, rope_inv_freq
+from dspark.kernels.decode_gemv import decode_gemv
 from dspark.models.layers import rope_cos_sin
 
 
@@ -144,9 +150,10 @@ class FusedQwen3:
     Fused [q|k|v] / [gate|up] weights are copies made once (about 9 GB extra at 8B); o_proj, down_proj, norms,
     embedding and lm_head are the model's own tensors. The model, its state_dict names and checkpoints are
     untouched. compile=True runs `fused_layer` through torch.compile (element-wise ops fused into Triton kernels on
-    CUDA; one compilation per input shape, reused by every layer)."""
+    CUDA; one compilation per input shape, reused by every layer). kernels=True: the bs=1 one-token step through
+    the fused decode kernels (see the module docstring)."""
 
-    def __init__(self, model, compile: bool = False):
+    def __init__(self, model, compile: bool = False, kernels: bool = True):
         c = model.config
         if c.attention_bias:
             raise ValueError("fuse_projections: attention_bias=True is not supported (Qwen3 checkpoints have none)")
@@ -165,6 +172,8 @@ class FusedQwen3:
         half = self.D // 2
         self.rot_sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.qk_norm)  # rotate_half = roll * sign
         self.layer = torch.compile(fused_layer, dynamic=False) if compile else fused_layer
+        self.kernels = kernels
+        self.inv_freq = rope_inv_freq(self.D, self.rope_theta, device=self.rot_sign.device)
 
     def _rope_tables(self, batch, T: int, dtype):
         """Every layer's q/k-norm weight w folded into NeoX RoPE: (xn*w)*cos + rotate_half(xn*w)*sin =
@@ -182,6 +191,8 @@ class FusedQwen3:
 
     def __call__(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
         m = self.model.model
+        if self.kernels and input_ids.numel() == 1 and use_triton(m.embed_tokens.weight):
+            return self._decode_one(input_ids, batch)
         T = input_ids.shape[1]
         h = F.embedding(input_ids, m.embed_tokens.weight)  # [B, T, hidden], updated in place layer by layer
         wc, ws = self._rope_tables(batch, T, h.dtype)
@@ -193,10 +204,25 @@ class FusedQwen3:
                        self.H, self.Hkv, self.eps)
         return F.linear(F.rms_norm(h, (h.shape[-1],), m.norm.weight, self.eps), self.model.lm_head.weight)
 
+    def _decode_one(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
+        """One token of one row ([1, 1] ids) through the fused decode kernels: five launches per layer."""
+        m, eps = self.model.model, self.eps
+        h = F.embedding(input_ids.view(1), m.embed_tokens.weight)  # [1, hidden], updated in place
+        lengths = batch.static_cache.lengths[:1]  # the new token's position
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            qkv = decode_gemv(h, self.w_qkv[i], "rmsnorm", layer.input_layernorm.weight, eps)
+            o = decode_attention(qkv, batch.static_cache.kv[i][:1], lengths, a.q_norm.weight, a.k_norm.weight,
+                                 self.inv_freq, self.rope_theta, self.H, self.Hkv, eps)
+            decode_gemv(o, a.o_proj.weight, residual=h, out=h)
+            gate_up = decode_gemv(h, self.w_gate_up[i], "rmsnorm", layer.post_attention_layernorm.weight, eps)
+            decode_gemv(gate_up, layer.mlp.down_proj.weight, "silu_mul", residual=h, out=h)
+        return decode_gemv(h, self.model.lm_head.weight, "rmsnorm", m.norm.weight, eps).view(1, 1, -1)
 
-def fuse_projections(model, compile: bool = False) -> FusedQwen3:
+
+def fuse_projections(model, compile: bool = False, kernels: bool = True) -> FusedQwen3:
     """Fused [q|k|v] and [gate|up] weights per layer, for inference only (see FusedQwen3)."""
-    return FusedQwen3(model, compile)
+    return FusedQwen3(model, compile, kernels)
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA graphs

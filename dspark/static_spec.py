@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.cache.state import committed_kda_state
+from dspark.kernels import use_triton
+from dspark.kernels.markov_sample import markov_sample
 from dspark.models.k3.moe import LatentMoE, set_static_moe
 from dspark.spec.draft import DraftRunner, draft_hidden, sample_markov
 from dspark.spec.verify import verify_greedy
@@ -106,11 +108,16 @@ class SpecBatch(StaticBatch):
 
 def propose_static(runner: DraftRunner, cache: HybridCache, anchors: torch.Tensor, k: int) -> torch.Tensor:
     """Greedy drafts [rows, k] for anchors [rows] at positions p0 = cache.lengths (device ops only): the engine's
-    parallel pass (draft_hidden) over the static context rows, then the greedy Markov loop (sample_markov)."""
-    rows = anchors.shape[0]
+    parallel pass (draft_hidden) over the static context rows, then the greedy Markov loop: on CUDA one launch
+    (dspark/kernels/markov_sample.py, the loop's reference is sample_markov), else sample_markov."""
+    rows, d = anchors.shape[0], runner.drafter
     ctx_rows = [cache.kv[layer][:rows] for layer in runner.layers]  # [rows, max_len, C] each, masked by p0
-    h = draft_hidden(runner.drafter, anchors, cache.lengths[:rows], ctx_rows)[:, :k]  # [rows, k, H]
-    return sample_markov(runner.drafter, h, anchors, None, sample=False).draft_ids
+    h = draft_hidden(d, anchors, cache.lengths[:rows], ctx_rows)[:, :k]  # [rows, k, H]
+    if d.markov_head is not None and use_triton(h):
+        w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
+        scale = d.config.logit_scale
+        return markov_sample(d.base_logits(h), w1, w2 if scale == 1.0 else w2 * scale, anchors)[0]
+    return sample_markov(d, h, anchors, None, sample=False).draft_ids
 
 
 class SpecStep:

@@ -13,13 +13,22 @@ import math
 import torch
 from torch import nn
 
+from dspark.kernels import use_triton
 from dspark.models.layers import RMSNorm
 
 
 def attn_res(sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear) -> torch.Tensor:
-    """sources: n+1 tensors [B, T, d] (completed blocks then the live prefix) -> mix [B, T, d] in the sources' dtype."""
+    """sources: n+1 tensors [B, T, d] (completed blocks then the live prefix) -> mix [B, T, d] in the sources' dtype.
+    Inference on CUDA: one kernel per read site (dspark/kernels/attn_res.py, tested against this function)."""
     if len(sources) == 1:
         return sources[0]
+    if not torch.is_grad_enabled() and use_triton(sources[-1]):
+        from dspark.kernels.attn_res import attn_res_mix  # the kernel module imports this one
+
+        B, T, d = sources[-1].shape
+        blocks = torch.stack(sources[:-1], 2).view(B * T, len(sources) - 1, d)
+        return attn_res_mix(blocks, res_norm.weight, res_proj.weight, res_norm.eps,
+                            prefix=sources[-1].reshape(B * T, d)).view(B, T, d)
     v = torch.stack(sources, 0).float()  # [n+1, B, T, d]
     normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + res_norm.eps) * res_norm.weight.float()
     logits = normed @ res_proj.weight.float().squeeze(0)  # [n+1, B, T]

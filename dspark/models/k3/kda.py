@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.kernels import use_triton
 from dspark.models.layers import RMSNorm
 
 try:  # GPU fast path; never used on CPU
@@ -20,6 +21,7 @@ except Exception:  # noqa: BLE001 - fla missing or broken: the torch reference i
     _fla_chunk_kda = _fla_fused_recurrent_kda = None
 
 RECURRENT_MAX_T = 16  # new-token counts up to this run the token loop (decode / verify)
+FUSED_MAX_T = 17  # cached inference steps up to this (decode, verify of k+1 <= 17) use dspark.kernels.kda_decode on CUDA
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -190,6 +192,9 @@ class KimiDeltaAttention(nn.Module):
         S0, window = cache.kda_read(self.layer_idx) if cache is not None else (None, None)
         if window is None:
             window = raw.new_zeros(B, W - 1, raw.shape[-1])
+        record = cache is not None and batch.record
+        if cache is not None and T <= FUSED_MAX_T and not torch.is_grad_enabled() and use_triton(x):
+            return self._fused_step(x, raw, S0, window, batch, record)
         qkv, ext = self.short_conv(window, raw)
         q, k, v = (t.reshape(B, T, H, D) for t in qkv.chunk(3, -1))
         q, k = l2norm(q.float()), l2norm(k.float())
@@ -198,7 +203,6 @@ class KimiDeltaAttention(nn.Module):
         if valid is not None:  # padding must leave the state untouched
             g = g * valid[..., None, None]
             beta = beta * valid[..., None]
-        record = cache is not None and batch.record
         if record:
             o, S = kda_recurrent(q, k, v, g, beta, S0, return_all_states=True)  # S: [B,T,H,K,V]
         elif fla_available(x):
@@ -209,12 +213,31 @@ class KimiDeltaAttention(nn.Module):
         else:
             o, S = kda_chunked(q, k, v, g, beta, S0)
         if cache is not None:
-            if record:
-                cache.kda_write(self.layer_idx, S, ext)
-            else:  # last W-1 raw inputs of each row's valid tokens
-                n = batch.num_new.to(x.device)
-                cols = n[:, None] + torch.arange(W - 1, device=x.device)[None]  # [B, W-1]
-                cache.kda_write(self.layer_idx, S, ext.gather(1, cols[..., None].expand(-1, -1, ext.shape[-1])))
+            self._write_cache(cache, batch, S, ext, record)
         gate = self.output_gate(x).view(B, T, H, D)
         o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(gate)
         return self.o_proj(o.reshape(B, T, H * D))
+
+    def _write_cache(self, cache, batch, S, ext, record: bool) -> None:
+        """record: every position's state [B,T,H,K,V] + the whole extended window; else the final state and the last
+        W-1 raw inputs of each row's valid tokens."""
+        if record:
+            cache.kda_write(self.layer_idx, S, ext)
+            return
+        n = batch.num_new.to(ext.device)
+        cols = n[:, None] + torch.arange(self.conv_size - 1, device=ext.device)[None]  # [B, W-1]
+        cache.kda_write(self.layer_idx, S, ext.gather(1, cols[..., None].expand(-1, -1, ext.shape[-1])))
+
+    def _fused_step(self, x, raw, S0, window, batch, record: bool) -> torch.Tensor:
+        """A cached inference step of T <= FUSED_MAX_T tokens in one kernel (conv + SiLU + L2 norm + gate + delta
+        rule + output norm and gate; dspark/kernels/kda_decode.py, tested against this layer's math). Padding rows
+        (t >= num_new) leave the state untouched, as in forward."""
+        from dspark.kernels.kda_decode import conv_weight, kda_decode  # the kernel module imports this one
+
+        B, T, _ = x.shape
+        o, S, ext = kda_decode(raw, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x),
+                               conv_weight(self), window, self.A_log, self.dt_bias, self.o_norm.weight, S0,
+                               self.gate_lower_bound, self.o_norm.eps, return_all_states=record,
+                               lengths=batch.num_new.to(x.device))
+        self._write_cache(batch.cache, batch, S, ext, record)
+        return self.o_proj(o)
