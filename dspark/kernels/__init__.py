@@ -7,6 +7,11 @@ reference). Modules:
   attn_res       Attention-Residuals depth mix (+ optional output RMSNorm)
   mxfp4_matmul   y = x @ dequant(W)^T with MXFP4 weights dequantised in registers (single or grouped experts)
   markov_sample  the sequential Markov-head draft sampling loop of one draft step, one launch
+  decode_gemv    bs=1 decode matvec with the RMSNorm / silu*mul prologue and the residual add fused in (Qwen3)
+  decode_attention  one Qwen3 attention decode step: q/k norm + RoPE + cache write + GQA attention, one launch
+Where they run: FusedQwen3 (static_decode.py) uses decode_gemv / decode_attention for one-token steps on CUDA; the K3
+layers dispatch kda_decode (cached steps of <= 17 tokens), attn_res (inference) and static_spec.propose_static the
+Markov loop, on CUDA without autograd. DSPARK_KERNELS=0 turns all of them off (the torch modules run instead).
 
 TRITON_INTERPRET=1 is read by `triton.jit` when a kernel is *decorated* (triton 3.9: knobs.runtime.interpret), so it
 must be in the environment before these modules are imported; tests/test_kernels.py runs the interpreter checks in a
