@@ -61,15 +61,20 @@ def bytes_per_decode_step(model) -> int:
     return rest + emb.shape[1] * emb.element_size()
 
 
-def build_model(shape: dict, device: str, dtype) -> Qwen3ForCausalLM:
+def build_on(factory, device: str, dtype):
+    """factory() (a model constructor) run with seed 0, `dtype` as the default dtype, directly on `device`."""
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return Qwen3ForCausalLM(qwen3_config(**shape)).eval()
+            return factory().eval()
     finally:
         torch.set_default_dtype(default)
+
+
+def build_model(shape: dict, device: str, dtype) -> Qwen3ForCausalLM:
+    return build_on(lambda: Qwen3ForCausalLM(qwen3_config(**shape)), device, dtype)
 
 
 def build_hf(model):

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ar_floor import copy_bandwidth  # noqa: E402  (bench/ is sys.path[0] for a script)
+from ar_floor import build_on, copy_bandwidth  # noqa: E402  (bench/ is sys.path[0] for a script)
 
 from dspark.models.k3.config import K3TextConfig  # noqa: E402
 from dspark.models.k3.model import K3ForCausalLM  # noqa: E402
@@ -55,14 +55,7 @@ TINY = {**K3_SHAPE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 9
 
 
 def build(shape: dict, device: str, dtype) -> K3ForCausalLM:
-    torch.manual_seed(0)
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = K3ForCausalLM(K3TextConfig.from_dict(shape)).eval()
-    finally:
-        torch.set_default_dtype(default)
+    model = build_on(lambda: K3ForCausalLM(K3TextConfig.from_dict(shape)), device, dtype)
     with torch.no_grad():  # random init: small weights keep the bf16 stream finite over 24 layers
         for name, p in model.named_parameters():
             if p.dim() == 2 and "embed" not in name:
