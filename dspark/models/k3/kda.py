@@ -234,7 +234,6 @@ class KimiDeltaAttention(nn.Module):
         (t >= num_new) leave the state untouched, as in forward."""
         from dspark.kernels.kda_decode import conv_weight, kda_decode  # the kernel module imports this one
 
-        B, T, _ = x.shape
         o, S, ext = kda_decode(raw, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x),
                                conv_weight(self), window, self.A_log, self.dt_bias, self.o_norm.weight, S0,
                                self.gate_lower_bound, self.o_norm.eps, return_all_states=record,
