@@ -55,9 +55,11 @@ class StaticCache:
 
 class StaticBatch:
     """What `Qwen3ForCausalLM.forward(ids, batch=...)` needs (positions / valid / key_mask / cache.attn_append) for
-    the first `rows` sequences of a StaticCache with T new tokens each. `plan()` derives positions, mask and write
-    slots from the cache's current device lengths; call it before every forward (`forward_static` does), inside
-    the captured region when graphing. The batch is its own CacheView: it owns the planned write slots."""
+    the first `rows` sequences of a StaticCache with T new tokens each. Positions, valid flags, the key mask and
+    the write slots derive from the cache's current device lengths; `plan()` (before every forward:
+    `forward_static` calls it, inside the captured region when graphing) drops the last forward's, and each is
+    recomputed on first use, so a forward pays only for what it reads (the fused decode kernels read none).
+    The batch is its own CacheView: it owns the write slots."""
 
     record = False
 
@@ -73,12 +75,25 @@ class StaticBatch:
         self.plan()
 
     def plan(self) -> None:
-        rows, T, L, dev = self.rows, self.T, self.static_cache.max_len, self.device
-        self._pos = self.static_cache.lengths[:rows, None] + torch.arange(T, device=dev)  # [rows, T]
-        self._valid = torch.arange(T, device=dev)[None] < self.num_new[:, None]
-        self._mask = (torch.arange(L, device=dev)[None, None] <= self._pos[:, :, None])[:, None]  # [rows,1,T,L]
-        # flat row index into store.view(rows * L, C); the caller keeps lengths + T <= max_len (clamp = no OOB)
-        self.slots = (torch.arange(rows, device=dev)[:, None] * L + self._pos.clamp(max=L - 1)).flatten()
+        self._planned: dict[str, torch.Tensor] = {}
+
+    def _derived(self, name: str) -> torch.Tensor:
+        if name not in self._planned:
+            rows, T, L, dev = self.rows, self.T, self.static_cache.max_len, self.device
+            if name == "pos":  # [rows, T]
+                value = self.static_cache.lengths[:rows, None] + torch.arange(T, device=dev)
+            elif name == "valid":  # [rows, T]
+                value = torch.arange(T, device=dev)[None] < self.num_new[:, None]
+            elif name == "mask":  # [rows, 1, T, L]
+                value = (torch.arange(L, device=dev)[None, None] <= self._derived("pos")[:, :, None])[:, None]
+            else:  # "slots": flat row index into store.view(rows * L, C); callers keep lengths + T <= max_len
+                value = (torch.arange(rows, device=dev)[:, None] * L + self._derived("pos").clamp(max=L - 1)).flatten()
+            self._planned[name] = value
+        return self._planned[name]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        return self._derived("slots")
 
     def _check(self, T: int) -> None:
         if T != self.T:
@@ -86,17 +101,17 @@ class StaticBatch:
 
     def positions(self, T: int) -> torch.Tensor:
         self._check(T)
-        return self._pos
+        return self._derived("pos")
 
     def valid(self, T: int) -> torch.Tensor:
         self._check(T)
-        return self._valid
+        return self._derived("valid")
 
     def key_mask(self, T: int, L: int) -> torch.Tensor:
         self._check(T)
         if L != self.static_cache.max_len:
             raise ValueError(f"key_mask: the static cache has L=max_len={self.static_cache.max_len}, got {L}")
-        return self._mask
+        return self._derived("mask")
 
     def attn_append(self, layer: int, new: torch.Tensor) -> torch.Tensor:
         """new [rows, T, C] -> writes row (b, t) at slot lengths[b] + t; returns the whole store [rows, max_len, C]."""
