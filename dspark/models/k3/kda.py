@@ -185,16 +185,16 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, D, W = self.num_heads, self.head_dim, self.conv_size
         cache = batch.cache if batch is not None else None
-        valid = batch.valid(T) if batch is not None else None  # [B,T] bool
         raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [B,T,3P] raw conv inputs
-        if valid is not None:
-            raw = raw * valid[..., None].to(raw.dtype)
         S0, window = cache.kda_read(self.layer_idx) if cache is not None else (None, None)
         if window is None:
             window = raw.new_zeros(B, W - 1, raw.shape[-1])
         record = cache is not None and batch.record
         if cache is not None and T <= FUSED_MAX_T and not torch.is_grad_enabled() and use_triton(x):
-            return self._fused_step(x, raw, S0, window, batch, record)
+            return self._fused_step(x, raw, S0, window, batch, record)  # masks the padding rows itself
+        valid = batch.valid(T) if batch is not None else None  # [B,T] bool
+        if valid is not None:
+            raw = raw * valid[..., None].to(raw.dtype)
         qkv, ext = self.short_conv(window, raw)
         q, k, v = (t.reshape(B, T, H, D) for t in qkv.chunk(3, -1))
         q, k = l2norm(q.float()), l2norm(k.float())
@@ -234,8 +234,12 @@ class KimiDeltaAttention(nn.Module):
         (t >= num_new) leave the state untouched, as in forward."""
         from dspark.kernels.kda_decode import conv_weight, kda_decode  # the kernel module imports this one
 
+        ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
+        key = tuple((w.data_ptr(), w._version) for w in ws)  # changes when a weight is replaced or updated
+        if getattr(self, "_conv_w", (None,))[0] != key:  # the fused [3P, W] copy, made once, not every step
+            self._conv_w = (key, conv_weight(self))
         o, S, ext = kda_decode(raw, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x),
-                               conv_weight(self), window, self.A_log, self.dt_bias, self.o_norm.weight, S0,
+                               self._conv_w[1], window, self.A_log, self.dt_bias, self.o_norm.weight, S0,
                                self.gate_lower_bound, self.o_norm.eps, return_all_states=record,
                                lengths=batch.num_new.to(x.device))
         self._write_cache(batch.cache, batch, S, ext, record)
