@@ -18,17 +18,12 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import interpreting, next_pow2, tl, triton, use_triton
-from dspark.models.layers import apply_rope_neox, rope_cos_sin
+from dspark.models.layers import apply_rope_neox, rms_norm, rope_cos_sin
 
 
 def rope_inv_freq(dim: int, theta: float, device=None) -> torch.Tensor:
     """The inverse frequencies rope_cos_sin uses: [dim/2] fp32."""
     return 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-
-
-def _rms(x, w, eps):
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def decode_attention_ref(qkv, store, lengths, q_w, k_w, theta: float, H: int, Hkv: int, eps: float):
@@ -37,8 +32,8 @@ def decode_attention_ref(qkv, store, lengths, q_w, k_w, theta: float, H: int, Hk
     D = q_w.shape[0]
     q, k, v = qkv.view(B, 1, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=2)
     cos, sin = rope_cos_sin(lengths.view(B, 1), D, theta, dtype=qkv.dtype)  # [B, 1, D]
-    q = apply_rope_neox(_rms(q, q_w, eps).transpose(1, 2), cos, sin)  # [B, H, 1, D]
-    k = apply_rope_neox(_rms(k, k_w, eps).transpose(1, 2), cos, sin)  # [B, Hkv, 1, D]
+    q = apply_rope_neox(rms_norm(q, q_w, eps).transpose(1, 2), cos, sin)  # [B, H, 1, D]
+    k = apply_rope_neox(rms_norm(k, k_w, eps).transpose(1, 2), cos, sin)  # [B, Hkv, 1, D]
     rows = torch.arange(B, device=store.device)
     store[rows, lengths.long()] = torch.cat([k.reshape(B, -1), v.reshape(B, -1)], -1).to(store.dtype)
     kv = store.view(B, L, 2, Hkv, D)

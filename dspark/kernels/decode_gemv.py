@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import HAS_TRITON, interpreting, tl, triton, use_triton
+from dspark.models.layers import rms_norm
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
 
@@ -24,8 +25,7 @@ PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
 def decode_gemv_ref(x, w, prologue: str = "none", norm_w=None, eps: float = 1e-6, residual=None):
     """Torch reference, the module path's ops: x [M, K] (or [M, 2K] for silu_mul), w [N, K] -> [M, N] in x.dtype."""
     if prologue == "rmsnorm":
-        xf = x.float()
-        x = norm_w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+        x = rms_norm(x, norm_w, eps)
     elif prologue == "silu_mul":
         gate, up = x.chunk(2, dim=-1)
         x = F.silu(gate) * up

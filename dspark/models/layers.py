@@ -35,8 +35,14 @@ def attention(q, k, v, mask=None, scale=None, enable_gqa=False, is_causal=False)
                                           is_causal=is_causal and mask is None)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm as HF Qwen3/DeepSeek compute it: normalise in fp32, cast back, scale."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm as HF Qwen3/DeepSeek compute it: normalise in fp32, scale, cast back."""
+    """RMSNorm as HF Qwen3/DeepSeek compute it (rms_norm)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -44,10 +50,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32):
