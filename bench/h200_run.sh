@@ -17,7 +17,13 @@
 #   bash bench/h200_run.sh one-bench   # pair_decode (graphs, bs=1 per task + throughput vs batch), ar_floor (8B
 #                                      #   shape vs the HBM floor, fused decode kernels), engine_gpu (eager, bf16)
 #   bash bench/h200_run.sh k3-floor    # K3-shape hybrid AR decode vs the HBM floor (random weights, ~2 min)
+# Session 4, three calls in a row on one warm nvidia-h200:
+#   bash bench/h200_run.sh s4-train    # target (3 min), drafter on 4096 regenerated sequences (static path, 3.6 min)
+#   bash bench/h200_run.sh s4-bench    # pair_decode graphed, then graphed + torch.compile with a kernel profile
+#   bash bench/h200_run.sh s4-tests    # the CUDA tests, then bench/engine_gpu.py in bf16
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens).
+# Run every GPU command through this script: it installs the fla wheel and puts it on PYTHONPATH. A bare
+# `python3 -m train ...` on the device trains KDA on the torch fallback, 7x slower (session 4: 63 target steps in 3 min).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -109,6 +115,31 @@ case "${1:-kernels}" in
     grep -v "it/s\]" /tmp/k3_mini_train.log | grep -v "^ " | tail -30 | tee "$OUT/k3_mini_train.txt"
     python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes="${DRAFTER_MIN:-2.2}" ${DRAFTER_ARGS:-} 2>&1 \
       | grep -v "it/s\]" | tail -15 | tee "$OUT/k3_mini_drafter.txt"
+    ;;
+  s4-train)
+    # session 4: the target, then a drafter on 4096 static-path regenerated sequences (bench/RESULTS.md)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    timeout 270 python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled max_minutes="${TARGET_MIN:-2.9}" \
+      2>&1 | grep -v "it/s\]" | grep -v "^ " | tail -12 | tee "$OUT/k3_mini_train.txt"
+    timeout 310 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes="${DRAFTER_MIN:-3.6}" \
+      ${DRAFTER_ARGS:-} 2>&1 \
+      | grep -v "it/s\]" | tail -15 | tee "$OUT/k3_mini_drafter.txt"
+    ;;
+  s4-bench)
+    # bs=1 AR vs DSpark on the graphed static path, plain then torch.compile'd (+ a kernel profile per step)
+    timeout 150 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
+      --tasks humaneval,creative --prompts 8 --max-tokens 128 --batches 1,4,16,64 --append "$OUT/pair_decode.md" \
+      2>&1 | tee "$OUT/pair_decode.txt"
+    timeout 420 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
+      --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile --profile --agree 1 \
+      --append "$OUT/pair_decode_compiled.md" 2>&1 | tee "$OUT/pair_decode_compiled.txt"
+    ;;
+  s4-tests)
+    python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py \
+      tests/test_static_spec.py -q -p no:cacheprovider 2>&1 | grep -v "Warning:\|warnings.warn" | tail -15 \
+      | tee "$OUT/gpu_tests.txt"
+    timeout 200 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
+      --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
     ;;
   k3-floor)
     timeout 420 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tee "$OUT/k3_floor.txt"

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E402
+from dspark.models.k3.moe import set_static_moe  # noqa: E402
 from dspark.static_decode import _round_up  # noqa: E402
 from dspark.static_spec import StaticGenerator  # noqa: E402
 from eval.__main__ import encode as encode_task  # noqa: E402
@@ -60,17 +61,54 @@ def prefix_match(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run_task(name, prompts, target, drafter, a, graphs) -> dict:
+def make_generators(target, drafter, a, graphs: bool) -> dict:
+    """One bs=1 generator per mode, shared by the tasks (so each is captured / compiled once)."""
     k = a.k or drafter.config.num_drafts
-    max_len = _round_up(max(len(p) for p in prompts) + a.max_tokens + k + 1, 64)
-    gens = {"AR": StaticGenerator(target, None, max_len=max_len, graphs=graphs),
-            "DSpark": StaticGenerator(target, drafter, k, max_len=max_len, graphs=graphs)}
+    max_len = _round_up(a.prompt_tokens + a.max_tokens + k + 1, 64)
+    return {"AR": StaticGenerator(target, None, max_len=max_len, graphs=graphs, compile=a.compile),
+            "DSpark": StaticGenerator(target, drafter, k, max_len=max_len, graphs=graphs, compile=a.compile)}
+
+
+@torch.no_grad()
+def kernel_profile(gens: dict, prompt: list[int], steps: int = 3, top: int = 12) -> str:
+    """GPU kernels of one decode step per mode (the step as captured, run un-graphed under torch.profiler after a
+    short generate): launches and kernel time per step, and the top kernels by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = []
+    for mode, gen in gens.items():
+        gen.generate(prompt, 8)
+        set_static_moe(gen.target, gen.moe_tokens)
+        try:
+            gen.run()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    gen.run()
+                torch.cuda.synchronize()
+        finally:
+            set_static_moe(gen.target, 0)
+        evs = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.device_time for e in evs) / steps
+        by = {}
+        for e in evs:
+            n, t = by.get(e.name, (0, 0.0))
+            by[e.name] = (n + 1, t + e.device_time)
+        lines += [f"\n{mode}: {len(evs) / steps:.0f} kernels per step, {total / 1e3:.3f} ms of kernel time per step",
+                  "", "| kernel | per step | µs per step |", "|---|--:|--:|"]
+        for name, (n, t) in sorted(by.items(), key=lambda x: -x[1][1])[:top]:
+            lines.append(f"| `{name[:90]}` | {n / steps:.0f} | {t / steps:.1f} |")
+    return "\n".join(lines)
+
+
+def run_task(name, prompts, gens, drafter, a) -> dict:
+    k = a.k or drafter.config.num_drafts
     res = {}
     for mode, gen in gens.items():
         gen.generate(prompts[0], min(a.max_tokens, 8))  # warm-up: graph capture, allocator, kernel autotune
         res[mode] = timed(gen, prompts, a.max_tokens)
     agree = []
-    engine = Engine(target, drafter, num_speculative_tokens=k)
+    engine = Engine(gens["AR"].target, drafter, num_speculative_tokens=k)
     for p, static in zip(prompts[: a.agree], res["DSpark"]["outs"]):
         ref = engine.generate([p], SamplingParams(max_tokens=a.max_tokens, temperature=0.0, ignore_eos=True))[0]
         agree.append(prefix_match(ref.token_ids, static))
@@ -92,7 +130,8 @@ def table(rows: list[dict], max_tokens: int) -> str:
     return "\n".join(lines)
 
 
-def throughput(prompts, target, drafter, k: int, batches: list[int], max_tokens: int, graphs: bool) -> str:
+def throughput(prompts, target, drafter, k: int, batches: list[int], max_tokens: int, graphs: bool,
+               compile: bool = False) -> str:
     """B equal-length prompts (the task's prompts cut to the shortest, repeated) decoded together: generated tokens
     after the prefill / decode wall time, AR and DSpark, per batch size."""
     P = min(len(p) for p in prompts)
@@ -102,7 +141,7 @@ def throughput(prompts, target, drafter, k: int, batches: list[int], max_tokens:
         res = {}
         for mode, d in (("AR", None), ("DSpark", drafter)):
             gen = StaticGenerator(target, d, k if d is not None else None, max_len=_round_up(P + max_tokens + k + 1, 64),
-                                  batch_size=B, graphs=graphs)
+                                  batch_size=B, graphs=graphs, compile=compile)
             gen.generate(ids, min(max_tokens, 8))  # warm-up / capture
             out = gen.generate(ids, max_tokens)
             acc = [a for row in out.accepted_per_step for a in row]
@@ -137,6 +176,9 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto", help="auto | cuda | cpu")
     ap.add_argument("--dtype", default="bfloat16", help="on CUDA (CPU always runs float32)")
     ap.add_argument("--no-graphs", action="store_true", help="eager static steps on CUDA too")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the decode steps (StaticGenerator)")
+    ap.add_argument("--compile-batches", action="store_true", help="also for the throughput-vs-batch rows")
+    ap.add_argument("--profile", action="store_true", help="GPU kernels per step (torch.profiler), per mode")
     ap.add_argument("--batches", default="", help="also throughput vs batch size, e.g. 1,4,16,64 (first task)")
     ap.add_argument("--append", metavar="FILE", help="append a dated section (command, GPU, versions, table)")
     a = ap.parse_args(argv)
@@ -148,24 +190,26 @@ def main(argv=None) -> None:
     tok = target.tokenizer
     if tok is None:
         raise SystemExit(f"--target {a.target}: no tokenizer files in the target dir")
-    rows = []
+    rows, gens = [], make_generators(target, drafter, a, graphs)
     for name in a.tasks.split(","):
         prompts = encode(build_task(name), tok, a.prompts, a.prompt_tokens, a.chat)
-        rows.append(run_task(name, prompts, target, drafter, a, graphs))
+        rows.append(run_task(name, prompts, gens, drafter, a))
     out = table(rows, a.max_tokens)
+    if a.profile and dev.type == "cuda":
+        out += "\n" + kernel_profile(gens, prompts[0])
     if a.batches:
         first = encode(build_task(a.tasks.split(",")[0]), tok, max(a.prompts, 8), a.prompt_tokens, a.chat)
         k = a.k or drafter.config.num_drafts
         out += (f"\n\nThroughput vs batch ({a.tasks.split(',')[0]} prompts cut to one length, {a.max_tokens} tokens "
                 f"per row):\n\n" + throughput(first, target, drafter, k, [int(b) for b in a.batches.split(",")],
-                                                 a.max_tokens, graphs))
+                                                 a.max_tokens, graphs, a.compile and a.compile_batches))
     print(out)
     if a.append:
         gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({platform.processor() or 'cpu'})"
         cmd = "python3 bench/pair_decode.py " + " ".join(shlex.quote(x) for x in (argv or sys.argv[1:]))
         head = (f"\n## Static decode path, AR vs DSpark at bs=1 on {gpu} ({datetime.date.today()})\n\n"
                 f"`{cmd}` — {versions()}; {str(dtype).replace('torch.', '')}, "
-                f"{'CUDA graphs' if graphs else 'no CUDA graphs'}, greedy, {a.max_tokens} tokens per prompt, "
+                f"{'CUDA graphs' if graphs else 'no CUDA graphs'}{', torch.compile' if a.compile else ''}, greedy, {a.max_tokens} tokens per prompt, "
                 f"prompts cut to the last {a.prompt_tokens} tokens.\n\n")
         with open(a.append, "a") as f:
             f.write(head + out + "\n")

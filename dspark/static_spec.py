@@ -166,24 +166,26 @@ class SpecStep:
 
 class CapturedStep:
     """A SpecStep in one CUDA graph: warm-up on a side stream (its effects on the cache and `pending` undone),
-    then capture; `()` replays and returns the graph's static output (valid until the next replay)."""
+    then capture; `()` replays and returns the graph's static output (valid until the next replay). `run`: the
+    step function to capture (default step.run; StaticGenerator passes its torch.compile'd form)."""
 
-    def __init__(self, step: SpecStep, warmup: int = 2):
+    def __init__(self, step: SpecStep, warmup: int = 2, run=None):
         if step.cache.lengths.device.type != "cuda":
             raise ValueError("CapturedStep: needs a HybridCache on a CUDA device")
         self.step = step
+        run = run or step.run
         snap, pending = step.cache.snapshot(), step.pending.clone()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup):
-                step.run()
+                run()
         torch.cuda.current_stream().wait_stream(side)
         step.cache.restore(snap)
         step.pending.copy_(pending)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = step.run()
+            self.out = run()
         # the graph reads the MoE layers' stacked expert weights: keep them alive even if they are re-stacked
         self.keep = [m._stacked for m in step.target.modules() if isinstance(m, LatentMoE)]
 
@@ -204,10 +206,13 @@ class StaticOutput:
 
 class StaticGenerator:
     """Greedy generation for `batch_size` equal-length prompts at a time over one HybridCache, reused across
-    calls (graphs are captured once, at the first generate). drafter None: AR; else speculative with k drafts."""
+    calls (graphs are captured once, at the first generate). drafter None: AR; else speculative with k drafts.
+    compile=True runs the decode step through torch.compile (inductor fuses the element-wise chains of the norms,
+    activations, routing and acceptance into a few kernels; the Triton kernels stay as they are), compiled on the
+    first generate; with graphs=True the compiled step is what the CUDA graph captures."""
 
     def __init__(self, target, drafter=None, num_speculative_tokens: int | None = None, max_len: int = 1024,
-                 batch_size: int = 1, graphs: bool = False):
+                 batch_size: int = 1, graphs: bool = False, compile: bool = False):
         attn, kda = target.cache_layout()
         self.target, self.graphs, self.runner, self.k = target, graphs, None, 0
         extra = {}
@@ -222,6 +227,10 @@ class StaticGenerator:
         self.step = SpecStep(target, self.runner, self.cache, batch_size, self.k)
         self.moe_tokens = batch_size * (self.k + 1)  # MoE forwards up to a step's size take the graph-safe path
         self.captured: CapturedStep | None = None
+        self.run = self.step.run
+        if compile:
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)  # a step per generator
+            self.run = torch.compile(self.step.run, dynamic=False)
 
     @torch.no_grad()
     def prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -252,9 +261,9 @@ class StaticGenerator:
             first = self.prefill(ids).tolist()  # host read: the device is done
             t1 = time.perf_counter()
             if self.graphs and self.captured is None:
-                self.captured = CapturedStep(self.step)
+                self.captured = CapturedStep(self.step, run=self.run)
             t2 = time.perf_counter()
-            out = self._decode(first, max_new_tokens, eos_token_id, self.captured if self.graphs else self.step.run)
+            out = self._decode(first, max_new_tokens, eos_token_id, self.captured if self.graphs else self.run)
             out.prefill_s, out.decode_s = t1 - t0, time.perf_counter() - t2
             return out
         finally:

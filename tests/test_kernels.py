@@ -53,9 +53,12 @@ def _interp_checks() -> dict:
     # KDA: fp32, tolerance 1e-5 on out / state / ext
     cases = {"kda_softplus_final": dict(lower_bound=None, return_all_states=False, lengths=None),
              "kda_lb_allstates_lengths": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([3, 1])),
-             "kda_lb_nostate": dict(lower_bound=-5.0, return_all_states=False, lengths=None, state=None)}
+             "kda_lb_nostate": dict(lower_bound=-5.0, return_all_states=False, lengths=None, state=None),
+             "kda_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([9, 4]), T=9),
+             "kda_t17_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=17)}
     for name, kw in cases.items():
-        inp = _kda_inputs(B=2, T=3, H=2, D=16)
+        kw = dict(kw)
+        inp = _kda_inputs(B=2, T=kw.pop("T", 3), H=2, D=16)
         inp.update(kw)
         ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp)
         res[name] = [max(_err(a, b) for a, b in zip(ref, out)), 1e-5]
@@ -171,11 +174,15 @@ def _k3_pair_checks() -> dict:
         if flag == "0":
             assert not calls
     os.environ.pop("DSPARK_KERNELS")
+    # the same step through torch.compile (inductor, CPU here): the kernels are launched as they are, the rest fused
+    comp = StaticGenerator(target, drafter, max_len=48, compile=True).generate(list(range(5, 16)), 8)
     ref, ker = outs["0"], outs["1"]
     assert sum(ref.accepted_per_step[0]) > 0  # drafts accepted: the per-position KDA states are used
     assert len(calls) == 3, calls  # every kernel ran in the DSPARK_KERNELS=1 pass
     return {"k3_static_pair_tokens": [float(sum(a != b for a, b in zip(ref.token_ids[0], ker.token_ids[0]))), 0.0],
-            "k3_static_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0]}
+            "k3_static_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0],
+            "k3_static_pair_compiled": [float(ref.token_ids != comp.token_ids
+                                              or ref.accepted_per_step != comp.accepted_per_step), 0.0]}
 
 
 @pytest.fixture(scope="module")
@@ -183,16 +190,17 @@ def interp():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     code = "import json, tests.test_kernels as t; print('RESULT' + json.dumps(t._interp_checks()))"
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
     return json.loads(p.stdout.split("RESULT", 1)[1])
 
 
-INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "attnres_plain",
+INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9", "kda_t17_softplus",
+                "attnres_plain",
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "decode_attention", "fused_qwen3_decode_steps",
-                "k3_static_pair_tokens", "k3_static_pair_accepted"]
+                "k3_static_pair_tokens", "k3_static_pair_accepted", "k3_static_pair_compiled"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU box tests the compiled kernels (test_cuda_*); the "

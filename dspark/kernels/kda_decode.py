@@ -13,7 +13,8 @@ Per token t of head h (fp32):
 Outputs: out [B, T, P] (qkv dtype), state_final [B, H, K, V] fp32 or all states [B, T, H, K, V] fp32, and
 ext = cat(window, qkv) [B, W-1+T, 3P] (the extended conv window; the caller keeps its last W-1 valid rows).
 Rows t >= lengths[b] are padding exactly as in the layer: raw input zeroed, g = beta = 0 (state untouched).
-Kernel: one program per (request, head) holds S [K, V] in registers (64 KB fp32 for D = 128, 8 warps) for all T.
+Kernel: one program per (request, head) holds S [K, V] in registers (64 KB fp32 for D = 128, 8 warps) for all T;
+what does not depend on S is computed for all T tokens before the serial loop (see _kda_decode_kernel).
 """
 from __future__ import annotations
 
@@ -58,22 +59,41 @@ def kda_decode_ref(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w,
 # Triton kernel: grid (B, H)
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _raw_row(qkv_ptr, win_ptr, b, pos, ch, dm, T, n_valid, P3, W: tl.constexpr):
-    """ext[b, pos, ch] as fp32: the conv window for pos < W-1, else the (valid) new token pos-W+1."""
+def _raw_tile(qkv_ptr, win_ptr, b, pos, ch, dm, T, n_valid, P3, W: tl.constexpr):
+    """ext[b, pos, ch] as fp32 [len(pos), len(ch)]: the conv window for pos < W-1, else the (valid) new token
+    pos-W+1 (zero past the valid length or past T)."""
     tok = pos - (W - 1)
-    posv = ch * 0 + pos  # vector form of the scalar position: masks stay boolean tensors (interpreter too)
-    tokv = posv - (W - 1)
-    xw = tl.load(win_ptr + (b * (W - 1) + pos) * P3 + ch, mask=dm & (posv < W - 1), other=0.0)
-    xr = tl.load(qkv_ptr + (b * T + tok) * P3 + ch, mask=dm & (tokv >= 0) & (tokv < n_valid), other=0.0)
+    m = dm[None, :]
+    xw = tl.load(win_ptr + (b * (W - 1) + pos[:, None]) * P3 + ch[None, :], mask=m & (pos < W - 1)[:, None],
+                 other=0.0)
+    xr = tl.load(qkv_ptr + (b * T + tok[:, None]) * P3 + ch[None, :],
+                 mask=m & ((tok >= 0) & (tok < n_valid) & (tok < T))[:, None], other=0.0)
     return xw.to(tl.float32) + xr.to(tl.float32)
+
+
+@triton.jit
+def _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, ch, dm, T, n_valid, P3, W: tl.constexpr, BT: tl.constexpr,
+               BD: tl.constexpr):
+    """SiLU(causal depthwise conv) of channels ch for tokens tt: sum_w ext[t + w] * conv_w[ch, w] -> [BT, BD]."""
+    acc = tl.zeros([BT, BD], dtype=tl.float32)
+    for w in tl.static_range(W):
+        acc += _raw_tile(qkv_ptr, win_ptr, b, tt + w, ch, dm, T, n_valid, P3, W) * tl.load(
+            convw_ptr + ch * W + w, mask=dm, other=0.0).to(tl.float32)[None, :]
+    return acc * tl.sigmoid(acc)
 
 
 @triton.jit
 def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, gate_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, onw_ptr,
                        s_in_ptr, s_out_ptr, out_ptr, ext_ptr, len_ptr,
                        T, H, P, lower_bound, scale, eps,
-                       D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, USE_LB: tl.constexpr,
-                       HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr, HAS_LEN: tl.constexpr):
+                       D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, W: tl.constexpr,
+                       USE_LB: tl.constexpr, HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr,
+                       HAS_LEN: tl.constexpr):
+    """Three phases. Everything that does not depend on the state is computed for all T tokens at once ([BT, BD]
+    tiles, every load issued up front): the extended window, conv + SiLU + L2 norm, gate, beta, output gate. The
+    serial loop over tokens is then only the delta rule on S [K, V] (row t of each tile picked by a masked sum, no
+    memory access but the optional per-position state store). The gated RMSNorm of the outputs runs after it, again
+    on the whole [BT, BD] tile."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     P3 = 3 * P
@@ -86,65 +106,61 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, gate_ptr, convw_ptr, win_ptr, a
     if HAS_LEN:
         n_valid = tl.load(len_ptr + b)
     cq = h * D + offs  # channel ids of this head in q | k | v
-    ck = P + cq
-    cv = 2 * P + cq
+    tt = tl.arange(0, BT)  # token index
     # extended window ext[b, pos] = window[b, pos] (pos < W-1) else qkv[b, pos-W+1] (zeroed past the valid length)
-    for pos in range(0, T + W - 1):
-        for part in tl.static_range(3):
-            x = _raw_row(qkv_ptr, win_ptr, b, pos, cq + part * P, dm, T, n_valid, P3, W)
-            tl.store(ext_ptr + (b * (T + W - 1) + pos) * P3 + cq + part * P, x.to(ext_ptr.dtype.element_ty), mask=dm)
+    pe = tl.arange(0, BE)
+    for part in tl.static_range(3):
+        x = _raw_tile(qkv_ptr, win_ptr, b, pe, cq + part * P, dm, T, n_valid, P3, W)
+        tl.store(ext_ptr + (b * (T + W - 1) + pe[:, None]) * P3 + (cq + part * P)[None, :],
+                 x.to(ext_ptr.dtype.element_ty), mask=(pe[:, None] < T + W - 1) & dm[None, :])
+    # causal depthwise conv + SiLU + L2 norm (q, k) for all tokens
+    Q = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, cq, dm, T, n_valid, P3, W, BT, BD)  # [BT, BD]
+    K = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, P + cq, dm, T, n_valid, P3, W, BT, BD)
+    V = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, 2 * P + cq, dm, T, n_valid, P3, W, BT, BD)
+    Q = Q * (1.0 / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6))[:, None] * scale
+    K = K * (1.0 / tl.sqrt(tl.sum(K * K, 1) + 1e-6))[:, None]
+    # gate (log decay), beta and the output gate, all tokens
+    tm = (tt[:, None] < T) & dm[None, :]
     a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + cq, mask=dm, other=0.0).to(tl.float32)
+    z = tl.load(f_ptr + (b * T + tt[:, None]) * P + cq[None, :], mask=tm, other=0.0).to(tl.float32) + dtb[None, :]
+    if USE_LB:
+        g = lower_bound * tl.sigmoid(a * z)
+    else:
+        g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+    live = tt < n_valid
+    decay = tl.exp(tl.where(live[:, None], g, 0.0))  # [BT, BD]; padding rows leave S untouched
+    beta = tl.sigmoid(tl.load(beta_ptr + (b * T + tt) * H + h, mask=tt < T, other=0.0).to(tl.float32))
+    beta = tl.where(live, beta, 0.0)  # [BT]
+    og = tl.sigmoid(tl.load(gate_ptr + (b * T + tt[:, None]) * P + cq[None, :], mask=tm, other=0.0).to(tl.float32))
     onw = tl.load(onw_ptr + offs, mask=dm, other=0.0).to(tl.float32)
     sbase = (b * H + h) * D * D
     if HAS_STATE:
         S = tl.load(s_in_ptr + sbase + rows * D + cols, mask=smask, other=0.0).to(tl.float32)
     else:
         S = tl.zeros([BD, BD], dtype=tl.float32)
-    for t in range(0, T):
-        # causal depthwise conv over ext rows t .. t+W-1 (re-read from window / qkv: cached, no ordering issue)
-        aq = tl.zeros([BD], dtype=tl.float32)
-        ak = tl.zeros([BD], dtype=tl.float32)
-        av = tl.zeros([BD], dtype=tl.float32)
-        for w in tl.static_range(W):
-            aq += _raw_row(qkv_ptr, win_ptr, b, t + w, cq, dm, T, n_valid, P3, W) * tl.load(
-                convw_ptr + cq * W + w, mask=dm, other=0.0).to(tl.float32)
-            ak += _raw_row(qkv_ptr, win_ptr, b, t + w, ck, dm, T, n_valid, P3, W) * tl.load(
-                convw_ptr + ck * W + w, mask=dm, other=0.0).to(tl.float32)
-            av += _raw_row(qkv_ptr, win_ptr, b, t + w, cv, dm, T, n_valid, P3, W) * tl.load(
-                convw_ptr + cv * W + w, mask=dm, other=0.0).to(tl.float32)
-        q = aq * tl.sigmoid(aq)
-        k = ak * tl.sigmoid(ak)
-        v = av * tl.sigmoid(av)
-        q = q * (1.0 / tl.sqrt(tl.sum(q * q, 0) + 1e-6)) * scale
-        k = k * (1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6))
-        # gate (log decay) and beta
-        z = tl.load(f_ptr + (b * T + t) * P + cq, mask=dm, other=0.0).to(tl.float32) + dtb
-        if USE_LB:
-            g = lower_bound * tl.sigmoid(a * z)
-        else:
-            sp = tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-            g = -a * sp
-        beta = tl.sigmoid(tl.load(beta_ptr + (b * T + t) * H + h).to(tl.float32))
-        live = t < n_valid
-        g = tl.where(live, g, 0.0)
-        beta = tl.where(live, beta, 0.0)
-        # delta rule
-        S = S * tl.exp(g)[:, None]
+    Ot = tl.zeros([BT, BD], dtype=tl.float32)
+    for t in range(0, T):  # the delta rule, token by token
+        sel = tt[:, None] == t
+        q = tl.sum(tl.where(sel, Q, 0.0), 0)
+        k = tl.sum(tl.where(sel, K, 0.0), 0)
+        v = tl.sum(tl.where(sel, V, 0.0), 0)
+        e = tl.sum(tl.where(sel, decay, 0.0), 0)
+        bt = tl.sum(tl.where(tt == t, beta, 0.0), 0)
+        S = S * e[:, None]
         u = v - tl.sum(S * k[:, None], 0)  # [V]
-        S = S + beta * k[:, None] * u[None, :]
-        o = tl.sum(S * q[:, None], 0)  # [V]
-        # gated per-head RMSNorm
-        o = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)) * onw
-        gt = tl.load(gate_ptr + (b * T + t) * P + cq, mask=dm, other=0.0).to(tl.float32)
-        o = o * tl.sigmoid(gt)
-        tl.store(out_ptr + (b * T + t) * P + cq, o.to(out_ptr.dtype.element_ty), mask=dm)
+        S = S + bt * k[:, None] * u[None, :]
+        Ot = tl.where(sel, tl.sum(S * q[:, None], 0)[None, :], Ot)
         if ALL_STATES:
             tl.store(s_out_ptr + ((b * T + t) * H + h) * D * D + rows * D + cols, S, mask=smask)
     if not ALL_STATES:
         tl.store(s_out_ptr + sbase + rows * D + cols, S, mask=smask)
+    # gated per-head RMSNorm of every token's output
+    Ot = Ot * (1.0 / tl.sqrt(tl.sum(Ot * Ot, 1) / D + eps))[:, None] * onw[None, :] * og
+    tl.store(out_ptr + (b * T + tt[:, None]) * P + cq[None, :], Ot.to(out_ptr.dtype.element_ty), mask=tm)
 
 
+@torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
                       eps=1e-5, return_all_states=False, lengths=None, state_out=None):
     """state_out may be `state` itself (in-place update: each program reads its state before writing it)."""
@@ -164,7 +180,7 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
     _kda_decode_kernel[(B, H)](
         qkv, f, beta, gate, conv_w, window.to(qkv.dtype), A_log, dt_bias, o_norm_w, s_in, s_out, out, ext,
         lengths if lengths is not None else qkv, T, H, P, float(lower_bound or 0.0), D ** -0.5, eps,
-        D=D, BD=BD, W=W, USE_LB=lower_bound is not None, HAS_STATE=state is not None,
+        D=D, BD=BD, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None, HAS_STATE=state is not None,
         ALL_STATES=return_all_states, HAS_LEN=lengths is not None, num_warps=8 if BD >= 128 else 4, num_stages=1)
     return out, s_out, ext
 
