@@ -15,7 +15,9 @@
   path by rounding only. `compile=True` also runs each layer's glue through torch.compile (optional).
   `kernels=True` (default): a one-token step (B*T = 1, the bs=1 decode) on CUDA runs five launches per layer
   instead: matvecs with the RMSNorm / silu*mul prologue and the residual add fused in (kernels/decode_gemv.py) and
-  one q/k-norm + RoPE + cache write + attention kernel (kernels/decode_attention.py); other shapes keep cuBLAS.
+  one q/k-norm + RoPE + cache write + attention kernel (kernels/decode_attention.py). A one-row verify of
+  2..32 tokens runs the same matvecs in their multi-row form (each weight read once for all tokens) around the
+  torch attention (`attend`); other shapes keep cuBLAS.
 - `GraphDecoder`: one `torch.cuda.CUDAGraph` per (batch-size bucket, T) of plan + forward + greedy argmax, with
   static input/output buffers; `step(ids)` = copy in, replay, advance lengths on the device. T=1 decodes, T=k+1
   verifies (`advance=False`, then `batch.commit(n_keep)` with a device tensor).
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 
 from dspark.kernels import use_triton
 from dspark.kernels.decode_attention import decode_attention, rope_inv_freq
-from dspark.kernels.decode_gemv import decode_gemv
+from dspark.kernels.decode_gemv import MAX_ROWS, decode_gemv
 from dspark.models.layers import rope_cos_sin
 
 
@@ -132,16 +134,14 @@ def forward_static(fwd, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Te
 
 
 # ---------------------------------------------------------------------------------------------- fused projections
-def fused_layer(h, store, slots, bias, wc, ws, ln1, w_qkv, w_o, ln2, w_gate_up, w_down,
-                H: int, Hkv: int, eps: float) -> None:
-    """One Qwen3 decoder layer, in place on the residual stream h [B, T, hidden] and the layer's cache store
-    [B, L, C] (rows written at the flat `slots`). bias: additive attention mask [B, 1, G*T, L] of the GQA-stacked
-    queries (row g*T + t = head g of a kv group, token t). wc/ws [B, T, H+Hkv, D]: q/k-norm weight folded into NeoX
-    RoPE (see FusedQwen3._rope_tables). A function of tensors only, so torch.compile can fuse its element-wise ops."""
-    B, T, hidden = h.shape
+def attend(qkv, store, slots, bias, wc, ws, H: int, Hkv: int, eps: float) -> torch.Tensor:
+    """The attention half of a Qwen3 layer from the fused projection qkv [B, T, (H + 2*Hkv) * D]: q/k norm + RoPE
+    (in place on qkv), the [k|v] rows into the layer's cache store [B, L, C] at the flat `slots`, GQA attention
+    under the additive mask bias [B, 1, G*T, L] (row g*T + t = head g of a kv group, token t) -> o [B*T, H*D].
+    wc/ws [B, T, H+Hkv, D]: q/k-norm weight folded into NeoX RoPE (see FusedQwen3._rope_tables)."""
+    B, T = qkv.shape[:2]
     D = wc.shape[-1]
-    G, half, h2 = H // Hkv, D // 2, h.view(B * T, hidden)
-    qkv = F.linear(F.rms_norm(h, (hidden,), ln1, eps), w_qkv)  # [B, T, (H + 2*Hkv) * D]
+    G, half = H // Hkv, D // 2
     qk = qkv[..., : (H + Hkv) * D].unflatten(-1, (H + Hkv, D))
     xn = F.rms_norm(qk, (D,), None, eps)  # q/k norm without weight, then (xn*w)*cos + rotate_half(xn*w)*sin:
     if torch.compiler.is_compiling():  # dynamo takes no strided out=; inductor fuses the copy anyway
@@ -155,7 +155,18 @@ def fused_layer(h, store, slots, bias, wc, ws, ln1, w_qkv, w_o, ln2, w_gate_up, 
     kv = store.view(B, store.shape[1], 2, Hkv, D)
     q = qkv[..., : H * D].view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
     o = F.scaled_dot_product_attention(q, kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), attn_mask=bias)
-    h2.addmm_(o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D), w_o.t())  # h += o_proj(o)
+    return o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B * T, H * D)
+
+
+def fused_layer(h, store, slots, bias, wc, ws, ln1, w_qkv, w_o, ln2, w_gate_up, w_down,
+                H: int, Hkv: int, eps: float) -> None:
+    """One Qwen3 decoder layer, in place on the residual stream h [B, T, hidden] and the layer's cache store
+    [B, L, C] (see `attend` for slots / bias / wc / ws). A function of tensors only, so torch.compile can fuse its
+    element-wise ops."""
+    B, T, hidden = h.shape
+    h2 = h.view(B * T, hidden)
+    qkv = F.linear(F.rms_norm(h, (hidden,), ln1, eps), w_qkv)  # [B, T, (H + 2*Hkv) * D]
+    h2.addmm_(attend(qkv, store, slots, bias, wc, ws, H, Hkv, eps), w_o.t())  # h += o_proj(o)
     gate, up = F.linear(F.rms_norm(h, (hidden,), ln2, eps), w_gate_up).chunk(2, dim=-1)
     h2.addmm_((F.silu(gate) * up).view(B * T, -1), w_down.t())  # h += mlp(.)
 
@@ -206,8 +217,11 @@ class FusedQwen3:
 
     def __call__(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
         m = self.model.model
-        if self.kernels and input_ids.numel() == 1 and use_triton(m.embed_tokens.weight):
-            return self._decode_one(input_ids, batch)
+        if self.kernels and input_ids.shape[0] == 1 and use_triton(m.embed_tokens.weight):
+            if input_ids.shape[1] == 1:
+                return self._decode_one(input_ids, batch)
+            if input_ids.shape[1] <= MAX_ROWS:
+                return self._decode_rows(input_ids, batch)
         T = input_ids.shape[1]
         h = F.embedding(input_ids, m.embed_tokens.weight)  # [B, T, hidden], updated in place layer by layer
         wc, ws = self._rope_tables(batch, T, h.dtype)
@@ -233,6 +247,25 @@ class FusedQwen3:
             gate_up = decode_gemv(h, self.w_gate_up[i], "rmsnorm", layer.post_attention_layernorm.weight, eps)
             decode_gemv(gate_up, layer.mlp.down_proj.weight, "silu_mul", residual=h, out=h)
         return decode_gemv(h, self.model.lm_head.weight, "rmsnorm", m.norm.weight, eps).view(1, 1, -1)
+
+
+    def _decode_rows(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
+        """A verify forward of one row, 2 <= T <= MAX_ROWS tokens ([1, T] ids): the projections through the
+        multi-row matvec kernel (each weight read once for all T tokens, norms / silu*mul / residual fused as in
+        _decode_one), the attention through `attend`."""
+        m, eps, T = self.model.model, self.eps, input_ids.shape[1]
+        h = F.embedding(input_ids.view(T), m.embed_tokens.weight)  # [T, hidden], updated in place
+        wc, ws = self._rope_tables(batch, T, h.dtype)
+        bias = self._attn_bias(batch, T, h.dtype)
+        for i, layer in enumerate(m.layers):
+            a = layer.self_attn
+            qkv = decode_gemv(h, self.w_qkv[i], "rmsnorm", layer.input_layernorm.weight, eps)
+            o = attend(qkv.view(1, T, -1), batch.static_cache.kv[i][:1], batch.slots, bias, wc[i], ws[i], self.H,
+                       self.Hkv, eps)
+            decode_gemv(o, a.o_proj.weight, residual=h, out=h)
+            gate_up = decode_gemv(h, self.w_gate_up[i], "rmsnorm", layer.post_attention_layernorm.weight, eps)
+            decode_gemv(gate_up, layer.mlp.down_proj.weight, "silu_mul", residual=h, out=h)
+        return decode_gemv(h, self.model.lm_head.weight, "rmsnorm", m.norm.weight, eps).view(1, T, -1)
 
 
 def fuse_projections(model, compile: bool = False, kernels: bool = True) -> FusedQwen3:

@@ -110,9 +110,17 @@ def _decode_checks(g) -> dict:
 
     res = {}
     x, w, nw = torch.randn(2, 96, generator=g), torch.randn(40, 96, generator=g) * .1, torch.rand(96, generator=g) + .5
-    res["gemv_plain"] = [_err(decode_gemv_ref(x, w), decode_gemv_triton(x, w, block=(16, 64))), 1e-5]
-    res["gemv_rmsnorm"] = [_err(decode_gemv_ref(x, w, "rmsnorm", nw, 1e-6),
-                                decode_gemv_triton(x, w, "rmsnorm", nw, 1e-6, block=(16, 64))), 1e-5]
+    for xs in (x[:1], x):  # one row (the decode step's kernel) and two (the multi-row kernel)
+        res["gemv_plain"] = [max(res.get("gemv_plain", [0])[0], _err(decode_gemv_ref(xs, w),
+                                                                     decode_gemv_triton(xs, w, block=(16, 64)))), 1e-5]
+        res["gemv_rmsnorm"] = [max(res.get("gemv_rmsnorm", [0])[0], _err(
+            decode_gemv_ref(xs, w, "rmsnorm", nw, 1e-6), decode_gemv_triton(xs, w, "rmsnorm", nw, 1e-6, block=(16, 64)))),
+            1e-5]
+    gu, h = torch.randn(17, 192, generator=g), torch.randn(17, 40, generator=g)  # a 17-token verify's rows
+    ref = decode_gemv_ref(gu, w, "silu_mul", residual=h)
+    out = decode_gemv_triton(gu, w, "silu_mul", residual=h, out=h, block=(16, 64))
+    res["gemv_rows17_silu_mul_residual_inplace"] = [_err(ref, h) + (0.0 if out.data_ptr() == h.data_ptr() else 1.0),
+                                                    1e-5]
     gu, h = torch.randn(2, 192, generator=g), torch.randn(2, 40, generator=g)
     ref = decode_gemv_ref(gu, w, "silu_mul", residual=h)
     out = decode_gemv_triton(gu, w, "silu_mul", residual=h, out=h, block=(16, 64))  # h += W @ (silu(g) * u)
@@ -126,7 +134,7 @@ def _decode_checks(g) -> dict:
     res["decode_attention"] = [max(_err(o_ref, o_ker), _err(s_ref, s_ker)), 1e-5]
     model = make_target("qwen3")
     fused = fuse_projections(model)
-    seq = torch.randint(2, 300, (1, 12), generator=g)
+    seq = torch.randint(2, 300, (1, 17), generator=g)
     cache = StaticCache(model, 1, 64)
     errs = []
     with torch.no_grad():
@@ -136,7 +144,10 @@ def _decode_checks(g) -> dict:
         for t in range(6, 12):  # five-launch layers (the interpreter dispatches the kernels on CPU tensors)
             errs.append(_err(forward_static(fused, seq[:, t:t + 1], StaticBatch(cache, 1, 1))[0, 0], full[0, t]))
             cache.lengths += 1
+        # a 5-token verify forward through the multi-row matvec kernels
+        rows = forward_static(fused, seq[:, 12:17], StaticBatch(cache, 1, 5))[0]
     res["fused_qwen3_decode_steps"] = [max(errs), 1e-4]
+    res["fused_qwen3_verify_rows"] = [_err(rows, full[0, 12:17]), 1e-4]
     res.update(_k3_pair_checks())
     return res
 
@@ -199,7 +210,8 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "attnres_plain",
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
-                "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "decode_attention", "fused_qwen3_decode_steps",
+                "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_rows17_silu_mul_residual_inplace", "decode_attention",
+                "fused_qwen3_decode_steps", "fused_qwen3_verify_rows",
                 "k3_static_pair_tokens", "k3_static_pair_accepted", "k3_static_pair_compiled"]
 
 

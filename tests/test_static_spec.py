@@ -167,6 +167,15 @@ def test_gathered_moe_equals_loop(mxfp4):
         assert not called
         moe(torch.cat([x, x], 1))  # 30 tokens > 15: the loop path
         assert called
+        # both graph-safe forms: per-pair gathered weights (N*k < E) and every expert on every token (N*k >= E)
+        E, k = moe.num_experts, moe.top_k
+        dense = []
+        moe._experts_dense = lambda *a: dense.append(1) or LatentMoE._experts_dense(moe, *a)
+        for n in (max(1, (E - 1) // k), E):
+            dense.clear()
+            xs = x.reshape(-1, 64)[:n][None]
+            torch.testing.assert_close(moe(xs), loop.reshape(-1, 64)[:n][None], atol=1e-6, rtol=1e-5)
+            assert bool(dense) == (n * k >= E)
         stacked = moe._stacked
         assert set_static_moe(moe, 0) == 15 and moe.static_tokens == 0
         assert set_static_moe(moe, 4) == 0 and moe._stacked is stacked  # made once, kept (graphs point at it)

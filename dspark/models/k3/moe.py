@@ -12,7 +12,8 @@ Two ways to run the routed experts, same function:
 - gathered (`set_static_moe(model, max_tokens)`: forwards of N <= max_tokens tokens): every (token, slot) pair
   gathers its expert's weights from stacked copies [E, 2I, R] / [E, R, I] (made once: a second copy of the expert
   weights, MXFP4 ones dequantised) and runs one bmm per projection; device ops only (graph-safe), N*k*3*I*R
-  gathered weight elements per forward, so meant for decode / verify sizes.
+  gathered weight elements per forward, so meant for decode / verify sizes. Once N*k >= E, every expert runs on
+  every token instead (weighted by the routing, 0 where not picked): each expert's weights read once, no copy.
 """
 from __future__ import annotations
 
@@ -168,9 +169,12 @@ class LatentMoE(nn.Module):
         return self._stacked
 
     def _experts_gathered(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Same as _experts_loop with device ops only: per (token, slot) pair its expert's weights, one bmm each."""
+        """Same as _experts_loop with device ops only: per (token, slot) pair its expert's weights, one bmm each;
+        when there are at least as many pairs as experts, every expert once on every token instead (_experts_dense)."""
         N, k = idx.shape
         w13, w2 = self._stacked if self._stacked is not None else self.stack_experts()
+        if N * k >= self.num_experts:
+            return self._experts_dense(z, idx, w, w13, w2)
         flat = idx.reshape(-1)  # [N*k]
         zk = z.to(w13.dtype)[:, None].expand(N, k, z.shape[-1]).reshape(N * k, -1, 1)  # [N*k, R, 1]
         gate, up = torch.bmm(w13.index_select(0, flat), zk)[..., 0].chunk(2, -1)  # [N*k, I] each
@@ -178,6 +182,18 @@ class LatentMoE(nn.Module):
         a = glu(gate, up, e.act, e.situ_beta, e.situ_linear_beta)
         y = torch.bmm(w2.index_select(0, flat), a[:, :, None])[..., 0]  # [N*k, R]
         return (y.float().view(N, k, -1) * w[..., None]).sum(1)
+
+    def _experts_dense(self, z, idx, w, w13, w2) -> torch.Tensor:
+        """All E experts on all N tokens, summed with the routing weights (0 for the experts a token did not pick):
+        reads each stacked expert once, where the gathered path would copy N*k experts' weights (a verify step of
+        9 tokens, top-2 of 16, copies 18). z [N, R] -> [N, R] fp32."""
+        E = w13.shape[0]
+        zt = z.to(w13.dtype).t()[None].expand(E, -1, -1)  # [E, R, N]
+        gate, up = torch.bmm(w13, zt).chunk(2, 1)  # [E, I, N] each
+        e = self.experts[0]
+        y = torch.bmm(w2, glu(gate, up, e.act, e.situ_beta, e.situ_linear_beta))  # [E, R, N]
+        route = torch.zeros(idx.shape[0], E, dtype=torch.float32, device=z.device).scatter_(1, idx, w.float())
+        return torch.einsum("ern,ne->nr", y.float(), route)
 
     def expert_load(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens routed to each expert for x [.., hidden] with the current bias -> [E] (diagnostics / tests)."""
