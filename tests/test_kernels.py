@@ -104,7 +104,7 @@ def _decode_checks(g) -> dict:
     """The bs=1 decode kernels (fp32, interpreter): matvec prologues / in-place residual with ragged N and K,
     the attention step (output and the cache row it writes), and whole FusedQwen3 decode steps vs full forwards."""
     from dspark.kernels.decode_attention import decode_attention_ref, decode_attention_triton, rope_inv_freq
-    from dspark.kernels.decode_gemv import decode_gemv_ref, decode_gemv_triton
+    from dspark.kernels.decode_gemv import decode_gemv_ref, decode_gemv_triton, grouped_gemv_ref, grouped_gemv_triton
     from dspark.static_decode import StaticBatch, StaticCache, forward_static, fuse_projections
     from tests.targets import make_target
 
@@ -125,6 +125,8 @@ def _decode_checks(g) -> dict:
     ref = decode_gemv_ref(gu, w, "silu_mul", residual=h)
     out = decode_gemv_triton(gu, w, "silu_mul", residual=h, out=h, block=(16, 64))  # h += W @ (silu(g) * u)
     res["gemv_silu_mul_residual_inplace"] = [_err(ref, h) + (0.0 if out.data_ptr() == h.data_ptr() else 1.0), 1e-5]
+    ws, xs, idx = torch.randn(5, 40, 72, generator=g) * .1, torch.randn(6, 72, generator=g), torch.tensor([4, 0, 4, 2, 1, 3])
+    res["grouped_gemv"] = [_err(grouped_gemv_ref(xs, ws, idx), grouped_gemv_triton(xs, ws, idx, block=(16, 64))), 1e-5]
     B, H, Hkv, D, L = 2, 4, 2, 16, 40
     qkv, store = torch.randn(B, (H + 2 * Hkv) * D, generator=g), torch.randn(B, L, 2 * Hkv * D, generator=g)
     lengths, qw, kw = torch.tensor([0, 23]), torch.rand(D, generator=g) + .5, torch.rand(D, generator=g) + .5
@@ -154,9 +156,11 @@ def _decode_checks(g) -> dict:
 
 def _k3_pair_checks() -> dict:
     """The tiny K3 target + K3 drafter on the static speculative path with the kernels the model dispatches on CUDA
-    (KDA decode/verify, AttnRes mix, Markov loop; here under the interpreter) vs DSPARK_KERNELS=0 (the torch
-    modules): same tokens, same accepted drafts per step, i.e. the kernel wiring in the layers is right."""
+    (KDA decode/verify, AttnRes mix, Markov loop, grouped expert matvec; here under the interpreter) vs
+    DSPARK_KERNELS=0 (the torch modules): same tokens, same accepted drafts per step, i.e. the kernel wiring in the
+    layers is right."""
     import dspark.kernels.attn_res as ar
+    import dspark.kernels.decode_gemv as dg
     import dspark.kernels.kda_decode as kd
     import dspark.kernels.markov_sample as ms
     from dspark.static_spec import StaticGenerator
@@ -176,12 +180,15 @@ def _k3_pair_checks() -> dict:
             return fn(*a, **k)
         setattr(mod, name, wrapper)
 
-    for mod, name in ((kd, "kda_decode_triton"), (ar, "attn_res_mix_triton"), (ms, "markov_sample_triton")):
+    for mod, name in ((kd, "kda_decode_triton"), (ar, "attn_res_mix_triton"), (ms, "markov_sample_triton"),
+                      (dg, "grouped_gemv_triton")):
         counted(mod, name)
-    outs = {}
+    outs, ar_outs = {}, {}
     for flag in ("0", "1"):
         os.environ["DSPARK_KERNELS"] = flag
         outs[flag] = StaticGenerator(target, drafter, max_len=48).generate(list(range(5, 16)), 8)
+        # AR steps: 1 token x top-2 of 8 experts < 8 pairs, the grouped matvec (the verify runs every expert once)
+        ar_outs[flag] = StaticGenerator(target, None, max_len=48).generate(list(range(5, 16)), 8).token_ids
         if flag == "0":
             assert not calls
     os.environ.pop("DSPARK_KERNELS")
@@ -189,8 +196,9 @@ def _k3_pair_checks() -> dict:
     comp = StaticGenerator(target, drafter, max_len=48, compile=True).generate(list(range(5, 16)), 8)
     ref, ker = outs["0"], outs["1"]
     assert sum(ref.accepted_per_step[0]) > 0  # drafts accepted: the per-position KDA states are used
-    assert len(calls) == 3, calls  # every kernel ran in the DSPARK_KERNELS=1 pass
-    return {"k3_static_pair_tokens": [float(sum(a != b for a, b in zip(ref.token_ids[0], ker.token_ids[0]))), 0.0],
+    assert len(calls) == 4, calls  # every kernel ran in the DSPARK_KERNELS=1 pass (grouped_gemv: the MoE experts)
+    return {"k3_static_pair_tokens": [float(sum(a != b for a, b in zip(ref.token_ids[0], ker.token_ids[0]))
+                                            + (ar_outs["0"] != ar_outs["1"])), 0.0],
             "k3_static_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0],
             "k3_static_pair_compiled": [float(ref.token_ids != comp.token_ids
                                               or ref.accepted_per_step != comp.accepted_per_step), 0.0]}
@@ -210,7 +218,8 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "attnres_plain",
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
-                "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_rows17_silu_mul_residual_inplace", "decode_attention",
+                "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_rows17_silu_mul_residual_inplace", "grouped_gemv",
+                "decode_attention",
                 "fused_qwen3_decode_steps", "fused_qwen3_verify_rows",
                 "k3_static_pair_tokens", "k3_static_pair_accepted", "k3_static_pair_compiled"]
 

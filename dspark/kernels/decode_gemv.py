@@ -7,6 +7,8 @@
       residual             y = residual + ...            (residual may be y's own storage: h += W @ ..., in place)
 Rounding follows the module path (RMSNorm: normalise in fp32, round, scale, round; silu, then mul, each rounded to
 x's dtype); products accumulate in fp32 and the residual is added before the one final rounding (like addmm).
+grouped_gemv(x [P, K], w [E, N, K], idx [P]): row p against W = w[idx[p]], read in place from the stacked
+weights (the MoE experts of a decode / verify step, no gathered copy); the one-row kernel with a per-row base.
 M = 1 (the bs=1 decode step), grid (cdiv(N, BLOCK_N),): each program streams its BLOCK_N rows of W in BLOCK_K
 chunks and keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. 2 <= M <= 32 (a verify step):
 _gemv_rows_kernel, each W tile read once for all rows through tl.dot ([BLOCK_M >= 16, BLOCK_K] x [BLOCK_K, BLOCK_N],
@@ -37,10 +39,12 @@ def decode_gemv_ref(x, w, prologue: str = "none", norm_w=None, eps: float = 1e-6
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, N, K, stride_x, stride_w, eps,
-                 PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, idx_ptr, N, K, stride_x, stride_w, stride_e, eps,
+                 PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr, GROUPED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
     pid, row = tl.program_id(0), tl.program_id(1)
+    if GROUPED:  # row r multiplies W[idx[r]] of the stacked [E, N, K] weights, read in place
+        w_ptr += tl.load(idx_ptr + row).to(tl.int64) * stride_e
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     nm = rn < N
     rk0 = tl.arange(0, BLOCK_K)
@@ -138,7 +142,8 @@ def _configs():
 if HAS_TRITON:
     _even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a["K"] % a["BLOCK_K"] == 0})
     _gemv = _even(_gemv_kernel)
-    _gemv_tuned = triton.autotune(_configs(), key=["N", "K", "PROLOGUE", "RESIDUAL"], restore_value=["y_ptr"])(
+    _gemv_tuned = triton.autotune(_configs(), key=["N", "K", "PROLOGUE", "RESIDUAL", "GROUPED"],
+                                  restore_value=["y_ptr"])(
         _even(_gemv_kernel))
     _rows_tuned = triton.autotune(
         [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
@@ -166,21 +171,56 @@ def decode_gemv_triton(x, w, prologue: str = "none", norm_w=None, eps: float = 1
     res = residual if residual is not None else y
     args = (x2, w, y, res, norm_w if norm_w is not None else w, N, K, x2.stride(0), w.stride(0), eps)
     meta = dict(PROLOGUE=PROLOGUES[prologue], RESIDUAL=residual is not None)
-    if 1 < M <= MAX_ROWS:
-        rows_meta = dict(meta, IEEE=x.dtype == torch.float32, BLOCK_M=max(16, next_pow2(M)))
-        if block is None and not interpreting():
-            _rows_tuned[lambda a: (triton.cdiv(N, a["BLOCK_N"]),)](x2, w, y, res, args[4], M, *args[5:], **rows_meta)
-        else:
-            bn, bk = block or (16, 64)
-            _gemv_rows_kernel[(triton.cdiv(N, bn),)](x2, w, y, res, args[4], M, *args[5:], **rows_meta,
-                                                     BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
-        return y
+    return _launch_rows(args, meta, M, block) if 1 < M <= MAX_ROWS else _launch(args, meta, M, block)
+
+
+def _launch_rows(args, meta, M: int, block):
+    """2..MAX_ROWS rows sharing W: _gemv_rows_kernel, grid (cdiv(N, BLOCK_N),)."""
+    x2, w, y, res, nw, N, K, sx, sw, eps = args
+    meta = dict(meta, IEEE=x2.dtype == torch.float32, BLOCK_M=max(16, next_pow2(M)))
+    args = (x2, w, y, res, nw, M, N, K, sx, sw, eps)
+    if block is None and not interpreting():
+        _rows_tuned[lambda a: (triton.cdiv(N, a["BLOCK_N"]),)](*args, **meta)
+    else:
+        bn, bk = block or (16, 64)
+        _gemv_rows_kernel[(triton.cdiv(N, bn),)](*args, **meta, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    return y
+
+
+def _launch(args, meta, M: int, block, idx=None, stride_e: int = 0):
+    """One program row per x row (idx: per-row expert of stacked [E, N, K] weights), grid (cdiv(N, BLOCK_N), M)."""
+    x2, w, y, res, nw, N, K, sx, sw, eps = args
+    args = (x2, w, y, res, nw, idx if idx is not None else x2, N, K, sx, sw, stride_e, eps)
+    meta = dict(meta, GROUPED=idx is not None)
     if block is None and not interpreting():
         _gemv_tuned[lambda a: (triton.cdiv(N, a["BLOCK_N"]), M)](*args, **meta)
     else:
         bn, bk = block or (16, 64)
         _gemv[(triton.cdiv(N, bn), M)](*args, **meta, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
     return y
+
+
+def grouped_gemv_ref(x, w, idx):
+    """x [P, K], stacked w [E, N, K], idx [P] -> y[p] = w[idx[p]] @ x[p]  [P, N] (a bmm over gathered copies)."""
+    return torch.bmm(w.index_select(0, idx), x[:, :, None])[..., 0]
+
+
+@torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
+def grouped_gemv_triton(x, w, idx, block: tuple[int, int] | None = None):
+    """The matvec kernel with W = w[idx[row]] per row, read in place from the stacked weights (no gathered copy)."""
+    P, K = x.shape
+    E, N, K2 = w.shape
+    if K2 != K or x.stride(-1) != 1 or w.stride(-1) != 1 or idx.shape != (P,):
+        raise ValueError(f"grouped_gemv: x [P, K], w [E, N, K] with contiguous rows and idx [P] expected, got x "
+                         f"{tuple(x.shape)}, w {tuple(w.shape)}, idx {tuple(idx.shape)}")
+    y = torch.empty(P, N, device=x.device, dtype=x.dtype)
+    args = (x, w, y, y, w, N, K, x.stride(0), w.stride(1), 0.0)
+    return _launch(args, dict(PROLOGUE=0, RESIDUAL=False), P, block, idx.contiguous(), w.stride(0))
+
+
+def grouped_gemv(x, w, idx):
+    """Dispatcher: one launch over every (row, expert) pair on CUDA (or under the interpreter), else the reference."""
+    return grouped_gemv_triton(x, w, idx) if use_triton(x, w) else grouped_gemv_ref(x, w, idx)
 
 
 def decode_gemv(x, w, prologue: str = "none", norm_w=None, eps: float = 1e-6, residual=None, out=None):

@@ -14,12 +14,15 @@ Two ways to run the routed experts, same function:
   weights, MXFP4 ones dequantised) and runs one bmm per projection; device ops only (graph-safe), N*k*3*I*R
   gathered weight elements per forward, so meant for decode / verify sizes. Once N*k >= E, every expert runs on
   every token instead (weighted by the routing, 0 where not picked): each expert's weights read once, no copy.
+  Inference on CUDA below that: a grouped matvec (kernels/decode_gemv.py grouped_gemv) reads each pair's expert
+  rows in place from the stacked weights, also without the copy.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from dspark.kernels import use_triton
 from dspark.models.layers import GatedMLP, RMSNorm, glu
 
 from .config import K3TextConfig
@@ -176,9 +179,16 @@ class LatentMoE(nn.Module):
         if N * k >= self.num_experts:
             return self._experts_dense(z, idx, w, w13, w2)
         flat = idx.reshape(-1)  # [N*k]
+        e = self.experts[0]
+        if not torch.is_grad_enabled() and use_triton(z, w13):  # the stacked weights read in place, no copy
+            from dspark.kernels.decode_gemv import grouped_gemv
+
+            zk = z.to(w13.dtype).repeat_interleave(k, 0)  # [N*k, R], row j = token j // k
+            gate, up = grouped_gemv(zk, w13, flat).chunk(2, -1)  # [N*k, I] each
+            a = glu(gate, up, e.act, e.situ_beta, e.situ_linear_beta).contiguous()
+            return (grouped_gemv(a, w2, flat).float().view(N, k, -1) * w[..., None]).sum(1)
         zk = z.to(w13.dtype)[:, None].expand(N, k, z.shape[-1]).reshape(N * k, -1, 1)  # [N*k, R, 1]
         gate, up = torch.bmm(w13.index_select(0, flat), zk)[..., 0].chunk(2, -1)  # [N*k, I] each
-        e = self.experts[0]
         a = glu(gate, up, e.act, e.situ_beta, e.situ_linear_beta)
         y = torch.bmm(w2.index_select(0, flat), a[:, :, None])[..., 0]  # [N*k, R]
         return (y.float().view(N, k, -1) * w[..., None]).sum(1)
