@@ -361,17 +361,31 @@ def test_cuda_markov(B):
 
 
 @cuda
+@pytest.mark.parametrize("M", [1, 9, 17])
 @pytest.mark.parametrize("prologue,N,K", [("rmsnorm", 6144, 4096), ("none", 4096, 4096), ("silu_mul", 4096, 12288)])
-def test_cuda_decode_gemv(prologue, N, K):
-    """Qwen3-8B decode shapes in bf16 (autotuned tiles): within 1 % of the largest output, residual in place."""
+def test_cuda_decode_gemv(prologue, N, K, M):
+    """Qwen3-8B decode (M = 1) and verify (M = 9, 17: the multi-row kernel) shapes in bf16, autotuned tiles: within
+    1 % of the largest output, residual in place."""
     from dspark.kernels.decode_gemv import decode_gemv_ref, decode_gemv_triton
 
-    x = torch.randn(1, 2 * K if prologue == "silu_mul" else K, device="cuda").bfloat16()
+    x = torch.randn(M, 2 * K if prologue == "silu_mul" else K, device="cuda").bfloat16()
     w, nw = (torch.randn(N, K, device="cuda") * 0.02).bfloat16(), (torch.rand(K, device="cuda") + .5).bfloat16()
-    h = torch.randn(1, N, device="cuda").bfloat16()
+    h = torch.randn(M, N, device="cuda").bfloat16()
     ref = decode_gemv_ref(x.float(), w.float(), prologue, nw.float(), 1e-6, residual=h.float())
     out = decode_gemv_triton(x, w, prologue, nw, 1e-6, residual=h, out=h)
     assert out.data_ptr() == h.data_ptr() and _err(h, ref) <= 1e-2 * ref.abs().max().item()
+
+
+@cuda
+def test_cuda_grouped_gemv():
+    """K3-shape experts in bf16 (64 stacked [2I, R] weights, 4 pairs, repeated experts): within 1 % of the largest
+    output of the gathered-copy reference."""
+    from dspark.kernels.decode_gemv import grouped_gemv_ref, grouped_gemv_triton
+
+    w = (torch.randn(64, 2 * 1024, 2048, device="cuda") * 0.02).bfloat16()
+    x, idx = torch.randn(4, 2048, device="cuda").bfloat16(), torch.tensor([5, 63, 5, 0], device="cuda")
+    ref = grouped_gemv_ref(x.float(), w.float(), idx)
+    assert _err(grouped_gemv_triton(x, w, idx), ref) <= 1e-2 * ref.abs().max().item()
 
 
 @cuda
