@@ -118,9 +118,7 @@ def main() -> None:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernel modules are imported
     torch.set_num_threads(2)
     from dspark import static_spec
-    from dspark.kernels import attn_res, kda_decode, markov_sample
-    from dspark.models.k3 import attn_res as k3_attn_res
-    from dspark.models.k3 import kda as k3_kda
+    from dspark.kernels import attn_res, decode_gemv, kda_decode, markov_sample
     from dspark.models.k3.moe import set_static_moe
     from dspark.static_spec import StaticGenerator
 
@@ -128,15 +126,10 @@ def main() -> None:
     stack: list[str] = []
     label_modules(target, stack, "target")
     label_modules(drafter, stack, "drafter")
-    triton_fns = {attn_res: ["attn_res_mix_triton"], kda_decode: ["kda_decode_triton"],
-                  markov_sample: ["markov_sample_triton"]}
-    label_functions(stack, {**triton_fns, static_spec: ["propose_static", "verify_greedy"],
-                            k3_attn_res: [n for n in ("attn_res",) if hasattr(k3_attn_res, n)]})
-    for mod in (k3_kda, k3_attn_res):  # the layers imported the launchers by name
-        for fns in triton_fns.values():
-            for n in fns:
-                if hasattr(mod, n):
-                    setattr(mod, n, getattr(next(m for m, f in triton_fns.items() if n in f), n))
+    # the launchers are looked up in their modules at call time, so wrapping them there counts every launch
+    label_functions(stack, {attn_res: ["attn_res_mix_triton"], kda_decode: ["kda_decode_triton"],
+                            markov_sample: ["markov_sample_triton"], decode_gemv: ["grouped_gemv_triton"],
+                            static_spec: ["propose_static", "verify_greedy"]})
     prompt = torch.randint(10, target.config.vocab_size, (64,)).tolist()
     rows = {}
     for mode, d in (("AR", None), ("DSpark", drafter)):

@@ -217,11 +217,9 @@ class FusedQwen3:
 
     def __call__(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
         m = self.model.model
-        if self.kernels and input_ids.shape[0] == 1 and use_triton(m.embed_tokens.weight):
-            if input_ids.shape[1] == 1:
-                return self._decode_one(input_ids, batch)
-            if input_ids.shape[1] <= MAX_ROWS:
-                return self._decode_rows(input_ids, batch)
+        if (self.kernels and input_ids.shape[0] == 1 and input_ids.shape[1] <= MAX_ROWS
+                and use_triton(m.embed_tokens.weight)):
+            return self._decode_kernels(input_ids, batch)
         T = input_ids.shape[1]
         h = F.embedding(input_ids, m.embed_tokens.weight)  # [B, T, hidden], updated in place layer by layer
         wc, ws = self._rope_tables(batch, T, h.dtype)
@@ -233,35 +231,25 @@ class FusedQwen3:
                        self.H, self.Hkv, self.eps)
         return F.linear(F.rms_norm(h, (h.shape[-1],), m.norm.weight, self.eps), self.model.lm_head.weight)
 
-    def _decode_one(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
-        """One token of one row ([1, 1] ids) through the fused decode kernels: five launches per layer."""
-        m, eps = self.model.model, self.eps
-        h = F.embedding(input_ids.view(1), m.embed_tokens.weight)  # [1, hidden], updated in place
-        lengths = batch.static_cache.lengths[:1]  # the new token's position
-        for i, layer in enumerate(m.layers):
-            a = layer.self_attn
-            qkv = decode_gemv(h, self.w_qkv[i], "rmsnorm", layer.input_layernorm.weight, eps)
-            o = decode_attention(qkv, batch.static_cache.kv[i][:1], lengths, a.q_norm.weight, a.k_norm.weight,
-                                 self.inv_freq, self.rope_theta, self.H, self.Hkv, eps)
-            decode_gemv(o, a.o_proj.weight, residual=h, out=h)
-            gate_up = decode_gemv(h, self.w_gate_up[i], "rmsnorm", layer.post_attention_layernorm.weight, eps)
-            decode_gemv(gate_up, layer.mlp.down_proj.weight, "silu_mul", residual=h, out=h)
-        return decode_gemv(h, self.model.lm_head.weight, "rmsnorm", m.norm.weight, eps).view(1, 1, -1)
-
-
-    def _decode_rows(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
-        """A verify forward of one row, 2 <= T <= MAX_ROWS tokens ([1, T] ids): the projections through the
-        multi-row matvec kernel (each weight read once for all T tokens, norms / silu*mul / residual fused as in
-        _decode_one), the attention through `attend`."""
+    def _decode_kernels(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
+        """One row of T <= MAX_ROWS tokens ([1, T] ids) through the decode matvecs (norm / silu*mul prologues and
+        the residual add fused in; for T > 1 their multi-row form, each weight read once for all tokens). Attention:
+        T = 1 the one-launch decode_attention kernel (five launches per layer), else `attend`."""
         m, eps, T = self.model.model, self.eps, input_ids.shape[1]
         h = F.embedding(input_ids.view(T), m.embed_tokens.weight)  # [T, hidden], updated in place
-        wc, ws = self._rope_tables(batch, T, h.dtype)
-        bias = self._attn_bias(batch, T, h.dtype)
+        if T == 1:
+            lengths = batch.static_cache.lengths[:1]  # the new token's position
+        else:
+            wc, ws = self._rope_tables(batch, T, h.dtype)
+            bias = self._attn_bias(batch, T, h.dtype)
         for i, layer in enumerate(m.layers):
-            a = layer.self_attn
+            a, store = layer.self_attn, batch.static_cache.kv[i][:1]
             qkv = decode_gemv(h, self.w_qkv[i], "rmsnorm", layer.input_layernorm.weight, eps)
-            o = attend(qkv.view(1, T, -1), batch.static_cache.kv[i][:1], batch.slots, bias, wc[i], ws[i], self.H,
-                       self.Hkv, eps)
+            if T == 1:
+                o = decode_attention(qkv, store, lengths, a.q_norm.weight, a.k_norm.weight, self.inv_freq,
+                                     self.rope_theta, self.H, self.Hkv, eps)
+            else:
+                o = attend(qkv.view(1, T, -1), store, batch.slots, bias, wc[i], ws[i], self.H, self.Hkv, eps)
             decode_gemv(o, a.o_proj.weight, residual=h, out=h)
             gate_up = decode_gemv(h, self.w_gate_up[i], "rmsnorm", layer.post_attention_layernorm.weight, eps)
             decode_gemv(gate_up, layer.mlp.down_proj.weight, "silu_mul", residual=h, out=h)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dspark.kernels import use_triton
+from dspark.kernels.decode_gemv import grouped_gemv
 from dspark.models.layers import GatedMLP, RMSNorm, glu
 
 from .config import K3TextConfig
@@ -181,8 +182,6 @@ class LatentMoE(nn.Module):
         flat = idx.reshape(-1)  # [N*k]
         e = self.experts[0]
         if not torch.is_grad_enabled() and use_triton(z, w13):  # the stacked weights read in place, no copy
-            from dspark.kernels.decode_gemv import grouped_gemv
-
             zk = z.to(w13.dtype).repeat_interleave(k, 0)  # [N*k, R], row j = token j // k
             gate, up = grouped_gemv(zk, w13, flat).chunk(2, -1)  # [N*k, I] each
             a = glu(gate, up, e.act, e.situ_beta, e.situ_linear_beta).contiguous()
