@@ -21,7 +21,9 @@
 #   bash bench/h200_run.sh s4-train    # target (3 min), drafter on 4096 regenerated sequences (static path, 3.6 min)
 #   bash bench/h200_run.sh s4-bench    # pair_decode graphed, then graphed + torch.compile with a kernel profile
 #   bash bench/h200_run.sh s4-tests    # the CUDA tests, then bench/engine_gpu.py in bf16
-# Session 5 plan, three calls in a row on one warm nvidia-h200 (about 25 device minutes):
+# Session 5, three calls in a row on one warm nvidia-h200 (s5-a: tests beside target + drafter training; s5-b: KDA
+# kernel timings, compiled pair_decode with profile and batch sweep, ar_floor; s5-c: k3_floor, engine_gpu bf16).
+# The first plan, split differently:
 #   bash bench/h200_run.sh s5-check    # CUDA tests + KDA kernel timings + a 3-step target run that warms fla's cache
 #   bash bench/h200_run.sh s5-train    # target 3 min + drafter 3.3 min, fla on the path
 #   bash bench/h200_run.sh s5-bench    # pair_decode --compile --profile (+ batches), then the K3-shape floor
@@ -142,6 +144,32 @@ case "${1:-kernels}" in
     python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py \
       tests/test_static_spec.py -q -p no:cacheprovider 2>&1 | grep -v "Warning:\|warnings.warn" | tail -15 \
       | tee "$OUT/gpu_tests.txt"
+    timeout 200 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
+      --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
+    ;;
+  s5-a)
+    # one call: the CUDA tests in the background while the target (3 min) and then its drafter (3.3 min) train
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py \
+      tests/test_static_spec.py -q -p no:cacheprovider > /tmp/gpu_tests.log 2>&1 &
+    tests_pid=$!
+    timeout 250 python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled max_minutes=3 2>&1 \
+      | grep -v "it/s\]" | grep -v "^ " | tail -8 | tee "$OUT/k3_mini_train.txt"
+    timeout 270 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes=3.3 2>&1 \
+      | grep -v "it/s\]" | tail -12 | tee "$OUT/k3_mini_drafter.txt"
+    wait $tests_pid
+    grep -v "Warning:\|warnings.warn" /tmp/gpu_tests.log | tail -20 | tee "$OUT/gpu_tests.txt"
+    ;;
+  s5-b)
+    # the KDA kernel timings, bs=1 + batch sweep of the compiled pair with a kernel profile, the 8B-shape floor
+    timeout 90 python3 bench/gpu_kernels.py --only kda --iters 50 2>&1 | tee "$OUT/gpu_kernels_kda.txt"
+    timeout 330 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
+      --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile --profile --agree 1 --batches 1,4,16,64 \
+      --append "$OUT/pair_decode_compiled.md" 2>&1 | tee "$OUT/pair_decode_compiled.txt"
+    timeout 150 python3 bench/ar_floor.py --no-compile --append "$OUT/ar_floor.md" 2>&1 | tee "$OUT/ar_floor.txt"
+    ;;
+  s5-c)
+    timeout 200 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tail -14 | tee "$OUT/k3_floor.txt"
     timeout 200 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
       --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
     ;;
