@@ -1,9 +1,12 @@
 """dspark.kernels on one GPU: each Triton kernel against its torch reference at K3 shapes.
 
-Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov] [--iters 50]
+Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov,moe] [--iters 50] [--graph]
 One row per case: max abs error vs the reference (the fp32 reference where the kernel's inputs are bf16), median
 CUDA-event times (after warm-up) of the torch reference and the kernel, the bytes-moved floor (bytes / 4.8 TB/s)
-and the fraction of it the kernel reaches (floor / kernel time). Prints only (bench/RESULTS.md is the lead's).
+and the fraction of it the kernel reaches (floor / kernel time). --graph times the kernel as 20 calls captured in
+one CUDA graph (GPU time per call, as inside the decode graphs; without it the host's launch cost is included).
+`moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
+against the loop path, N tokens. Prints only (bench/RESULTS.md is the lead's).
 Exits with code 2 and a message without CUDA or triton.
 """
 from __future__ import annotations
@@ -16,13 +19,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import median_ms  # noqa: E402  (bench/timing.py)
+from timing import graph_ms, median_ms  # noqa: E402  (bench/timing.py)
 
 HBM = 4.8e12  # bytes/s, H200 datasheet
+GRAPH = False  # --graph: kernel times from graph_ms
 
 
 def _row(name, err, ref_fn, ker_fn, nbytes, iters):
-    t_ref, t_ker = 1e3 * median_ms(ref_fn, 5, iters), 1e3 * median_ms(ker_fn, 5, iters)
+    t_ref = 1e3 * median_ms(ref_fn, 5, iters)
+    t_ker = 1e3 * (graph_ms(ker_fn, 20, iters) if GRAPH else median_ms(ker_fn, 5, iters))
     floor = nbytes / HBM * 1e6
     print(f"{name:<44} {err:>9.2e} {t_ref:>10.1f} {t_ker:>9.1f} {t_ref / t_ker:>7.1f}x {nbytes / 1e6:>9.2f} "
           f"{floor:>8.2f} {floor / t_ker:>6.1%}", flush=True)
@@ -110,11 +115,39 @@ def bench_markov(iters):
                  partial(markov_sample_triton, U, w1, w2, anc, one_launch=one), nbytes, iters)
 
 
+def bench_moe(iters):
+    """The k3-mini target's LatentMoE (16 experts top-2, latent 256, expert width 384), bf16: the routed experts of
+    N tokens through the graph-safe path (what the decode graphs run) vs the loop path as reference."""
+    import yaml
+
+    from dspark.models.k3.config import K3TextConfig
+    from dspark.models.k3.moe import LatentMoE
+
+    fields = yaml.safe_load(open(Path(__file__).resolve().parents[1] / "recipes/targets/k3-mini.yaml"))["model"]
+    moe = LatentMoE(K3TextConfig(vocab_size=8192, **fields)).cuda().bfloat16().eval()
+    moe.stack_experts()
+    R, E, k = moe.experts[0].w2.weight.shape[0], moe.num_experts, moe.top_k
+    expert_bytes = sum(p.numel() * p.element_size() for p in moe.experts[0].parameters())
+    with torch.no_grad():
+        for N in (1, 4, 9, 36, 144, 576):
+            z = torch.randn(N, R, device="cuda").bfloat16()
+            idx = torch.stack([torch.randperm(E, device="cuda")[:k] for _ in range(N)])
+            w = torch.rand(N, k, device="cuda")
+            ref = partial(moe._experts_loop, z, idx, w)
+            ker = partial(moe._experts_gathered, z, idx, w)
+            nbytes = min(N * k, E) * expert_bytes + N * R * 2 * 2
+            path = "every expert once" if N * k >= E else "grouped matvec"
+            _row(f"moe k3-mini N={N} ({path})", _err(ker(), ref()), ref, ker, nbytes, iters)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="kda,attnres,mxfp4,markov")
+    ap.add_argument("--only", default="kda,attnres,mxfp4,markov,moe")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--graph", action="store_true", help="kernel times inside a CUDA graph (no launch cost)")
     args = ap.parse_args()
+    global GRAPH
+    GRAPH = args.graph
     if not torch.cuda.is_available():
         print("bench/gpu_kernels.py needs a CUDA GPU (an H200): none found, nothing measured.", file=sys.stderr)
         return 2
@@ -126,7 +159,7 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"{'case':<44} {'max_err':>9} {'ref_us':>10} {'ker_us':>9} {'speedup':>8} {'MB':>9} {'floor_us':>8} "
           f"{'of_floor':>6}")
-    benches = dict(kda=bench_kda, attnres=bench_attnres, mxfp4=bench_mxfp4, markov=bench_markov)
+    benches = dict(kda=bench_kda, attnres=bench_attnres, mxfp4=bench_mxfp4, markov=bench_markov, moe=bench_moe)
     for name in args.only.split(","):
         benches[name.strip()](args.iters)
     return 0

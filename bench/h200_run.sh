@@ -23,6 +23,7 @@
 #   bash bench/h200_run.sh s4-tests    # the CUDA tests, then bench/engine_gpu.py in bf16
 # Session 5, three calls in a row on one warm nvidia-h200 (s5-a: tests beside target + drafter training; s5-b: KDA
 # kernel timings, compiled pair_decode with profile and batch sweep, ar_floor; s5-c: k3_floor, engine_gpu bf16).
+#   bash bench/h200_run.sh s5-kernels  # V-split KDA + dense MoE timings (graph), k3_floor, ar_floor (deadline)
 # The first plan, split differently:
 #   bash bench/h200_run.sh s5-check    # CUDA tests + KDA kernel timings + a 3-step target run that warms fla's cache
 #   bash bench/h200_run.sh s5-train    # target 3 min + drafter 3.3 min, fla on the path
@@ -172,6 +173,15 @@ case "${1:-kernels}" in
     timeout 200 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tail -14 | tee "$OUT/k3_floor.txt"
     timeout 200 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
       --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
+    ;;
+  s5-kernels)
+    # the V-split KDA kernel and the two-matmul dense MoE (graph-timed), then the K3-shape and 8B-shape floors
+    # (grouped / multi-row matvec) as far as the deadline (seconds, DEADLINE, default 300) allows
+    end=$((SECONDS + ${DEADLINE:-300}))
+    left() { echo $(( end - SECONDS > 5 ? end - SECONDS : 5 )); }
+    timeout $(left) python3 bench/gpu_kernels.py --only kda,moe --graph --iters 30 2>&1 | tee "$OUT/gpu_kernels.txt"
+    timeout $(left) python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tail -14 | tee "$OUT/k3_floor.txt"
+    timeout $(left) python3 bench/ar_floor.py --no-compile --append "$OUT/ar_floor.md" 2>&1 | tee "$OUT/ar_floor.txt"
     ;;
   s5-check)
     # first call on a fresh machine: the CUDA tests (new paths: multi-row / grouped matvec, dense MoE, compiled

@@ -26,3 +26,15 @@ def median_ms(fn, warm: int, iters: int, cuda: bool = True) -> float:
         end.record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in events)
+
+
+def graph_ms(fn, reps: int = 20, iters: int = 20) -> float:
+    """GPU time of one fn() call without its host launch cost: `reps` calls captured back to back in one CUDA graph,
+    median over `iters` replays (median_ms), divided by reps. fn must be graph-safe (device work only)."""
+    fn()  # compile / autotune outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return median_ms(g.replay, 3, iters) / reps

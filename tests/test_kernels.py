@@ -55,12 +55,17 @@ def _interp_checks() -> dict:
              "kda_lb_allstates_lengths": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([3, 1])),
              "kda_lb_nostate": dict(lower_bound=-5.0, return_all_states=False, lengths=None, state=None),
              "kda_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([9, 4]), T=9),
-             "kda_t17_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=17)}
+             "kda_t17_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=17),
+             # the state split over value-column programs (D/BV = 4 and 2 programs per head)
+             "kda_vsplit4_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([9, 5]),
+                                           T=9, block_v=4),
+             "kda_vsplit2_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=3, block_v=8)}
     for name, kw in cases.items():
         kw = dict(kw)
         inp = _kda_inputs(B=2, T=kw.pop("T", 3), H=2, D=16)
         inp.update(kw)
-        ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp)
+        block_v = inp.pop("block_v", None)
+        ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp, block_v=block_v)
         res[name] = [max(_err(a, b) for a, b in zip(ref, out)), 1e-5]
     # AttnRes: fp32, 1e-5; d = 80 with 32-wide chunks (a ragged tail), strided sources + prefix, output norm
     g = torch.Generator().manual_seed(1)

@@ -13,8 +13,9 @@ Per token t of head h (fp32):
 Outputs: out [B, T, P] (qkv dtype), state_final [B, H, K, V] fp32 or all states [B, T, H, K, V] fp32, and
 ext = cat(window, qkv) [B, W-1+T, 3P] (the extended conv window; the caller keeps its last W-1 valid rows).
 Rows t >= lengths[b] are padding exactly as in the layer: raw input zeroed, g = beta = 0 (state untouched).
-Kernel: one program per (request, head) holds S [K, V] in registers (64 KB fp32 for D = 128, 8 warps) for all T;
-what does not depend on S is computed for all T tokens before the serial loop (see _kda_decode_kernel).
+Kernels: one program per (request, head, slice of BV value columns) holds S[:, slice] [K, BV] in registers for all
+T (the delta rule is column-wise in V); what does not depend on S is computed for all T tokens before the serial
+loop (see _kda_decode_kernel). A second launch applies the gated per-head RMSNorm (it needs all columns).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def kda_decode_ref(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Triton kernel: grid (B, H)
+# Triton kernels: the delta rule on grid (B, H, D/BV), then the gated norm on grid (B*T, H)
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _raw_tile(qkv_ptr, win_ptr, b, pos, ch, dm, T, n_valid, P3, W: tl.constexpr):
@@ -83,43 +84,47 @@ def _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, ch, dm, T, n_valid, P3, W: tl
 
 
 @triton.jit
-def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, gate_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, onw_ptr,
-                       s_in_ptr, s_out_ptr, out_ptr, ext_ptr, len_ptr,
-                       T, H, P, lower_bound, scale, eps,
-                       D: tl.constexpr, BD: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, W: tl.constexpr,
-                       USE_LB: tl.constexpr, HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr,
+def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr,
+                       s_in_ptr, s_out_ptr, o_ptr, ext_ptr, len_ptr,
+                       T, H, P, lower_bound, scale,
+                       D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+                       W: tl.constexpr, USE_LB: tl.constexpr, HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr,
                        HAS_LEN: tl.constexpr):
-    """Three phases. Everything that does not depend on the state is computed for all T tokens at once ([BT, BD]
-    tiles, every load issued up front): the extended window, conv + SiLU + L2 norm, gate, beta, output gate. The
-    serial loop over tokens is then only the delta rule on S [K, V] (row t of each tile picked by a masked sum, no
-    memory access but the optional per-position state store). The gated RMSNorm of the outputs runs after it, again
-    on the whole [BT, BD] tile."""
+    """Program (b, h, j) owns the value columns j*BV .. j*BV+BV-1 of S [K, V]: the delta rule is independent per
+    value column (u = v - S^T k and o = S^T q are column-wise), so D/BV programs per head share the serial work.
+    Everything that does not depend on the state is computed for all T tokens at once ([BT, BD] tiles, every load
+    issued up front): conv + SiLU + L2 norm of q and k (full head dim, each program recomputes them), v and the
+    gate, beta. The serial loop over tokens is then only the delta rule on the [K, BV] slice (row t of each tile
+    picked by a masked sum). Writes the raw outputs o [B, T, P] fp32; _kda_out_norm_kernel applies the gated
+    per-head RMSNorm, which needs all of a head's columns."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    j = tl.program_id(2)
     P3 = 3 * P
     offs = tl.arange(0, BD)
     dm = offs < D
+    vo = j * BV + tl.arange(0, BV)  # this program's value columns
+    vm = vo < D
     rows = offs[:, None]  # K index
-    cols = offs[None, :]  # V index
-    smask = (rows < D) & (cols < D)
+    smask = (rows < D) & vm[None, :]
     n_valid = T
     if HAS_LEN:
         n_valid = tl.load(len_ptr + b)
     cq = h * D + offs  # channel ids of this head in q | k | v
     tt = tl.arange(0, BT)  # token index
-    # extended window ext[b, pos] = window[b, pos] (pos < W-1) else qkv[b, pos-W+1] (zeroed past the valid length)
-    pe = tl.arange(0, BE)
-    for part in tl.static_range(3):
-        x = _raw_tile(qkv_ptr, win_ptr, b, pe, cq + part * P, dm, T, n_valid, P3, W)
-        tl.store(ext_ptr + (b * (T + W - 1) + pe[:, None]) * P3 + (cq + part * P)[None, :],
-                 x.to(ext_ptr.dtype.element_ty), mask=(pe[:, None] < T + W - 1) & dm[None, :])
+    if j == 0:  # extended window ext[b, pos] = window[b, pos] (pos < W-1) else qkv[b, pos-W+1] (zeroed past length)
+        pe = tl.arange(0, BE)
+        for part in tl.static_range(3):
+            x = _raw_tile(qkv_ptr, win_ptr, b, pe, cq + part * P, dm, T, n_valid, P3, W)
+            tl.store(ext_ptr + (b * (T + W - 1) + pe[:, None]) * P3 + (cq + part * P)[None, :],
+                     x.to(ext_ptr.dtype.element_ty), mask=(pe[:, None] < T + W - 1) & dm[None, :])
     # causal depthwise conv + SiLU + L2 norm (q, k) for all tokens
     Q = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, cq, dm, T, n_valid, P3, W, BT, BD)  # [BT, BD]
     K = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, P + cq, dm, T, n_valid, P3, W, BT, BD)
-    V = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, 2 * P + cq, dm, T, n_valid, P3, W, BT, BD)
+    V = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, 2 * P + h * D + vo, vm, T, n_valid, P3, W, BT, BV)
     Q = Q * (1.0 / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6))[:, None] * scale
     K = K * (1.0 / tl.sqrt(tl.sum(K * K, 1) + 1e-6))[:, None]
-    # gate (log decay), beta and the output gate, all tokens
+    # gate (log decay over K) and beta, all tokens
     tm = (tt[:, None] < T) & dm[None, :]
     a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + cq, mask=dm, other=0.0).to(tl.float32)
@@ -132,43 +137,64 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, gate_ptr, convw_ptr, win_ptr, a
     decay = tl.exp(tl.where(live[:, None], g, 0.0))  # [BT, BD]; padding rows leave S untouched
     beta = tl.sigmoid(tl.load(beta_ptr + (b * T + tt) * H + h, mask=tt < T, other=0.0).to(tl.float32))
     beta = tl.where(live, beta, 0.0)  # [BT]
-    og = tl.sigmoid(tl.load(gate_ptr + (b * T + tt[:, None]) * P + cq[None, :], mask=tm, other=0.0).to(tl.float32))
-    onw = tl.load(onw_ptr + offs, mask=dm, other=0.0).to(tl.float32)
+    sidx = rows * D + vo[None, :]
     sbase = (b * H + h) * D * D
     if HAS_STATE:
-        S = tl.load(s_in_ptr + sbase + rows * D + cols, mask=smask, other=0.0).to(tl.float32)
+        S = tl.load(s_in_ptr + sbase + sidx, mask=smask, other=0.0).to(tl.float32)  # [BD, BV]
     else:
-        S = tl.zeros([BD, BD], dtype=tl.float32)
-    Ot = tl.zeros([BT, BD], dtype=tl.float32)
+        S = tl.zeros([BD, BV], dtype=tl.float32)
+    Ot = tl.zeros([BT, BV], dtype=tl.float32)
     for t in range(0, T):  # the delta rule, token by token
         sel = tt[:, None] == t
         q = tl.sum(tl.where(sel, Q, 0.0), 0)
         k = tl.sum(tl.where(sel, K, 0.0), 0)
-        v = tl.sum(tl.where(sel, V, 0.0), 0)
+        v = tl.sum(tl.where(sel, V, 0.0), 0)  # [BV]
         e = tl.sum(tl.where(sel, decay, 0.0), 0)
         bt = tl.sum(tl.where(tt == t, beta, 0.0), 0)
         S = S * e[:, None]
-        u = v - tl.sum(S * k[:, None], 0)  # [V]
+        u = v - tl.sum(S * k[:, None], 0)  # [BV]
         S = S + bt * k[:, None] * u[None, :]
         Ot = tl.where(sel, tl.sum(S * q[:, None], 0)[None, :], Ot)
         if ALL_STATES:
-            tl.store(s_out_ptr + ((b * T + t) * H + h) * D * D + rows * D + cols, S, mask=smask)
+            tl.store(s_out_ptr + ((b * T + t) * H + h) * D * D + sidx, S, mask=smask)
     if not ALL_STATES:
-        tl.store(s_out_ptr + sbase + rows * D + cols, S, mask=smask)
-    # gated per-head RMSNorm of every token's output
-    Ot = Ot * (1.0 / tl.sqrt(tl.sum(Ot * Ot, 1) / D + eps))[:, None] * onw[None, :] * og
-    tl.store(out_ptr + (b * T + tt[:, None]) * P + cq[None, :], Ot.to(out_ptr.dtype.element_ty), mask=tm)
+        tl.store(s_out_ptr + sbase + sidx, S, mask=smask)
+    tl.store(o_ptr + (b * T + tt[:, None]) * P + h * D + vo[None, :], Ot, mask=(tt[:, None] < T) & vm[None, :])
+
+
+@triton.jit
+def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, eps, D: tl.constexpr, BD: tl.constexpr):
+    """out[n, h] = RMSNorm_D(o[n, h]) * o_norm_w * sigmoid(gate[n, h]); one program per (token row n, head h)."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BD)
+    dm = offs < D
+    base = n * P + h * D + offs
+    o = tl.load(o_ptr + base, mask=dm, other=0.0)
+    og = tl.sigmoid(tl.load(gate_ptr + base, mask=dm, other=0.0).to(tl.float32))
+    onw = tl.load(onw_ptr + offs, mask=dm, other=0.0).to(tl.float32)
+    y = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)) * onw * og
+    tl.store(out_ptr + base, y.to(out_ptr.dtype.element_ty), mask=dm)
+
+
+def _block_v(B: int, H: int, D: int) -> int:
+    """Value columns per program: small grids (bs=1 decode: B*H of 6..96) split each head's state into D/16
+    column slices so that the serial delta rule runs on enough SMs; large grids keep wider slices."""
+    n = B * H
+    return min(next_pow2(D), 16 if n < 64 else 32 if n < 512 else 64)
 
 
 @torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
-                      eps=1e-5, return_all_states=False, lengths=None, state_out=None):
-    """state_out may be `state` itself (in-place update: each program reads its state before writing it)."""
+                      eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None):
+    """state_out may be `state` itself (in-place update: each program reads its state slice before writing it).
+    block_v: value columns per program (default _block_v); two launches: the delta rule, then the gated norm."""
     B, T, P3 = qkv.shape
     P, W = P3 // 3, conv_w.shape[1]
     D = o_norm_w.shape[0]
     H = P // D
     qkv, f, beta, gate, conv_w, window = (x.contiguous() for x in (qkv, f, beta, gate, conv_w, window))
+    o = torch.empty(B, T, P, dtype=torch.float32, device=qkv.device)
     out = torch.empty(B, T, P, dtype=qkv.dtype, device=qkv.device)
     ext = torch.empty(B, W - 1 + T, P3, dtype=qkv.dtype, device=qkv.device)
     if return_all_states:
@@ -177,11 +203,14 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
         s_out = state_out if state_out is not None else torch.empty(B, H, D, D, dtype=torch.float32, device=qkv.device)
     s_in = state.contiguous() if state is not None else s_out
     BD = next_pow2(D)
-    _kda_decode_kernel[(B, H)](
-        qkv, f, beta, gate, conv_w, window.to(qkv.dtype), A_log, dt_bias, o_norm_w, s_in, s_out, out, ext,
-        lengths if lengths is not None else qkv, T, H, P, float(lower_bound or 0.0), D ** -0.5, eps,
-        D=D, BD=BD, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None, HAS_STATE=state is not None,
-        ALL_STATES=return_all_states, HAS_LEN=lengths is not None, num_warps=8 if BD >= 128 else 4, num_stages=1)
+    BV = block_v or _block_v(B, H, D)
+    _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](
+        qkv, f, beta, conv_w, window.to(qkv.dtype), A_log, dt_bias, s_in, s_out, o, ext,
+        lengths if lengths is not None else qkv, T, H, P, float(lower_bound or 0.0), D ** -0.5,
+        D=D, BD=BD, BV=BV, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None,
+        HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None,
+        num_warps=4 if BV <= 32 else 8, num_stages=1)
+    _kda_out_norm_kernel[(B * T, H)](o, gate, o_norm_w, out, H, P, eps, D=D, BD=BD, num_warps=1 if BD <= 128 else 4)
     return out, s_out, ext
 
 
