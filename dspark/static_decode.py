@@ -15,9 +15,8 @@
   path by rounding only. `compile=True` also runs each layer's glue through torch.compile (optional).
   `kernels=True` (default): a one-token step (B*T = 1, the bs=1 decode) on CUDA runs five launches per layer
   instead: matvecs with the RMSNorm / silu*mul prologue and the residual add fused in (kernels/decode_gemv.py) and
-  one q/k-norm + RoPE + cache write + attention kernel (kernels/decode_attention.py). A one-row verify of
-  2..32 tokens runs the same matvecs in their multi-row form (each weight read once for all tokens) around the
-  torch attention (`attend`); other shapes keep cuBLAS.
+  one q/k-norm + RoPE + cache write + attention kernel (kernels/decode_attention.py). Other shapes (verify
+  steps, batches) keep cuBLAS, which reads each weight once for all tokens.
 - `GraphDecoder`: one `torch.cuda.CUDAGraph` per (batch-size bucket, T) of plan + forward + greedy argmax, with
   static input/output buffers; `step(ids)` = copy in, replay, advance lengths on the device. T=1 decodes, T=k+1
   verifies (`advance=False`, then `batch.commit(n_keep)` with a device tensor).
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 
 from dspark.kernels import use_triton
 from dspark.kernels.decode_attention import decode_attention, rope_inv_freq
-from dspark.kernels.decode_gemv import MAX_ROWS, decode_gemv
+from dspark.kernels.decode_gemv import decode_gemv
 from dspark.models.layers import rope_cos_sin
 
 
@@ -217,8 +216,7 @@ class FusedQwen3:
 
     def __call__(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
         m = self.model.model
-        if (self.kernels and input_ids.shape[0] == 1 and input_ids.shape[1] <= MAX_ROWS
-                and use_triton(m.embed_tokens.weight)):
+        if self.kernels and input_ids.shape == (1, 1) and use_triton(m.embed_tokens.weight):
             return self._decode_kernels(input_ids, batch)
         T = input_ids.shape[1]
         h = F.embedding(input_ids, m.embed_tokens.weight)  # [B, T, hidden], updated in place layer by layer
@@ -232,28 +230,21 @@ class FusedQwen3:
         return F.linear(F.rms_norm(h, (h.shape[-1],), m.norm.weight, self.eps), self.model.lm_head.weight)
 
     def _decode_kernels(self, input_ids: torch.Tensor, batch: StaticBatch) -> torch.Tensor:
-        """One row of T <= MAX_ROWS tokens ([1, T] ids) through the decode matvecs (norm / silu*mul prologues and
-        the residual add fused in; for T > 1 their multi-row form, each weight read once for all tokens). Attention:
-        T = 1 the one-launch decode_attention kernel (five launches per layer), else `attend`."""
-        m, eps, T = self.model.model, self.eps, input_ids.shape[1]
-        h = F.embedding(input_ids.view(T), m.embed_tokens.weight)  # [T, hidden], updated in place
-        if T == 1:
-            lengths = batch.static_cache.lengths[:1]  # the new token's position
-        else:
-            wc, ws = self._rope_tables(batch, T, h.dtype)
-            bias = self._attn_bias(batch, T, h.dtype)
+        """The bs=1 one-token step ([1, 1] ids): five launches per layer, the decode matvecs (norm / silu*mul
+        prologues and the residual add fused in) and the one-launch decode_attention kernel. Verify steps of several
+        tokens take the cuBLAS path of __call__ (measured faster than matvecs that read W once per token)."""
+        m, eps = self.model.model, self.eps
+        h = F.embedding(input_ids.view(1), m.embed_tokens.weight)  # [1, hidden], updated in place
+        lengths = batch.static_cache.lengths[:1]  # the new token's position
         for i, layer in enumerate(m.layers):
             a, store = layer.self_attn, batch.static_cache.kv[i][:1]
             qkv = decode_gemv(h, self.w_qkv[i], "rmsnorm", layer.input_layernorm.weight, eps)
-            if T == 1:
-                o = decode_attention(qkv, store, lengths, a.q_norm.weight, a.k_norm.weight, self.inv_freq,
-                                     self.rope_theta, self.H, self.Hkv, eps)
-            else:
-                o = attend(qkv.view(1, T, -1), store, batch.slots, bias, wc[i], ws[i], self.H, self.Hkv, eps)
+            o = decode_attention(qkv, store, lengths, a.q_norm.weight, a.k_norm.weight, self.inv_freq,
+                                 self.rope_theta, self.H, self.Hkv, eps)
             decode_gemv(o, a.o_proj.weight, residual=h, out=h)
             gate_up = decode_gemv(h, self.w_gate_up[i], "rmsnorm", layer.post_attention_layernorm.weight, eps)
             decode_gemv(gate_up, layer.mlp.down_proj.weight, "silu_mul", residual=h, out=h)
-        return decode_gemv(h, self.model.lm_head.weight, "rmsnorm", m.norm.weight, eps).view(1, T, -1)
+        return decode_gemv(h, self.model.lm_head.weight, "rmsnorm", m.norm.weight, eps).view(1, 1, -1)
 
 
 def fuse_projections(model, compile: bool = False, kernels: bool = True) -> FusedQwen3:

@@ -10,17 +10,17 @@ x's dtype); products accumulate in fp32 and the residual is added before the one
 grouped_gemv(x [P, K], w [E, N, K], idx [P]): row p against W = w[idx[p]], read in place from the stacked
 weights (the MoE experts of a decode / verify step, no gathered copy); the one-row kernel with a per-row base.
 M = 1 (the bs=1 decode step), grid (cdiv(N, BLOCK_N),): each program streams its BLOCK_N rows of W in BLOCK_K
-chunks and keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. 2 <= M <= 32 (a verify step):
-_gemv_rows_kernel, each W tile read once for all rows through tl.dot ([BLOCK_M >= 16, BLOCK_K] x [BLOCK_K, BLOCK_N],
-exact fp32 products for fp32 x). More rows: one program row each (correct, not fast). Tiles autotuned per (N, K)
-on CUDA, L2 flushed between trials.
+chunks and keeps a [BLOCK_N, BLOCK_K] fp32 partial sum, reduced once at the end. More rows: one program row each
+(correct, W read once per row: verify steps of several tokens go through cuBLAS instead; a multi-row tl.dot variant
+measured 11.6 ms for a 9-token verify of the 8B shape against cuBLAS's 6.3 ms and was dropped, bench/RESULTS.md).
+Tiles autotuned per (N, K) on CUDA, L2 flushed between trials.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from dspark.kernels import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
+from dspark.kernels import HAS_TRITON, interpreting, tl, triton, use_triton
 from dspark.models.layers import rms_norm
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
@@ -82,54 +82,6 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, idx_ptr, N, K, stride_x, 
     tl.store(y_ptr + row * N + rn, y.to(y_ptr.dtype.element_ty), mask=nm)
 
 
-@triton.jit
-def _gemv_rows_kernel(x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr, M, N, K, stride_x, stride_w, eps,
-                      PROLOGUE: tl.constexpr, RESIDUAL: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """All M (<= BLOCK_M) rows of x against one BLOCK_N slice of W: each W tile is read once for every row (a verify
-    step of up to 17 tokens streams W once, like a one-token step). Same prologues and rounding as _gemv_kernel."""
-    pid = tl.program_id(0)
-    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    nm = rn < N
-    rm = tl.arange(0, BLOCK_M)
-    mm = rm < M
-    rk0 = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + rm[:, None] * stride_x
-    dt = x_ptr.dtype.element_ty
-    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if PROLOGUE == 1:  # 1 / rms of every row
-        ss = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k in range(0, K, BLOCK_K):
-            xv = tl.load(x_rows + k + rk0[None, :], mask=mm[:, None] & ((k + rk0) < K)[None, :], other=0.0)
-            ss += xv.to(tl.float32) * xv.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps)
-    w_rows = w_ptr + rn[:, None].to(tl.int64) * stride_w
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        rk = k + rk0
-        km = rk < K
-        xv = tl.load(x_rows + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
-        if PROLOGUE == 1:
-            nw = tl.load(nw_ptr + rk, mask=km, other=0.0).to(tl.float32)
-            xv = ((xv * rstd[:, None]).to(dt).to(tl.float32) * nw[None, :]).to(dt).to(tl.float32)
-        if PROLOGUE == 2:
-            up = tl.load(x_rows + K + rk[None, :], mask=mm[:, None] & km[None, :], other=0.0).to(tl.float32)
-            act = (xv / (1.0 + tl.exp(-xv))).to(dt).to(tl.float32)
-            xv = (act * up).to(dt).to(tl.float32)
-        wv = tl.load(w_rows + rk[None, :], mask=nm[:, None] & km[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if IEEE:
-            acc += tl.dot(xv, tl.trans(wv.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(xv.to(dt), tl.trans(wv))
-    omask = mm[:, None] & nm[None, :]
-    if RESIDUAL:
-        acc += tl.load(res_ptr + rm[:, None] * N + rn[None, :], mask=omask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rm[:, None] * N + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
-
-
-MAX_ROWS = 32  # x with 2..MAX_ROWS rows takes _gemv_rows_kernel (W read once); more rows: one program row each
-
-
 def _configs():
     out = []
     for bn, bk, warps, stages in ((4, 1024, 4, 1), (8, 512, 4, 1), (8, 512, 4, 3), (8, 1024, 8, 2), (16, 256, 4, 1),
@@ -145,11 +97,6 @@ if HAS_TRITON:
     _gemv_tuned = triton.autotune(_configs(), key=["N", "K", "PROLOGUE", "RESIDUAL", "GROUPED"],
                                   restore_value=["y_ptr"])(
         _even(_gemv_kernel))
-    _rows_tuned = triton.autotune(
-        [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
-         for bn, bk, w, st in ((16, 256, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4),
-                               (32, 512, 8, 2), (128, 64, 8, 3), (16, 512, 4, 2))],
-        key=["N", "K", "PROLOGUE", "RESIDUAL", "BLOCK_M"], restore_value=["y_ptr"])(_gemv_rows_kernel)
 
 
 def decode_gemv_triton(x, w, prologue: str = "none", norm_w=None, eps: float = 1e-6, residual=None, out=None,
@@ -171,20 +118,7 @@ def decode_gemv_triton(x, w, prologue: str = "none", norm_w=None, eps: float = 1
     res = residual if residual is not None else y
     args = (x2, w, y, res, norm_w if norm_w is not None else w, N, K, x2.stride(0), w.stride(0), eps)
     meta = dict(PROLOGUE=PROLOGUES[prologue], RESIDUAL=residual is not None)
-    return _launch_rows(args, meta, M, block) if 1 < M <= MAX_ROWS else _launch(args, meta, M, block)
-
-
-def _launch_rows(args, meta, M: int, block):
-    """2..MAX_ROWS rows sharing W: _gemv_rows_kernel, grid (cdiv(N, BLOCK_N),)."""
-    x2, w, y, res, nw, N, K, sx, sw, eps = args
-    meta = dict(meta, IEEE=x2.dtype == torch.float32, BLOCK_M=max(16, next_pow2(M)))
-    args = (x2, w, y, res, nw, M, N, K, sx, sw, eps)
-    if block is None and not interpreting():
-        _rows_tuned[lambda a: (triton.cdiv(N, a["BLOCK_N"]),)](*args, **meta)
-    else:
-        bn, bk = block or (16, 64)
-        _gemv_rows_kernel[(triton.cdiv(N, bn),)](*args, **meta, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
-    return y
+    return _launch(args, meta, M, block)
 
 
 def _launch(args, meta, M: int, block, idx=None, stride_e: int = 0):
