@@ -70,7 +70,7 @@ def make_generators(target, drafter, a, graphs: bool) -> dict:
 
 
 @torch.no_grad()
-def kernel_profile(gens: dict, prompt: list[int], steps: int = 3, top: int = 12) -> str:
+def kernel_profile(gens: dict, prompt: list[int], steps: int = 3, top: int = 30) -> str:
     """GPU kernels of one decode step per mode (the step as captured, run un-graphed under torch.profiler after a
     short generate): launches and kernel time per step, and the top kernels by time."""
     from torch.profiler import ProfilerActivity, profile
