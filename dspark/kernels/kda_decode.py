@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import torch
 
-from dspark.kernels import next_pow2, tl, triton, use_triton
+from dspark.kernels import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
 from dspark.models.k3.kda import KimiDeltaAttention, kda_gate, kda_recurrent, l2norm
 from dspark.models.layers import RMSNorm
 
@@ -86,7 +86,7 @@ def _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, ch, dm, T, n_valid, P3, W: tl
 @triton.jit
 def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr,
                        s_in_ptr, s_out_ptr, o_ptr, ext_ptr, len_ptr,
-                       T, H, P, lower_bound, scale,
+                       T, H, P, NH, lower_bound, scale,
                        D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                        W: tl.constexpr, USE_LB: tl.constexpr, HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr,
                        HAS_LEN: tl.constexpr):
@@ -96,7 +96,7 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     issued up front): conv + SiLU + L2 norm of q and k (full head dim, each program recomputes them), v and the
     gate, beta. The serial loop over tokens is then only the delta rule on the [K, BV] slice (row t of each tile
     picked by a masked sum). Writes the raw outputs o [B, T, P] fp32; _kda_out_norm_kernel applies the gated
-    per-head RMSNorm, which needs all of a head's columns."""
+    per-head RMSNorm, which needs all of a head's columns. NH = B*H is only the autotuning key (the grid size)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -177,19 +177,23 @@ def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, eps, D: tl.con
     tl.store(out_ptr + base, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
-def _block_v(B: int, H: int, D: int) -> int:
-    """Value columns per program. Small grids (the bs=1 decode / verify: B*H of 6..96 heads) split each head's state
-    into column slices so that the serial delta rule runs on enough SMs; from 256 heads on, one program per head
-    (H200, T = 9 with all states: B*H = 6 took 28.9 us at 16 columns; B*H = 256 and 1536 were faster unsplit)."""
-    n = B * H
-    return min(next_pow2(D), 16 if n < 64 else 32 if n < 256 else next_pow2(D))
+# (BV value columns per program, warps): autotuned per (T, B*H, D, all states) on CUDA at first use. Small grids
+# (bs=1: 6..96 heads) want narrow slices, so that the serial delta rule runs on many SMs (H200, T = 9 with all
+# states, 6 heads: 28.9 us at BV 16 / 4 warps, against 87 us for one program per head); large grids want wide ones.
+_CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8))
+_DEFAULT_BV = 16  # the interpreter's (and block_v=None without autotuning) value slice
+
+if HAS_TRITON:
+    _kda_tuned = triton.autotune([triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv, w in _CONFIGS],
+                                 key=["T", "NH", "D", "ALL_STATES"], restore_value=["s_out_ptr"])(_kda_decode_kernel)
 
 
 @torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
                       eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None):
     """state_out may be `state` itself (in-place update: each program reads its state slice before writing it).
-    block_v: value columns per program (default _block_v); two launches: the delta rule, then the gated norm."""
+    block_v: value columns per program (default: autotuned on CUDA, _DEFAULT_BV in the interpreter); two launches:
+    the delta rule, then the gated norm."""
     B, T, P3 = qkv.shape
     P, W = P3 // 3, conv_w.shape[1]
     D = o_norm_w.shape[0]
@@ -204,13 +208,16 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
         s_out = state_out if state_out is not None else torch.empty(B, H, D, D, dtype=torch.float32, device=qkv.device)
     s_in = state.contiguous() if state is not None else s_out
     BD = next_pow2(D)
-    BV = block_v or _block_v(B, H, D)
-    _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](
-        qkv, f, beta, conv_w, window.to(qkv.dtype), A_log, dt_bias, s_in, s_out, o, ext,
-        lengths if lengths is not None else qkv, T, H, P, float(lower_bound or 0.0), D ** -0.5,
-        D=D, BD=BD, BV=BV, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None,
-        HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None,
-        num_warps=4 if BV <= 32 else 8, num_stages=1)
+    args = (qkv, f, beta, conv_w, window.to(qkv.dtype), A_log, dt_bias, s_in, s_out, o, ext,
+            lengths if lengths is not None else qkv, T, H, P, B * H, float(lower_bound or 0.0), D ** -0.5)
+    meta = dict(D=D, BD=BD, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None,
+                HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None)
+    if block_v is None and not interpreting():
+        _kda_tuned[lambda a: (B, H, triton.cdiv(D, a["BV"]))](*args, **meta)
+    else:
+        BV = min(block_v or _DEFAULT_BV, BD)
+        _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](*args, **meta, BV=BV, num_warps=4 if BV <= 32 else 8,
+                                                       num_stages=1)
     _kda_out_norm_kernel[(B * T, H)](o, gate, o_norm_w, out, H, P, eps, D=D, BD=BD, num_warps=1 if BD <= 128 else 4)
     return out, s_out, ext
 
