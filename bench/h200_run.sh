@@ -24,6 +24,11 @@
 # Session 5, three calls in a row on one warm nvidia-h200 (s5-a: tests beside target + drafter training; s5-b: KDA
 # kernel timings, compiled pair_decode with profile and batch sweep, ar_floor; s5-c: k3_floor, engine_gpu bf16).
 #   bash bench/h200_run.sh s5-kernels  # V-split KDA + dense MoE timings (graph), k3_floor, ar_floor (deadline)
+# Session 6 plan, three calls in a row on one warm machine (nvidia-h200-x2 if lent: the second GPU runs the side
+# jobs; nvidia-h200 runs them in sequence). Each fits one 600 s call:
+#   bash bench/h200_run.sh s6-a   # target alone on GPU0 (fresh machine: 320 s); CUDA tests + kernel timings
+#   bash bench/h200_run.sh s6-b   # drafter (8192 sequences, batch 128); x2: the session-4 recipe as the A/B
+#   bash bench/h200_run.sh s6-c   # pair_decode --compile --profile --batches; x2: A/B τ; engine_gpu bf16
 # The first plan, split differently:
 #   bash bench/h200_run.sh s5-check    # CUDA tests + KDA kernel timings + a 3-step target run that warms fla's cache
 #   bash bench/h200_run.sh s5-train    # target 3 min + drafter 3.3 min, fla on the path
@@ -182,6 +187,54 @@ case "${1:-kernels}" in
     timeout $(left) python3 bench/gpu_kernels.py --only kda,moe --graph --iters 30 2>&1 | tee "$OUT/gpu_kernels.txt"
     timeout $(left) python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tail -14 | tee "$OUT/k3_floor.txt"
     timeout $(left) python3 bench/ar_floor.py --no-compile --append "$OUT/ar_floor.md" 2>&1 | tee "$OUT/ar_floor.txt"
+    ;;
+  s6-a)
+    # fresh machine: the target alone on GPU0 (300 s: fla compiles first); GPU1 (if any) meanwhile runs the CUDA
+    # tests and the graph-timed kernel benchmark (autotuned KDA slices, dense MoE); on one GPU they run after it
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    ngpu=$(nvidia-smi -L | wc -l)
+    side() {  # two GPUs: every CUDA test file; one GPU (after the target, inside the call's 600 s): the kernel tests
+      if [ "$ngpu" -ge 2 ]; then tests="tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py
+        tests/test_static_spec.py"; else tests="tests/test_kernels.py"; fi
+      timeout 330 python3 -m pytest $tests -q -p no:cacheprovider -p no:warnings > /tmp/gpu_tests.log 2>&1
+      timeout 120 python3 bench/gpu_kernels.py --only kda,moe --graph --iters 30 > "$OUT/gpu_kernels.txt" 2>&1
+    }
+    if [ "$ngpu" -ge 2 ]; then CUDA_VISIBLE_DEVICES=1 side & fi
+    CUDA_VISIBLE_DEVICES=0 timeout 320 python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled \
+      max_minutes=3.3 2>&1 | grep -v "it/s\]" | grep -v "^ " | tail -8 | tee "$OUT/k3_mini_train.txt"
+    if [ "$ngpu" -ge 2 ]; then wait; else side; fi
+    tail -3 /tmp/gpu_tests.log | tee "$OUT/gpu_tests.txt"; cat "$OUT/gpu_kernels.txt"
+    ;;
+  s6-b)
+    # the drafter (recipes/k3-mini.yaml: 8192 regenerated sequences, batch 128) on GPU0; with two GPUs, the
+    # session-4 recipe (batch 32, lr 6e-4, 4096 sequences) on GPU1 as the A/B for the same minutes
+    ngpu=$(nvidia-smi -L | wc -l)
+    if [ "$ngpu" -ge 2 ]; then
+      CUDA_VISIBLE_DEVICES=1 timeout 540 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled \
+        output_dir=runs/k3-mini-drafter-b32 optim.batch_size=32 optim.lr=6.0e-4 data.regenerate.num_sequences=4096 \
+        max_minutes=4 > /tmp/drafter_b32.log 2>&1 &
+    fi
+    CUDA_VISIBLE_DEVICES=0 timeout 540 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes=4 \
+      2>&1 | grep -v "it/s" | tail -14 | tee "$OUT/k3_mini_drafter.txt"
+    wait
+    grep -v "it/s" /tmp/drafter_b32.log 2>/dev/null | tail -14 | tee "$OUT/k3_mini_drafter_b32.txt"
+    ;;
+  s6-c)
+    # bs=1 AR vs DSpark, compiled + graphed, kernel profile and batch sweep (GPU0); the A/B drafter's τ (GPU1)
+    ngpu=$(nvidia-smi -L | wc -l)
+    if [ "$ngpu" -ge 2 ] && [ -d runs/k3-mini-drafter-b32/final ]; then
+      CUDA_VISIBLE_DEVICES=1 timeout 400 python3 bench/pair_decode.py --target runs/k3-mini/final \
+        --drafter runs/k3-mini-drafter-b32/final --tasks humaneval,creative --prompts 8 --max-tokens 128 --agree 0 \
+        > "$OUT/pair_decode_b32.txt" 2>&1 &
+    fi
+    CUDA_VISIBLE_DEVICES=0 timeout 420 python3 bench/pair_decode.py --target runs/k3-mini/final \
+      --drafter runs/k3-mini-drafter/final --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile \
+      --profile --agree 1 --batches 1,4,16,64 --append "$OUT/pair_decode_compiled.md" 2>&1 \
+      | tee "$OUT/pair_decode_compiled.txt"
+    wait
+    cat "$OUT/pair_decode_b32.txt" 2>/dev/null | grep "^|"
+    CUDA_VISIBLE_DEVICES=0 timeout 150 python3 bench/engine_gpu.py --target runs/k3-mini/final \
+      --drafter runs/k3-mini-drafter/final --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
     ;;
   s5-check)
     # first call on a fresh machine: the CUDA tests (new paths: multi-row / grouped matvec, dense MoE, compiled
