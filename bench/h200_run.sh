@@ -195,8 +195,8 @@ case "${1:-kernels}" in
     ngpu=$(nvidia-smi -L | wc -l)
     side() {  # two GPUs: every CUDA test file; one GPU (after the target, inside the call's 600 s): the kernel tests
       if [ "$ngpu" -ge 2 ]; then tests="tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py
-        tests/test_static_spec.py"; else tests="tests/test_kernels.py"; fi
-      timeout 330 python3 -m pytest $tests -q -p no:cacheprovider -p no:warnings > /tmp/gpu_tests.log 2>&1
+        tests/test_static_spec.py"; limit=330; else tests="tests/test_kernels.py"; limit=150; fi
+      timeout $limit python3 -m pytest $tests -q -p no:cacheprovider -p no:warnings > /tmp/gpu_tests.log 2>&1
       timeout 120 python3 bench/gpu_kernels.py --only kda,moe --graph --iters 30 > "$OUT/gpu_kernels.txt" 2>&1
     }
     if [ "$ngpu" -ge 2 ]; then CUDA_VISIBLE_DEVICES=1 side & fi
