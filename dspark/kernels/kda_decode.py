@@ -1,4 +1,4 @@
-"""Fused KDA decode / verify step: T (1..17) new tokens per request, one launch (contract §1.3, k3-architecture §1).
+"""Fused KDA decode / verify step: T (1..17) new tokens per request, two launches (contract §1.3, k3-architecture §1).
 
 Shapes: B requests, T new tokens, H heads, D = K = V head dim, P = H*D, W conv width.
   qkv    [B, T, 3P]  raw q|k|v projections (pre-conv)          f     [B, T, P]  f_b_proj output (gate pre-activation)
