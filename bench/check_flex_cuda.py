@@ -1,6 +1,9 @@
 """On a GPU: the drafter's block-sparse training pass with flex attention (compiled) == the dense SDPA mask, values
 and gradients, for both backbones, in fp32 and under bf16 autocast (what training uses), at test size and at the
-k3-mini drafter's shape (6 heads, qk 192 / v 128, T=384 + 48 blocks of 8).  python3 bench/check_flex_cuda.py"""
+k3-mini drafter's shape (6 heads, qk 192 / v 128, T=384 + 48 blocks of 8).  python3 bench/check_flex_cuda.py
+`--diagnose`: the fp32 K3 gradient mismatch (MLA: qk head dim != v head dim), re-run with V zero-padded to the qk
+head dim inside the flex call (same math: the output's extra columns are sliced off), then with the scale folded
+into q (scale=None), to tell which of the two the flex backward gets wrong."""
 import os
 import sys
 import time
@@ -56,6 +59,41 @@ def check(kind: str, dtype: torch.dtype, T: int, A: int, vocab: int = 300) -> bo
     return ok
 
 
+def diagnose() -> None:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    import dspark.models.layers as layers
+
+    plain = layers.attention
+
+    def pad_v(q, k, v, mask=None, scale=None, **kw):
+        if isinstance(mask, BlockMask) and v.shape[-1] < q.shape[-1]:
+            dv = v.shape[-1]
+            return plain(q, k, torch.nn.functional.pad(v, (0, q.shape[-1] - dv)), mask, scale, **kw)[..., :dv]
+        return plain(q, k, v, mask, scale, **kw)
+
+    def fold_scale(q, k, v, mask=None, scale=None, **kw):
+        if isinstance(mask, BlockMask) and scale is not None:
+            return plain(q * (scale * q.shape[-1] ** 0.5), k, v, mask, None, **kw)
+        return plain(q, k, v, mask, scale, **kw)
+
+    for name, fn in (("as is", plain), ("V padded to the qk head dim", pad_v), ("scale folded into q", fold_scale)):
+        layers.attention = fn
+        for mod in list(sys.modules.values()):  # the drafter modules import `attention` by name
+            if getattr(mod, "attention", None) is plain and mod is not layers:
+                mod.attention = fn
+        print(f"-- {name}")
+        for kind in ("k3", "k3-wide"):
+            check(kind, torch.float32, 256, 24)
+        for mod in list(sys.modules.values()):
+            if getattr(mod, "attention", None) is fn and mod is not layers:
+                mod.attention = plain
+    layers.attention = plain
+
+
+if "--diagnose" in sys.argv:
+    diagnose()
+    sys.exit(0)
 results = [check(kind, dt, T, A) for kind in (sys.argv[1:] or ["qwen3", "k3", "k3-wide"])
            for dt in (torch.bfloat16, torch.float32) for T, A in ((256, 24),)]
 print("ok" if all(results) else "some combinations failed")
