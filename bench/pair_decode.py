@@ -21,6 +21,7 @@ import datetime
 import platform
 import shlex
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ def encode(task, tok, n: int, prompt_tokens: int, chat: bool) -> list[list[int]]
 def timed(gen: StaticGenerator, prompts: list[list[int]], max_tokens: int) -> dict:
     """Generate each prompt; decode tok/s and ms/step count the decode steps only (the tokens after the prefill's
     first one, timed from the end of the prefill to the last step's host read), the prefill is reported apart."""
-    secs, pre, toks, steps, acc, outs = 0.0, 0.0, 0, 0, 0, []
+    secs, pre, toks, steps, acc, outs, hist = 0.0, 0.0, 0, 0, 0, [], Counter()
     for p in prompts:
         out = gen.generate(p, max_tokens)
         secs += out.decode_s
@@ -52,9 +53,10 @@ def timed(gen: StaticGenerator, prompts: list[list[int]], max_tokens: int) -> di
         toks += len(out.token_ids[0]) - 1
         steps += out.num_steps
         acc += sum(out.accepted_per_step[0]) if out.accepted_per_step else 0
+        hist.update(out.accepted_per_step[0] if out.accepted_per_step else [])
         outs.append(out.token_ids[0])
     return {"tok_s": toks / secs, "ms_step": 1e3 * secs / max(steps, 1), "tau": (acc + steps) / max(steps, 1),
-            "prefill_ms": 1e3 * pre / len(prompts), "outs": outs}
+            "prefill_ms": 1e3 * pre / len(prompts), "outs": outs, "hist": hist}
 
 
 def prefix_match(a: list[int], b: list[int]) -> int:
@@ -127,6 +129,13 @@ def table(rows: list[dict], max_tokens: int) -> str:
         lines.append(f"| {r['task']} | {r['n']} | {r['k']} | {ar['tok_s']:.1f} | {ds['tok_s']:.1f} | "
                      f"{ds['tok_s'] / ar['tok_s']:.2f}x | {ds['tau']:.2f} | {ar['ms_step']:.2f} | {ds['ms_step']:.2f} | "
                      f"{ar['prefill_ms']:.1f} | {r['lossless']}/{r['n']} | {agree} |")
+    lines += ["", "Accepted drafts per DSpark step (share of steps, 0..k):", "",
+              "| task | " + " | ".join(str(i) for i in range(rows[0]["k"] + 1)) + " |",
+              "|---|" + "--:|" * (rows[0]["k"] + 1)]
+    for r in rows:
+        h = r["ds"]["hist"]
+        n = max(sum(h.values()), 1)
+        lines.append(f"| {r['task']} | " + " | ".join(f"{h.get(i, 0) / n:.0%}" for i in range(r["k"] + 1)) + " |")
     return "\n".join(lines)
 
 
