@@ -68,6 +68,9 @@ def label_modules(model: torch.nn.Module, stack: list, prefix: str) -> None:
         m.register_forward_hook(lambda mod, inp, out: stack.pop() and None)  # None: keep the output
 
 
+LAUNCHES = {"kda_decode_triton": 2}  # Triton launches per launcher call (the delta rule, then the gated norm)
+
+
 def label_functions(stack: list, table: dict) -> None:
     """Wrap module-level functions {module: [names]} so their ops (and Triton launches) are charged to them."""
     for mod, names in table.items():
@@ -76,8 +79,8 @@ def label_functions(stack: list, table: dict) -> None:
 
             def wrapped(*a, __fn=fn, __n=n, **k):
                 if __n.endswith("_triton") and ACTIVE:
-                    ACTIVE[-1].ops[__n] += 1
-                    ACTIVE[-1].names[__n]["launch"] += 1
+                    ACTIVE[-1].ops[__n] += LAUNCHES.get(__n, 1)
+                    ACTIVE[-1].names[__n]["launch"] += LAUNCHES.get(__n, 1)
                 stack.append(__n)
                 try:
                     return __fn(*a, **k)
