@@ -24,9 +24,15 @@ def committed_kda_state(states: torch.Tensor, conv_ext: torch.Tensor, n_keep, S_
     S = states.reshape(B * T, *states.shape[2:]).index_select(0, torch.arange(B, device=n.device) * T + (n - 1).clamp(min=0))
     S = S.to(S_old.dtype) if S_old is not None else S
     S = torch.where((n > 0)[:, None, None, None], S, S_old if S_old is not None else torch.zeros_like(S))
-    n = n.to(conv_ext.device)
-    cols = n[:, None] + torch.arange(conv_ext.shape[1] - T, device=n.device)  # [B, W-1]
-    return S, conv_ext.gather(1, cols[..., None].expand(-1, -1, conv_ext.shape[-1]))
+    return S, kept_conv_window(conv_ext, n, conv_ext.shape[1] - T)
+
+
+def kept_conv_window(conv_ext: torch.Tensor, n_keep: torch.Tensor, W1: int) -> torch.Tensor:
+    """The conv window after keeping n_keep [B] new tokens: rows n_keep .. n_keep+W1-1 of the extended window
+    conv_ext [B, W1+T, C] (the old window, then the new raw inputs) -> [B, W1, C]."""
+    n = n_keep.to(conv_ext.device)
+    cols = n[:, None] + torch.arange(W1, device=n.device)  # [B, W1]
+    return conv_ext.gather(1, cols[..., None].expand(-1, -1, conv_ext.shape[-1]))
 
 
 class KDAStatePool:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.cache.state import kept_conv_window
 from dspark.kernels import use_triton
 from dspark.models.layers import RMSNorm
 
@@ -224,13 +225,11 @@ class KimiDeltaAttention(nn.Module):
         if record:
             cache.kda_write(self.layer_idx, S, ext)
             return
-        n = batch.num_new.to(ext.device)
-        cols = n[:, None] + torch.arange(self.conv_size - 1, device=ext.device)[None]  # [B, W-1]
-        cache.kda_write(self.layer_idx, S, ext.gather(1, cols[..., None].expand(-1, -1, ext.shape[-1])))
+        cache.kda_write(self.layer_idx, S, kept_conv_window(ext, batch.num_new, self.conv_size - 1))
 
     def _fused_step(self, x, raw, S0, window, batch, record: bool) -> torch.Tensor:
-        """A cached inference step of T <= FUSED_MAX_T tokens in one kernel (conv + SiLU + L2 norm + gate + delta
-        rule + output norm and gate; dspark/kernels/kda_decode.py, tested against this layer's math). Padding rows
+        """A cached inference step of T <= FUSED_MAX_T tokens in two launches (conv + SiLU + L2 norm + gate + delta
+        rule, then output norm and gate; dspark/kernels/kda_decode.py, tested against this layer's math). Padding rows
         (t >= num_new) leave the state untouched, as in forward."""
         from dspark.kernels.kda_decode import conv_weight, kda_decode  # the kernel module imports this one
 
