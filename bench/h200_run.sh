@@ -21,18 +21,14 @@
 #   bash bench/h200_run.sh s4-train    # target (3 min), drafter on 4096 regenerated sequences (static path, 3.6 min)
 #   bash bench/h200_run.sh s4-bench    # pair_decode graphed, then graphed + torch.compile with a kernel profile
 #   bash bench/h200_run.sh s4-tests    # the CUDA tests, then bench/engine_gpu.py in bf16
-# Session 5, three calls in a row on one warm nvidia-h200 (s5-a: tests beside target + drafter training; s5-b: KDA
-# kernel timings, compiled pair_decode with profile and batch sweep, ar_floor; s5-c: k3_floor, engine_gpu bf16).
-#   bash bench/h200_run.sh s5-kernels  # V-split KDA + dense MoE timings (graph), k3_floor, ar_floor (deadline)
+# Session 5 (bench/RESULTS.md):
+#   bash bench/h200_run.sh s5-a        # CUDA tests beside the target (timed out on a fresh machine), then the drafter
+#   bash bench/h200_run.sh s5-kernels  # split KDA + dense MoE timings (graph), k3_floor, ar_floor (deadline)
 # Session 6 plan, three calls in a row on one warm machine (nvidia-h200-x2 if lent: the second GPU runs the side
 # jobs; nvidia-h200 runs them in sequence). Each fits one 600 s call:
 #   bash bench/h200_run.sh s6-a   # target alone on GPU0 (fresh machine: 320 s); CUDA tests + kernel timings
-#   bash bench/h200_run.sh s6-b   # drafter (8192 sequences, batch 128); x2: the session-4 recipe as the A/B
+#   bash bench/h200_run.sh s6-b   # drafter (12288 x 128-token sequences, batch 128); x2: the session-4 recipe as A/B
 #   bash bench/h200_run.sh s6-c   # pair_decode --compile --profile --batches; x2: A/B τ; engine_gpu bf16
-# The first plan, split differently:
-#   bash bench/h200_run.sh s5-check    # CUDA tests + KDA kernel timings + a 3-step target run that warms fla's cache
-#   bash bench/h200_run.sh s5-train    # target 3 min + drafter 3.3 min, fla on the path
-#   bash bench/h200_run.sh s5-bench    # pair_decode --compile --profile (+ batches), then the K3-shape floor
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens).
 # Run every GPU command through this script: it installs the fla wheel and puts it on PYTHONPATH. A bare
 # `python3 -m train ...` on the device trains KDA on the torch fallback, 7x slower (session 4: 63 target steps in 3 min).
@@ -166,19 +162,6 @@ case "${1:-kernels}" in
     wait $tests_pid
     grep -v "Warning:\|warnings.warn" /tmp/gpu_tests.log | tail -20 | tee "$OUT/gpu_tests.txt"
     ;;
-  s5-b)
-    # the KDA kernel timings, bs=1 + batch sweep of the compiled pair with a kernel profile, the 8B-shape floor
-    timeout 90 python3 bench/gpu_kernels.py --only kda --iters 50 2>&1 | tee "$OUT/gpu_kernels_kda.txt"
-    timeout 330 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
-      --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile --profile --agree 1 --batches 1,4,16,64 \
-      --append "$OUT/pair_decode_compiled.md" 2>&1 | tee "$OUT/pair_decode_compiled.txt"
-    timeout 150 python3 bench/ar_floor.py --no-compile --append "$OUT/ar_floor.md" 2>&1 | tee "$OUT/ar_floor.txt"
-    ;;
-  s5-c)
-    timeout 200 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tail -14 | tee "$OUT/k3_floor.txt"
-    timeout 200 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
-      --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
-    ;;
   s5-kernels)
     # the V-split KDA kernel and the two-matmul dense MoE (graph-timed), then the K3-shape and 8B-shape floors
     # (grouped / multi-row matvec) as far as the deadline (seconds, DEADLINE, default 300) allows
@@ -241,32 +224,6 @@ case "${1:-kernels}" in
       --drafter runs/k3-mini-drafter/final --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
     wait
     grep "^|" "$OUT/pair_decode_b32.txt" 2>/dev/null
-    ;;
-  s5-check)
-    # first call on a fresh machine: the CUDA tests (new paths: multi-row / grouped matvec, dense MoE, compiled
-    # steps), the KDA kernel timings, and a 3-step target run that compiles fla's training kernels into the on-disk
-    # Triton cache (so the next call's target run trains at full speed)
-    timeout 200 python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled max_steps=3 \
-      output_dir=/tmp/warm-target > /tmp/warm.log 2>&1 &
-    python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py \
-      tests/test_static_spec.py -q -p no:cacheprovider 2>&1 | grep -v "Warning:\|warnings.warn" | tail -15 \
-      | tee "$OUT/gpu_tests.txt"
-    wait
-    tail -3 /tmp/warm.log
-    timeout 120 python3 bench/gpu_kernels.py --only kda --iters 50 2>&1 | tee "$OUT/gpu_kernels_kda.txt"
-    ;;
-  s5-train)
-    # the target (fla on the path, warm caches: ~450 steps in 3 min), then the drafter (recipes/k3-mini.yaml)
-    timeout 260 python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled max_minutes=3 2>&1 \
-      | grep -v "it/s\]" | grep -v "^ " | tail -8 | tee "$OUT/k3_mini_train.txt"
-    timeout 320 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes=3.3 2>&1 \
-      | grep -v "it/s\]" | tail -12 | tee "$OUT/k3_mini_drafter.txt"
-    ;;
-  s5-bench)
-    timeout 420 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
-      --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile --profile --agree 1 --batches 1,4,16,64 \
-      --append "$OUT/pair_decode_compiled.md" 2>&1 | tee "$OUT/pair_decode_compiled.txt"
-    timeout 150 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tail -12 | tee "$OUT/k3_floor.txt"
     ;;
   k3-floor)
     timeout 420 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tee "$OUT/k3_floor.txt"
