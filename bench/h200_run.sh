@@ -28,7 +28,8 @@
 # jobs; nvidia-h200 runs them in sequence). Each fits one 600 s call:
 #   bash bench/h200_run.sh s6-a   # target alone on GPU0 (fresh machine: 320 s); CUDA tests + kernel timings
 #   bash bench/h200_run.sh s6-b   # drafter (12288 x 128-token sequences, batch 128); x2: the session-4 recipe as A/B
-#   bash bench/h200_run.sh s6-c   # pair_decode --compile --profile --batches; x2: A/B τ; engine_gpu bf16
+#   bash bench/h200_run.sh s6-c   # pair_decode --compile --profile (+ --batches on GPU0); x2: the A/B drafter
+#                                 #   the same way on GPU1, then engine_gpu bf16
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens).
 # Run every GPU command through this script: it installs the fla wheel and puts it on PYTHONPATH. A bare
 # `python3 -m train ...` on the device trains KDA on the torch fallback, 7x slower (session 4: 63 target steps in 3 min).
@@ -208,22 +209,24 @@ case "${1:-kernels}" in
     grep -v "it/s" /tmp/drafter_b32.log 2>/dev/null | tail -14 | tee "$OUT/k3_mini_drafter_b32.txt"
     ;;
   s6-c)
-    # bs=1 AR vs DSpark, compiled + graphed, kernel profile and batch sweep (GPU0, alone: host-bound timings); then
-    # engine_gpu bf16 on GPU0 beside the A/B drafter's τ on GPU1 (same command without --compile: τ is the same)
+    # bs=1 AR vs DSpark, compiled + graphed, with the kernel profile: drafter A (recipes/k3-mini.yaml) on GPU0 with
+    # the batch sweep; with two GPUs, the A/B drafter (session-4 recipe) the same way on GPU1 at the same time, then
+    # engine_gpu bf16 there (one GPU: engine_gpu after A). Each pair process runs alone on its GPU.
     ngpu=$(nvidia-smi -L | wc -l)
-    CUDA_VISIBLE_DEVICES=0 timeout 330 python3 bench/pair_decode.py --target runs/k3-mini/final \
-      --drafter runs/k3-mini-drafter/final --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile \
-      --profile --agree 1 --batches 1,4,16,64 --append "$OUT/pair_decode_compiled.md" 2>&1 \
-      | tee "$OUT/pair_decode_compiled.txt"
+    pair() {  # $1 drafter dir, $2 out name, $3 extra args
+      timeout 360 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter "$1" --tasks humaneval,creative \
+        --prompts 8 --max-tokens 128 --compile --profile --agree 1 $3 --append "$OUT/$2.md" > "$OUT/$2.txt" 2>&1
+    }
+    engine() {
+      timeout 180 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
+        --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" > "$OUT/engine_gpu.txt"
+    }
     if [ "$ngpu" -ge 2 ] && [ -d runs/k3-mini-drafter-b32/final ]; then
-      CUDA_VISIBLE_DEVICES=1 timeout 200 python3 bench/pair_decode.py --target runs/k3-mini/final \
-        --drafter runs/k3-mini-drafter-b32/final --tasks humaneval,creative --prompts 8 --max-tokens 128 --agree 0 \
-        > "$OUT/pair_decode_b32.txt" 2>&1 &
+      (export CUDA_VISIBLE_DEVICES=1; pair runs/k3-mini-drafter-b32/final pair_b32; engine) &
     fi
-    CUDA_VISIBLE_DEVICES=0 timeout 200 python3 bench/engine_gpu.py --target runs/k3-mini/final \
-      --drafter runs/k3-mini-drafter/final --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" | tee "$OUT/engine_gpu.txt"
-    wait
-    grep "^|" "$OUT/pair_decode_b32.txt" 2>/dev/null
+    CUDA_VISIBLE_DEVICES=0 pair runs/k3-mini-drafter/final pair_a "--batches 1,4,16,64"
+    if [ "$ngpu" -ge 2 ]; then wait; else CUDA_VISIBLE_DEVICES=0 engine; fi
+    grep -v "^\s*$" "$OUT/pair_a.txt" | tail -80; grep "^|" "$OUT/pair_b32.txt" 2>/dev/null; cat "$OUT/engine_gpu.txt"
     ;;
   k3-floor)
     timeout 420 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tee "$OUT/k3_floor.txt"

@@ -158,6 +158,7 @@ def throughput(prompts, target, drafter, k: int, batches: list[int], max_tokens:
                          1 + sum(acc) / len(acc) if acc else 1.0)
         (ar, _), (ds, tau) = res["AR"], res["DSpark"]
         lines.append(f"| {B} | {ar:.0f} | {ds:.0f} | {ds / ar:.2f}x | {tau:.2f} |")
+        print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
@@ -203,9 +204,11 @@ def main(argv=None) -> None:
     for name in a.tasks.split(","):
         prompts = encode(build_task(name), tok, a.prompts, a.prompt_tokens, a.chat)
         rows.append(run_task(name, prompts, gens, drafter, a))
+        print(table(rows[-1:], a.max_tokens), flush=True)  # each task as it ends (a timeout keeps what is done)
     out = table(rows, a.max_tokens)
     if a.profile and dev.type == "cuda":
         out += "\n" + kernel_profile(gens, prompts[0])
+        print(out[out.index("\nAR: "):], flush=True)
     if a.batches:
         first = encode(build_task(a.tasks.split(",")[0]), tok, max(a.prompts, 8), a.prompt_tokens, a.chat)
         k = a.k or drafter.config.num_drafts
