@@ -208,6 +208,28 @@ case "${1:-kernels}" in
     wait
     grep -v "it/s" /tmp/drafter_b32.log 2>/dev/null | tail -14 | tee "$OUT/k3_mini_drafter_b32.txt"
     ;;
+  s6-b2)
+    # after s6-a on a fresh machine (its target got 1 step: fla's first training step compiled for 256 s): GPU0 trains
+    # the target again (compiled kernels cached now), GPU1 meanwhile warms the drafter's regeneration and flex
+    # compiles on s6-a's 1-step target; then the drafter A on GPU0 and the session-4 recipe B on GPU1, same minutes
+    end=$((SECONDS + ${DEADLINE:-585}))
+    cp -r runs/k3-mini/final runs/k3-step1
+    (CUDA_VISIBLE_DEVICES=1 timeout 200 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled \
+      target=runs/k3-step1 output_dir=runs/warm max_minutes=0.1 data.regenerate.num_sequences=1024 \
+      > /tmp/warm.log 2>&1; echo "warm-up rc $?") &
+    CUDA_VISIBLE_DEVICES=0 timeout 230 python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled \
+      max_minutes=${TARGET_MIN:-2.8} 2>&1 | grep -v "it/s\]" | grep -v "^ " | tail -8 | tee "$OUT/k3_mini_train.txt"
+    wait
+    left=$(( end - SECONDS )); mins=$(python3 -c "print(round(($left - 160) / 60, 2))")
+    echo "drafters: ${left} s left, max_minutes=$mins"
+    CUDA_VISIBLE_DEVICES=1 timeout $((left - 5)) python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled \
+      output_dir=runs/k3-mini-drafter-b32 optim.batch_size=32 optim.lr=6.0e-4 data.regenerate.num_sequences=4096 \
+      data.regenerate.new_tokens=256 data.seq_len=384 max_minutes=$mins > /tmp/drafter_b32.log 2>&1 &
+    CUDA_VISIBLE_DEVICES=0 timeout $((left - 5)) python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled \
+      max_minutes=$mins 2>&1 | grep -v "it/s" | tail -14 | tee "$OUT/k3_mini_drafter.txt"
+    wait
+    grep -v "it/s" /tmp/drafter_b32.log | tail -14 | tee "$OUT/k3_mini_drafter_b32.txt"; tail -3 /tmp/warm.log
+    ;;
   s6-c)
     # bs=1 AR vs DSpark, compiled + graphed, with the kernel profile: drafter A (recipes/k3-mini.yaml) on GPU0 with
     # the batch sweep; with two GPUs, the A/B drafter (session-4 recipe) the same way on GPU1 at the same time, then
