@@ -237,7 +237,7 @@ case "${1:-kernels}" in
     ngpu=$(nvidia-smi -L | wc -l)
     pair() {  # $1 drafter dir, $2 out name, $3 extra args
       timeout 360 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter "$1" --tasks humaneval,creative \
-        --prompts 8 --max-tokens 128 --compile --profile --agree 1 $3 --append "$OUT/$2.md" > "$OUT/$2.txt" 2>&1
+        --prompts 8 --max-tokens 128 --compile --profile --agree 1 ${3:-} --append "$OUT/$2.md" > "$OUT/$2.txt" 2>&1
     }
     engine() {
       timeout 180 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
@@ -249,6 +249,15 @@ case "${1:-kernels}" in
     CUDA_VISIBLE_DEVICES=0 pair runs/k3-mini-drafter/final pair_a "--batches 1,4,16,64"
     if [ "$ngpu" -ge 2 ]; then wait; else CUDA_VISIBLE_DEVICES=0 engine; fi
     grep -v "^\s*$" "$OUT/pair_a.txt" | tail -80; grep "^|" "$OUT/pair_b32.txt" 2>/dev/null; cat "$OUT/engine_gpu.txt"
+    ;;
+  s6-c2)
+    # the rest of s6-c after its `$3` slip: drafter B compiled on GPU0, engine_gpu bf16 on GPU1 at the same time
+    (CUDA_VISIBLE_DEVICES=1 timeout 250 python3 bench/engine_gpu.py --target runs/k3-mini/final \
+      --drafter runs/k3-mini-drafter/final --dtype bfloat16 2>&1 | grep -v "^USDT\|profiler_st" > "$OUT/engine_gpu.txt") &
+    CUDA_VISIBLE_DEVICES=0 timeout 280 python3 bench/pair_decode.py --target runs/k3-mini/final \
+      --drafter runs/k3-mini-drafter-b32/final --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile \
+      --profile --agree 1 --append "$OUT/pair_b32.md" > "$OUT/pair_b32.txt" 2>&1
+    wait; grep "^|" "$OUT/pair_b32.txt" | head -12; cat "$OUT/engine_gpu.txt"
     ;;
   k3-floor)
     timeout 420 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tee "$OUT/k3_floor.txt"
