@@ -24,12 +24,12 @@
 # Session 5 (bench/RESULTS.md):
 #   bash bench/h200_run.sh s5-a        # CUDA tests beside the target (timed out on a fresh machine), then the drafter
 #   bash bench/h200_run.sh s5-kernels  # split KDA + dense MoE timings (graph), k3_floor, ar_floor (deadline)
-# Session 6 plan, three calls in a row on one warm machine (nvidia-h200-x2 if lent: the second GPU runs the side
-# jobs; nvidia-h200 runs them in sequence). Each fits one 600 s call:
-#   bash bench/h200_run.sh s6-a   # target alone on GPU0 (fresh machine: 320 s); CUDA tests + kernel timings
-#   bash bench/h200_run.sh s6-b   # drafter (12288 x 128-token sequences, batch 128); x2: the session-4 recipe as A/B
-#   bash bench/h200_run.sh s6-c   # pair_decode --compile --profile (+ --batches on GPU0); x2: the A/B drafter
-#                                 #   the same way on GPU1, then engine_gpu bf16
+# Session 6 (bench/RESULTS.md): s6-a (fresh machine: the target's first step compiled for 256 s, 1 step done),
+#   s6-b2 (the target again, then drafters A and B side by side), s6-c and s6-c2 (both pairs timed, compiled).
+# Session 7 plan, three calls in a row on one warm nvidia-h200-x2 (one GPU: the side jobs are skipped):
+#   bash bench/h200_run.sh s7-a   # GPU0 target (first step excluded from max_minutes); GPU1 warms the compiles
+#   bash bench/h200_run.sh s7-b   # GPU0 drafter (prompts of five lengths); GPU1 session 6's best-on-code recipe
+#   bash bench/h200_run.sh s7-c   # both pairs compiled + profiled (GPU0 with the batch sweep); GPU1 then CUDA tests
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens).
 # Run every GPU command through this script: it installs the fla wheel and puts it on PYTHONPATH. A bare
 # `python3 -m train ...` on the device trains KDA on the torch fallback, 7x slower (session 4: 63 target steps in 3 min).
@@ -192,22 +192,6 @@ case "${1:-kernels}" in
     if [ "$ngpu" -ge 2 ]; then wait; else side; fi
     tail -3 /tmp/gpu_tests.log | tee "$OUT/gpu_tests.txt"; cat "$OUT/gpu_kernels.txt" "$OUT/flex_diagnose.txt" 2>/dev/null
     ;;
-  s6-b)
-    # the drafter (recipes/k3-mini.yaml: 12288 regenerated 128-token continuations, batch 128) on GPU0; with two
-    # GPUs, the session-4 recipe (batch 32, lr 6e-4, 4096 256-token continuations) on GPU1 as the A/B, same minutes
-    ngpu=$(nvidia-smi -L | wc -l)
-    if [ "$ngpu" -ge 2 ]; then
-      CUDA_VISIBLE_DEVICES=1 timeout 560 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled \
-        output_dir=runs/k3-mini-drafter-b32 optim.batch_size=32 optim.lr=6.0e-4 data.regenerate.num_sequences=4096 \
-        data.regenerate.new_tokens=256 data.seq_len=384 \
-        max_minutes=3.8 > /tmp/drafter_b32.log 2>&1 &
-    fi
-    # regeneration (~3 min, the first 512-row batch ~110 s of it) + 3.8 min of steps + holdout + save < 560 s
-    CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes=3.8 \
-      2>&1 | grep -v "it/s" | tail -14 | tee "$OUT/k3_mini_drafter.txt"
-    wait
-    grep -v "it/s" /tmp/drafter_b32.log 2>/dev/null | tail -14 | tee "$OUT/k3_mini_drafter_b32.txt"
-    ;;
   s6-b2)
     # after s6-a on a fresh machine (its target got 1 step: fla's first training step compiled for 256 s): GPU0 trains
     # the target again (compiled kernels cached now), GPU1 meanwhile warms the drafter's regeneration and flex
@@ -258,6 +242,61 @@ case "${1:-kernels}" in
       --drafter runs/k3-mini-drafter-b32/final --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile \
       --profile --agree 1 --append "$OUT/pair_b32.md" > "$OUT/pair_b32.txt" 2>&1
     wait; grep "^|" "$OUT/pair_b32.txt" | head -12; cat "$OUT/engine_gpu.txt"
+    ;;
+  s7-a)
+    # fresh machine. GPU0: the target; max_minutes counts from the end of its first step, which compiles fla's
+    # kernels (256 s on session 6's fresh machine). GPU1 meanwhile: a 1-step target, then the drafter recipe on it
+    # for 3 steps, so that the regeneration (every prompt length at 512 rows), flex and the drafter step are compiled
+    # before s7-b. One GPU: the target alone.
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    ngpu=$(nvidia-smi -L | wc -l)
+    warm() {
+      timeout 330 python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled output_dir=runs/k3-step1 \
+        max_steps=1 > /tmp/warm_target.log 2>&1
+      timeout 220 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled target=runs/k3-step1/final \
+        output_dir=runs/warm max_steps=3 data.regenerate.num_sequences=2560 data.holdout_sequences=8 > /tmp/warm.log 2>&1
+      echo "warm-up drafter rc $?"; grep -h "first step took\|regenerate" /tmp/warm_target.log /tmp/warm.log | head
+    }
+    if [ "$ngpu" -ge 2 ]; then CUDA_VISIBLE_DEVICES=1 warm > "$OUT/warm.txt" 2>&1 & fi
+    CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled \
+      max_minutes=${TARGET_MIN:-2.8} 2>&1 | grep -v "it/s\]" | grep -v "^ " | tail -6 | tee "$OUT/k3_mini_train.txt"
+    cp runs/k3-mini/final_metrics.json "$OUT/k3_mini_final_metrics.json"
+    wait; cat "$OUT/warm.txt" 2>/dev/null; grep -A3 '"holdout' "$OUT/k3_mini_final_metrics.json" | head -8
+    ;;
+  s7-b)
+    # the drafter (recipes/k3-mini.yaml: prompts of five lengths) on GPU0; with two GPUs, session 6's best on code
+    # (128-token prompts + 256 new, batch 32, lr 6e-4) on GPU1 as the control, for the same minutes
+    ngpu=$(nvidia-smi -L | wc -l)
+    if [ "$ngpu" -ge 2 ]; then
+      CUDA_VISIBLE_DEVICES=1 timeout 570 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled \
+        output_dir=runs/k3-mini-drafter-b32 optim.batch_size=32 optim.lr=6.0e-4 data.regenerate.num_sequences=4096 \
+        data.regenerate.prompt_tokens=128 data.regenerate.new_tokens=256 data.seq_len=384 \
+        max_minutes=${DRAFTER_MIN:-5} > /tmp/drafter_b32.log 2>&1 &
+    fi
+    CUDA_VISIBLE_DEVICES=0 timeout 570 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled \
+      max_minutes=${DRAFTER_MIN:-5} 2>&1 | grep -v "it/s" | grep "INFO\|step \|tau" | tail -12 | tee "$OUT/drafter.txt"
+    wait
+    grep -v "it/s" /tmp/drafter_b32.log 2>/dev/null | grep "INFO\|step \|tau" | tail -6 | tee "$OUT/drafter_b32.txt"
+    cp runs/k3-mini-drafter/final_metrics.json "$OUT/drafter_final_metrics.json"
+    cp runs/k3-mini-drafter-b32/final_metrics.json "$OUT/drafter_b32_final_metrics.json" 2>/dev/null
+    ;;
+  s7-c)
+    # bs=1 AR vs DSpark compiled + graphed with the kernel profile: the new drafter on GPU0 (+ the batch sweep); with
+    # two GPUs the control drafter the same way on GPU1, then the CUDA tests there. One GPU: the new drafter only.
+    ngpu=$(nvidia-smi -L | wc -l)
+    pair() {  # $1 drafter dir, $2 out name, $3 extra args
+      timeout 330 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter "$1" --tasks humaneval,creative \
+        --prompts 8 --max-tokens 128 --compile --profile --agree 1 ${3:-} --append "$OUT/$2.md" > "$OUT/$2.txt" 2>&1
+    }
+    if [ "$ngpu" -ge 2 ] && [ -d runs/k3-mini-drafter-b32/final ]; then
+      (export CUDA_VISIBLE_DEVICES=1; pair runs/k3-mini-drafter-b32/final pair_b32
+       timeout 200 python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py \
+         tests/test_static_spec.py -q -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.txt" 2>&1) &
+    fi
+    CUDA_VISIBLE_DEVICES=0 pair runs/k3-mini-drafter/final pair "--batches 1,4,16,64"
+    wait
+    grep "^|" "$OUT/pair.txt" | head -12; grep "^|" "$OUT/pair_b32.txt" 2>/dev/null | head -12
+    grep "kernels per step" "$OUT/pair.txt"; tail -3 "$OUT/gpu_tests.txt" 2>/dev/null
     ;;
   k3-floor)
     timeout 420 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tee "$OUT/k3_floor.txt"

@@ -188,7 +188,8 @@ class TargetRecipe:
     optim: OptimConfig = doc(OptimConfig, "")
     log: LogConfig = doc(LogConfig, "")
     max_steps: int = 400
-    max_minutes: float | None = doc(None, "stop after this wall time (the lr schedule follows steps)")
+    max_minutes: float | None = doc(None, "stop after this wall time, counted from the end of the first step (its "
+                                          "compile and autotune excluded); the lr schedule follows steps")
     seed: int = 0
     resume: bool = doc(False, "continue from the last checkpoint in output_dir")
     device: str = doc("auto", "auto | cpu | cuda")
@@ -222,7 +223,8 @@ class DrafterModelConfig:
 class RegenerateConfig:
     enabled: bool = doc(True, "the target writes the responses the drafter learns from")
     num_sequences: int = doc(512, "prompts to continue")
-    prompt_tokens: int = doc(64, "prompt length cut from each source sequence")
+    prompt_tokens: int | list[int] = doc(64, "prompt length cut from each source sequence; a list: the prompts take "
+                                         "these lengths in turn, so anchors cover the positions serving sees")
     new_tokens: int = doc(192, "tokens the target writes per prompt")
     temperature: float = doc(0.0, "0 = greedy, as evaluated")
     batch_size: int = 64
@@ -271,7 +273,8 @@ class DrafterRecipe:
     export: ExportConfig = doc(ExportConfig, "")
     serve: dict = doc(dict, "deployment for `python -m serve --engine vllm --recipe` (keys: serve/vllm.py docstring)")
     max_steps: int = 400
-    max_minutes: float | None = None
+    max_minutes: float | None = doc(None, "stop after this wall time, counted from the end of the first step (its "
+                                          "compile and autotune excluded); the lr schedule follows steps")
     seed: int = 0
     resume: bool = False
     device: str = "auto"
@@ -285,6 +288,14 @@ class DrafterRecipe:
             raise RecipeError(f"anchors_per_seq: expected >= 1, got {self.anchors_per_seq}")
         if self.drafter.block_size + 2 > self.data.seq_len:
             raise RecipeError(f"drafter.block_size: {self.drafter.block_size} leaves no room in data.seq_len={self.data.seq_len}")
+        lens = self.data.regenerate.prompt_tokens
+        lens = [lens] if isinstance(lens, int) else lens
+        if not lens or min(lens) < 1:
+            raise RecipeError(f"data.regenerate.prompt_tokens: expected a length >= 1 or a non-empty list of them, "
+                              f"got {self.data.regenerate.prompt_tokens!r}")
+        if self.data.regenerate.enabled and max(lens) >= self.data.seq_len:
+            raise RecipeError(f"data.regenerate.prompt_tokens: {max(lens)} leaves no response tokens in "
+                              f"data.seq_len={self.data.seq_len} (sequences are cut to seq_len)")
 
 
 RECIPES = {"target": TargetRecipe, "drafter": DrafterRecipe}

@@ -265,3 +265,17 @@ def test_regenerate_static_equals_engine_greedy(targets):
         got = regenerate_static(targets[kind], prompts, 12, batch_size=2, graphs=False)
         ref = engine_greedy(targets[kind], None, prompts, n=12)
         assert got == [p + r.token_ids for p, r in zip(prompts, ref)]
+
+
+def test_regenerate_by_length_keeps_order_and_equals_engine_greedy(targets):
+    """Prompts of mixed lengths (the k3-mini recipe's prompt_tokens list): one static generator per length, and the
+    continuations come back in the prompts' order, each equal to the engine's greedy decode."""
+    from train.drafter import regenerate_by_length
+
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in (5, 11, 5, 8, 11)]
+    got = regenerate_by_length(targets["k3"], prompts, 7, batch_size=2, graphs=False)
+    ref = engine_greedy(targets["k3"], None, prompts, n=7)
+    assert [len(s) for s in got] == [n + 7 for n in (5, 11, 5, 8, 11)]
+    assert got == [p + r.token_ids for p, r in zip(prompts, ref)]
+

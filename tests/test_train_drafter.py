@@ -85,10 +85,16 @@ def test_resume_after_kill_9_continues_from_the_last_checkpoint(setup):
     ({"drafter": {"target_layer_ids": [5]}}, r"target_layer_ids: \[5\] out of range"),
     ({"target": "MISSING"}, "does not exist"),
     ({"target_sharding": "fsdp", "data": "REGENERATE"}, "target_sharding: fsdp cannot regenerate"),
+    ({"data": ("REGENERATE", {"prompt_tokens": []})}, r"data.regenerate.prompt_tokens: expected a length >= 1"),
+    ({"data": ("REGENERATE", {"prompt_tokens": [8, 96]})}, r"prompt_tokens: 96 leaves no response tokens in "
+                                                            r"data.seq_len=96"),
 ])
 def test_bad_input_is_one_clear_line(setup, over, message):
-    if over.get("data") == "REGENERATE":
-        over = {**over, "data": {"dataset": str(setup / "data.jsonl"), "seq_len": 96, "regenerate": {"enabled": True}}}
+    data = over.get("data")
+    if data == "REGENERATE" or isinstance(data, tuple):
+        extra = data[1] if isinstance(data, tuple) else {}
+        over = {**over, "data": {"dataset": str(setup / "data.jsonl"), "seq_len": 96,
+                                 "regenerate": {"enabled": True, **extra}}}
     if over.get("data", {}).get("dataset") == "EMPTY":
         (setup / "empty.jsonl").write_text("")
         over = {"data": {"dataset": str(setup / "empty.jsonl"), "regenerate": {"enabled": False}}}
@@ -98,6 +104,30 @@ def test_bad_input_is_one_clear_line(setup, over, message):
     assert res.returncode == 2
     last = res.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and __import__("re").search(message, last), last
+
+
+def test_prompt_length_list_regenerates_prompts_of_each_length(setup):
+    """data.regenerate.prompt_tokens as a list: the prompts take the lengths in turn, the target continues each by
+    new_tokens, and the loss mask starts where each prompt ends."""
+    path = recipe(setup, "lens", max_steps=1, data={
+        "dataset": str(setup / "data.jsonl"), "seq_len": 40, "holdout_sequences": 3,
+        "regenerate": {"enabled": True, "num_sequences": 5, "prompt_tokens": [8, 16, 24], "new_tokens": 6}})
+    res = train(path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    seqs = torch.load(setup / "lens" / "sequences.pt")
+    for split in ("train", "holdout"):
+        mask = seqs[f"{split}_mask"]
+        starts = mask.int().argmax(1).tolist()  # first loss token = the prompt's length
+        assert starts == [(8, 16, 24)[j % 3] for j in range(len(starts))], (split, starts)
+        assert mask.sum(1).tolist() == [6] * len(starts)
+
+
+def test_max_minutes_counts_from_the_end_of_the_first_step(setup):
+    """max_minutes=0 still takes the first step (the one that compiles and autotunes), then stops: one step."""
+    res = train(recipe(setup, "budget"), "max_minutes=0")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads((setup / "budget" / "final_metrics.json").read_text())["steps"] == 1
+    assert "max_minutes counts from here" in res.stderr and "max_minutes=0.0 reached at step 1" in res.stderr
 
 
 def test_target_without_mask_token_is_refused(setup, tmp_path):

@@ -192,22 +192,39 @@ def _flex_compiles(loss_fn, drafter, accelerator) -> bool:
     return ok == accelerator.num_processes
 
 
+MAX_STATIC_LENGTHS = 8  # distinct prompt lengths regenerated on the static path (one graph capture each)
+
+
 def regenerate(target, tokenizer, prompts: list[list[int]], new_tokens: int, temperature: float, batch_size: int,
                seed: int) -> list[list[int]]:
     """The target continues every prompt (the field's standard recipe: learn from what the target says). Greedy on
-    CUDA with prompts of one length (corpus prompts are): the static path in CUDA graphs, batch_size rows at a time
-    (`regenerate_static`); else the engine."""
+    CUDA with prompts of at most MAX_STATIC_LENGTHS lengths (corpus prompts are): the static path in CUDA graphs, one
+    generator per length, batch_size rows at a time (`regenerate_static`); else the engine."""
     from dspark.engine import Engine
 
     dev = next(target.parameters()).device
-    if temperature == 0 and dev.type == "cuda" and len({len(p) for p in prompts}) == 1:
-        return regenerate_static(target, prompts, new_tokens, batch_size)
+    if temperature == 0 and dev.type == "cuda" and len({len(p) for p in prompts}) <= MAX_STATIC_LENGTHS:
+        return regenerate_by_length(target, prompts, new_tokens, batch_size)
     engine = Engine(target, None, tokenizer=tokenizer, max_batch_size=batch_size,
                     max_model_len=max(len(p) for p in prompts) + new_tokens + 1)
     params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
                              seed=seed + i if temperature > 0 else None) for i in range(len(prompts))]
     outs = engine.generate(prompts, params, progress=True)
     return [p + o.token_ids for p, o in zip(prompts, outs)]
+
+
+def regenerate_by_length(target, prompts: list[list[int]], new_tokens: int, batch_size: int,
+                         graphs: bool | None = None) -> list[list[int]]:
+    """regenerate_static over prompts of several lengths: one generator (one graph capture) per length, the
+    continuations returned in the prompts' order."""
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    out: list[list[int]] = [[] for _ in prompts]
+    for idx in by_len.values():
+        for i, seq in zip(idx, regenerate_static(target, [prompts[i] for i in idx], new_tokens, batch_size, graphs)):
+            out[i] = seq
+    return out
 
 
 @torch.no_grad()

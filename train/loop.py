@@ -97,12 +97,15 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         step_log = open(path, "a")
 
     wandb_run = _init_wandb(recipe, accelerator)
+    # max_minutes counts from the end of this run's first step: that step compiles and autotunes (fla's KDA kernels
+    # took 256 s of it on a fresh H200), a one-off that would otherwise eat a short run's budget
     t0, metrics, step = time.time(), {}, start_step
+    t_budget = None
     bar = tqdm(total=recipe.max_steps, initial=start_step, desc=f"train {Path(recipe.output_dir).name}",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     model.train()
     while step < recipe.max_steps:
-        if recipe.max_minutes is not None and (time.time() - t0) / 60 > recipe.max_minutes:
+        if recipe.max_minutes is not None and t_budget is not None and (time.time() - t_budget) / 60 > recipe.max_minutes:
             log.info("max_minutes=%s reached at step %d", recipe.max_minutes, step)
             break
         for micro in range(oc.grad_accum):
@@ -118,6 +121,9 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         if hook is not None:
             hook()
         step += 1
+        if t_budget is None:
+            t_budget = time.time()
+            log.info("first step took %.1f s (compile, autotune); max_minutes counts from here", t_budget - t0)
         global_loss = accelerator.reduce(loss.detach().float(), reduction="mean")
         metrics = {"loss": float(global_loss), "lr": sched.get_last_lr()[0], **metrics}
         if step_log is not None:

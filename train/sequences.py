@@ -134,7 +134,9 @@ def load_sequences(recipe, target, tok, reuse: bool = False) -> Sequences:
             from train.drafter import regenerate
 
             pick = torch.randperm(len(items), generator=g)[:n].tolist()
-            prompts = [items[i][2][: d.regenerate.prompt_tokens] for i in pick]
+            lens = d.regenerate.prompt_tokens
+            lens = [lens] if isinstance(lens, int) else lens
+            prompts = [items[i][2][: lens[j % len(lens)]] for j, i in enumerate(pick)]
             prompts = [p for p in prompts if p]
             log.info("regenerate: the target continues %d %s prompts by %d tokens", len(prompts), split,
                      d.regenerate.new_tokens)
