@@ -60,6 +60,7 @@ def _interp_checks() -> dict:
              "kda_vsplit4_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([9, 5]),
                                            T=9, block_v=4),
              "kda_vsplit2_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=3, block_v=8)}
+    g_junk = torch.Generator().manual_seed(7)
     for name, kw in cases.items():
         kw = dict(kw)
         inp = _kda_inputs(B=2, T=kw.pop("T", 3), H=2, D=16)
@@ -67,6 +68,19 @@ def _interp_checks() -> dict:
         block_v = inp.pop("block_v", None)
         ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp, block_v=block_v)
         res[name] = [max(_err(a, b) for a, b in zip(ref, out)), 1e-5]
+    # qkv / f / beta / gate as column slices of one wide projection output (the KDA layer's fused input GEMM), read
+    # in place through their row strides; 3 junk columns after each slice
+    for T in (1, 9):
+        inp = dict(_kda_inputs(B=2, T=T, H=2, D=16), lower_bound=-5.0, return_all_states=True,
+                   lengths=torch.tensor([T, max(T - 3, 1)]))
+        parts = [inp[k] for k in ("qkv", "f", "beta", "gate")]
+        wide = torch.cat([torch.cat([x, torch.randn(2, T, 3, generator=g_junk)], -1) for x in parts], -1)
+        at, views = 0, {}
+        for k, x in zip(("qkv", "f", "beta", "gate"), parts):
+            views[k], at = wide[..., at: at + x.shape[-1]], at + x.shape[-1] + 3
+        assert not views["qkv"].is_contiguous()
+        res[f"kda_strided_slices_t{T}"] = [max(_err(a, b) for a, b in zip(kda_decode_ref(**inp),
+                                                                          kda_decode_triton(**{**inp, **views}))), 1e-5]
     # AttnRes: fp32, 1e-5; d = 80 with 32-wide chunks (a ragged tail), strided sources + prefix, output norm
     g = torch.Generator().manual_seed(1)
     v = torch.randn(3, 9, 80, generator=g) * torch.rand(1, 9, 1, generator=g) * 3
@@ -220,7 +234,7 @@ def interp():
 
 
 INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9", "kda_t17_softplus",
-                "attnres_plain",
+                "kda_strided_slices_t1", "kda_strided_slices_t9", "attnres_plain",
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",
@@ -240,6 +254,20 @@ def test_triton_interpreter_matches_reference(interp, name):
 
 
 # ------------------------------------------------------------------------------------------ references vs the model
+def test_kda_kernel_reads_column_slices_in_place():
+    """The KDA launcher passes column slices of one [B, T, N] projection output with their row stride (no copy), and
+    copies anything else."""
+    from dspark.kernels.kda_decode import _rows
+
+    y = torch.randn(3, 9, 40)
+    for x in (y[..., 5:21], y[:, -1:, 8:16], y[:1, :, 2:10]):
+        got, stride = _rows(x)
+        assert got is x and stride == (x.stride(1) if x.shape[1] > 1 else x.stride(0))
+    x = y.transpose(0, 1)[..., :8]  # rows not evenly strided across the batch
+    got, stride = _rows(x)
+    assert got is not x and got.is_contiguous() and stride == 8 and torch.equal(got, x)
+
+
 def test_kda_reference_and_fallback_equal_the_layer():
     from dspark.kernels.kda_decode import conv_weight, kda_decode
     from dspark.models.k3.kda import KimiDeltaAttention

@@ -60,25 +60,25 @@ def kda_decode_ref(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w,
 # Triton kernels: the delta rule on grid (B, H, D/BV), then the gated norm on grid (B*T, H)
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _raw_tile(qkv_ptr, win_ptr, b, pos, ch, dm, T, n_valid, P3, W: tl.constexpr):
+def _raw_tile(qkv_ptr, win_ptr, b, pos, ch, dm, T, n_valid, P3, SQ, W: tl.constexpr):
     """ext[b, pos, ch] as fp32 [len(pos), len(ch)]: the conv window for pos < W-1, else the (valid) new token
-    pos-W+1 (zero past the valid length or past T)."""
+    pos-W+1 (zero past the valid length or past T). SQ: qkv's row stride."""
     tok = pos - (W - 1)
     m = dm[None, :]
     xw = tl.load(win_ptr + (b * (W - 1) + pos[:, None]) * P3 + ch[None, :], mask=m & (pos < W - 1)[:, None],
                  other=0.0)
-    xr = tl.load(qkv_ptr + (b * T + tok[:, None]) * P3 + ch[None, :],
+    xr = tl.load(qkv_ptr + (b * T + tok[:, None]) * SQ + ch[None, :],
                  mask=m & ((tok >= 0) & (tok < n_valid) & (tok < T))[:, None], other=0.0)
     return xw.to(tl.float32) + xr.to(tl.float32)
 
 
 @triton.jit
-def _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, ch, dm, T, n_valid, P3, W: tl.constexpr, BT: tl.constexpr,
+def _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, ch, dm, T, n_valid, P3, SQ, W: tl.constexpr, BT: tl.constexpr,
                BD: tl.constexpr):
     """SiLU(causal depthwise conv) of channels ch for tokens tt: sum_w ext[t + w] * conv_w[ch, w] -> [BT, BD]."""
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for w in tl.static_range(W):
-        acc += _raw_tile(qkv_ptr, win_ptr, b, tt + w, ch, dm, T, n_valid, P3, W) * tl.load(
+        acc += _raw_tile(qkv_ptr, win_ptr, b, tt + w, ch, dm, T, n_valid, P3, SQ, W) * tl.load(
             convw_ptr + ch * W + w, mask=dm, other=0.0).to(tl.float32)[None, :]
     return acc * tl.sigmoid(acc)
 
@@ -86,7 +86,7 @@ def _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, ch, dm, T, n_valid, P3, W: tl
 @triton.jit
 def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr,
                        s_in_ptr, s_out_ptr, o_ptr, ext_ptr, len_ptr,
-                       T, H, P, NH, lower_bound, scale,
+                       T, H, P, NH, SQ, SF, SB, lower_bound, scale,
                        D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                        W: tl.constexpr, USE_LB: tl.constexpr, HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr,
                        HAS_LEN: tl.constexpr):
@@ -96,7 +96,8 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     issued up front): conv + SiLU + L2 norm of q and k (full head dim, each program recomputes them), v and the
     gate, beta. The serial loop over tokens is then only the delta rule on the [K, BV] slice (row t of each tile
     picked by a masked sum). Writes the raw outputs o [B, T, P] fp32; _kda_out_norm_kernel applies the gated
-    per-head RMSNorm, which needs all of a head's columns. NH = B*H is only the autotuning key (the grid size)."""
+    per-head RMSNorm, which needs all of a head's columns. NH = B*H is only the autotuning key (the grid size).
+    SQ, SF, SB: the row strides of qkv, f and beta (row b*T + t; column slices of one wider projection)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -115,27 +116,27 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     if j == 0:  # extended window ext[b, pos] = window[b, pos] (pos < W-1) else qkv[b, pos-W+1] (zeroed past length)
         pe = tl.arange(0, BE)
         for part in tl.static_range(3):
-            x = _raw_tile(qkv_ptr, win_ptr, b, pe, cq + part * P, dm, T, n_valid, P3, W)
+            x = _raw_tile(qkv_ptr, win_ptr, b, pe, cq + part * P, dm, T, n_valid, P3, SQ, W)
             tl.store(ext_ptr + (b * (T + W - 1) + pe[:, None]) * P3 + (cq + part * P)[None, :],
                      x.to(ext_ptr.dtype.element_ty), mask=(pe[:, None] < T + W - 1) & dm[None, :])
     # causal depthwise conv + SiLU + L2 norm (q, k) for all tokens
-    Q = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, cq, dm, T, n_valid, P3, W, BT, BD)  # [BT, BD]
-    K = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, P + cq, dm, T, n_valid, P3, W, BT, BD)
-    V = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, 2 * P + h * D + vo, vm, T, n_valid, P3, W, BT, BV)
+    Q = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, cq, dm, T, n_valid, P3, SQ, W, BT, BD)  # [BT, BD]
+    K = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, P + cq, dm, T, n_valid, P3, SQ, W, BT, BD)
+    V = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, 2 * P + h * D + vo, vm, T, n_valid, P3, SQ, W, BT, BV)
     Q = Q * (1.0 / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6))[:, None] * scale
     K = K * (1.0 / tl.sqrt(tl.sum(K * K, 1) + 1e-6))[:, None]
     # gate (log decay over K) and beta, all tokens
     tm = (tt[:, None] < T) & dm[None, :]
     a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     dtb = tl.load(dtb_ptr + cq, mask=dm, other=0.0).to(tl.float32)
-    z = tl.load(f_ptr + (b * T + tt[:, None]) * P + cq[None, :], mask=tm, other=0.0).to(tl.float32) + dtb[None, :]
+    z = tl.load(f_ptr + (b * T + tt[:, None]) * SF + cq[None, :], mask=tm, other=0.0).to(tl.float32) + dtb[None, :]
     if USE_LB:
         g = lower_bound * tl.sigmoid(a * z)
     else:
         g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
     live = tt < n_valid
     decay = tl.exp(tl.where(live[:, None], g, 0.0))  # [BT, BD]; padding rows leave S untouched
-    beta = tl.sigmoid(tl.load(beta_ptr + (b * T + tt) * H + h, mask=tt < T, other=0.0).to(tl.float32))
+    beta = tl.sigmoid(tl.load(beta_ptr + (b * T + tt) * SB + h, mask=tt < T, other=0.0).to(tl.float32))
     beta = tl.where(live, beta, 0.0)  # [BT]
     sidx = rows * D + vo[None, :]
     sbase = (b * H + h) * D * D
@@ -163,15 +164,16 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
 
 
 @triton.jit
-def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, eps, D: tl.constexpr, BD: tl.constexpr):
-    """out[n, h] = RMSNorm_D(o[n, h]) * o_norm_w * sigmoid(gate[n, h]); one program per (token row n, head h)."""
+def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, SG, eps, D: tl.constexpr, BD: tl.constexpr):
+    """out[n, h] = RMSNorm_D(o[n, h]) * o_norm_w * sigmoid(gate[n, h]); one program per (token row n, head h);
+    SG: gate's row stride."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BD)
     dm = offs < D
     base = n * P + h * D + offs
     o = tl.load(o_ptr + base, mask=dm, other=0.0)
-    og = tl.sigmoid(tl.load(gate_ptr + base, mask=dm, other=0.0).to(tl.float32))
+    og = tl.sigmoid(tl.load(gate_ptr + n * SG + h * D + offs, mask=dm, other=0.0).to(tl.float32))
     onw = tl.load(onw_ptr + offs, mask=dm, other=0.0).to(tl.float32)
     y = o * (1.0 / tl.sqrt(tl.sum(o * o, 0) / D + eps)) * onw * og
     tl.store(out_ptr + base, y.to(out_ptr.dtype.element_ty), mask=dm)
@@ -188,6 +190,16 @@ if HAS_TRITON:
                                  key=["T", "NH", "D", "ALL_STATES"], restore_value=["s_out_ptr"])(_kda_decode_kernel)
 
 
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """[B, T, C] -> (x, row stride) with row (b, t) at (b*T + t) * stride: x itself when its columns are contiguous
+    and its rows evenly strided (a column slice of one wider [B, T, N] projection), else a contiguous copy."""
+    B, T, C = x.shape
+    s = x.stride(1) if T > 1 else x.stride(0)
+    if x.stride(2) == 1 and (B == 1 or T == 1 or x.stride(0) == T * s):
+        return x, s
+    return x.contiguous(), C
+
+
 @torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
                       eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None):
@@ -198,7 +210,8 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
     P, W = P3 // 3, conv_w.shape[1]
     D = o_norm_w.shape[0]
     H = P // D
-    qkv, f, beta, gate, conv_w, window = (x.contiguous() for x in (qkv, f, beta, gate, conv_w, window))
+    (qkv, sq), (f, sf), (beta, sb), (gate, sg) = (_rows(x) for x in (qkv, f, beta, gate))
+    conv_w, window = conv_w.contiguous(), window.contiguous()
     o = torch.empty(B, T, P, dtype=torch.float32, device=qkv.device)
     out = torch.empty(B, T, P, dtype=qkv.dtype, device=qkv.device)
     ext = torch.empty(B, W - 1 + T, P3, dtype=qkv.dtype, device=qkv.device)
@@ -209,7 +222,7 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
     s_in = state.contiguous() if state is not None else s_out
     BD = next_pow2(D)
     args = (qkv, f, beta, conv_w, window.to(qkv.dtype), A_log, dt_bias, s_in, s_out, o, ext,
-            lengths if lengths is not None else qkv, T, H, P, B * H, float(lower_bound or 0.0), D ** -0.5)
+            lengths if lengths is not None else qkv, T, H, P, B * H, sq, sf, sb, float(lower_bound or 0.0), D ** -0.5)
     meta = dict(D=D, BD=BD, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None,
                 HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None)
     if block_v is None and not interpreting():
@@ -218,7 +231,8 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
         BV = min(block_v or _DEFAULT_BV, BD)
         _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](*args, **meta, BV=BV, num_warps=4 if BV <= 32 else 8,
                                                        num_stages=1)
-    _kda_out_norm_kernel[(B * T, H)](o, gate, o_norm_w, out, H, P, eps, D=D, BD=BD, num_warps=1 if BD <= 128 else 4)
+    _kda_out_norm_kernel[(B * T, H)](o, gate, o_norm_w, out, H, P, sg, eps, D=D, BD=BD,
+                                     num_warps=1 if BD <= 128 else 4)
     return out, s_out, ext
 
 

@@ -186,13 +186,13 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, D, W = self.num_heads, self.head_dim, self.conv_size
         cache = batch.cache if batch is not None else None
-        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [B,T,3P] raw conv inputs
         S0, window = cache.kda_read(self.layer_idx) if cache is not None else (None, None)
         if window is None:
-            window = raw.new_zeros(B, W - 1, raw.shape[-1])
+            window = x.new_zeros(B, W - 1, 3 * H * D)
         record = cache is not None and batch.record
         if cache is not None and T <= FUSED_MAX_T and not torch.is_grad_enabled() and use_triton(x):
-            return self._fused_step(x, raw, S0, window, batch, record)  # masks the padding rows itself
+            return self._fused_step(x, S0, window, batch, record)  # masks the padding rows itself
+        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [B,T,3P] raw conv inputs
         valid = batch.valid(T) if batch is not None else None  # [B,T] bool
         if valid is not None:
             raw = raw * valid[..., None].to(raw.dtype)
@@ -227,19 +227,42 @@ class KimiDeltaAttention(nn.Module):
             return
         cache.kda_write(self.layer_idx, S, kept_conv_window(ext, batch.num_new, self.conv_size - 1))
 
-    def _fused_step(self, x, raw, S0, window, batch, record: bool) -> torch.Tensor:
-        """A cached inference step of T <= FUSED_MAX_T tokens in two launches (conv + SiLU + L2 norm + gate + delta
-        rule, then output norm and gate; dspark/kernels/kda_decode.py, tested against this layer's math). Padding rows
+    def _derived(self, name: str, weights, build) -> torch.Tensor:
+        """A tensor made from `weights` once, and again when one of them is replaced or updated in place."""
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        if getattr(self, name, (None,))[0] != key:
+            setattr(self, name, (key, build()))
+        return getattr(self, name)[1]
+
+    def _in_proj_modules(self) -> tuple[nn.Linear, ...]:
+        gate = self.g_proj if self.use_full_rank_gate else self.g_a_proj
+        return self.q_proj, self.k_proj, self.v_proj, gate, self.f_a_proj, self.b_proj
+
+    def fused_in_weight(self) -> torch.Tensor:
+        """[q | k | v | gate (g_proj, or g_a_proj) | f_a | b | zero rows to a multiple of 8] as one weight: a cached
+        step's input projections in one GEMM instead of six. Alone, b_proj's H outputs made cuBLAS run an
+        alignment-2 fallback kernel at 9 tokens (50 us of the k3-mini verify step, session 6)."""
+        w = torch.cat([m.weight.detach() for m in self._in_proj_modules()], 0)
+        return F.pad(w, (0, 0, 0, -w.shape[0] % 8))
+
+    def _fused_step(self, x, S0, window, batch, record: bool) -> torch.Tensor:
+        """A cached inference step of T <= FUSED_MAX_T tokens: the input projections in one GEMM (fused_in_weight),
+        whose column slices go to the two kernel launches as they are (conv + SiLU + L2 norm + gate + delta rule, then
+        output norm and gate; dspark/kernels/kda_decode.py, tested against this layer's math). Padding rows
         (t >= num_new) leave the state untouched, as in forward."""
         from dspark.kernels.kda_decode import conv_weight, kda_decode  # the kernel module imports this one
 
-        ws = (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight)
-        key = tuple((w.data_ptr(), w._version) for w in ws)  # changes when a weight is replaced or updated
-        if getattr(self, "_conv_w", (None,))[0] != key:  # the fused [3P, W] copy, made once, not every step
-            self._conv_w = (key, conv_weight(self))
-        o, S, ext = kda_decode(raw, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.output_gate(x),
-                               self._conv_w[1], window, self.A_log, self.dt_bias, self.o_norm.weight, S0,
-                               self.gate_lower_bound, self.o_norm.eps, return_all_states=record,
-                               lengths=batch.num_new.to(x.device))
+        P, D, H = self.num_heads * self.head_dim, self.head_dim, self.num_heads
+        conv_w = self._derived("_conv_w", (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
+                               lambda: conv_weight(self))  # the fused [3P, W] copy
+        mods = self._in_proj_modules()
+        y = F.linear(x, self._derived("_in_w", [m.weight for m in mods], self.fused_in_weight))  # [B, T, >= 3P+G+D+H]
+        G = mods[3].out_features
+        gate = y[..., 3 * P: 3 * P + G]
+        gate = gate if self.use_full_rank_gate else self.g_b_proj(gate)
+        f = self.f_b_proj(y[..., 3 * P + G: 3 * P + G + D])
+        o, S, ext = kda_decode(y[..., : 3 * P], f, y[..., 3 * P + G + D: 3 * P + G + D + H], gate, conv_w, window,
+                               self.A_log, self.dt_bias, self.o_norm.weight, S0, self.gate_lower_bound,
+                               self.o_norm.eps, return_all_states=record, lengths=batch.num_new.to(x.device))
         self._write_cache(batch.cache, batch, S, ext, record)
         return self.o_proj(o)
