@@ -54,9 +54,9 @@ def bench_kda(iters):
                 err = max(_err(out[0], ref[0]), _err(out[1], ref[1]))
                 nbytes = (B * T * (3 * P + 2 * P + H) * 2 + 3 * P * W * 4 + B * (W - 1) * 3 * P * 2 + B * H * D * D * 4
                           + B * T * P * 2 + B * (T + W - 1) * 3 * P * 2 + B * (T if all_states else 1) * H * D * D * 4)
-                cfg = kd._kda_tuned.best_config  # the autotuned (value slice, warps) of this shape
+                cfg = kd._kda_tuned.best_config  # the autotuned (value slice, warps, reduction order) of this shape
                 _row(f"kda B={B} H={H} T={T}{' all-states' if all_states else ''} BV={cfg.kwargs['BV']}/"
-                     f"{cfg.num_warps}w", err,
+                     f"{cfg.num_warps}w/{'m' if cfg.kwargs['MERGED'] else 'u'}", err,
                      partial(kda_decode_ref, **inp), partial(kda_decode_triton, **inp), nbytes, iters)
 
 

@@ -59,14 +59,17 @@ def _interp_checks() -> dict:
              # the state split over value-column programs (D/BV = 4 and 2 programs per head)
              "kda_vsplit4_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([9, 5]),
                                            T=9, block_v=4),
-             "kda_vsplit2_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=3, block_v=8)}
+             "kda_vsplit2_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=3, block_v=8),
+             # o reduced from the updated state (the autotuner's other reduction order)
+             "kda_unmerged_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([9, 5]),
+                                            T=9, block_v=4, merged=False)}
     g_junk = torch.Generator().manual_seed(7)
     for name, kw in cases.items():
         kw = dict(kw)
         inp = _kda_inputs(B=2, T=kw.pop("T", 3), H=2, D=16)
         inp.update(kw)
-        block_v = inp.pop("block_v", None)
-        ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp, block_v=block_v)
+        block_v, merged = inp.pop("block_v", None), inp.pop("merged", True)
+        ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp, block_v=block_v, merged=merged)
         res[name] = [max(_err(a, b) for a, b in zip(ref, out)), 1e-5]
     # qkv / f / beta / gate as column slices of one wide projection output (the KDA layer's fused input GEMM), read
     # in place through their row strides; 3 junk columns after each slice
@@ -234,7 +237,7 @@ def interp():
 
 
 INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9", "kda_t17_softplus",
-                "kda_strided_slices_t1", "kda_strided_slices_t9", "attnres_plain",
+                "kda_unmerged_verify_t9", "kda_strided_slices_t1", "kda_strided_slices_t9", "attnres_plain",
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",

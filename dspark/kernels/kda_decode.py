@@ -89,7 +89,7 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
                        T, H, P, NH, SQ, SF, SB, lower_bound, scale,
                        D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                        W: tl.constexpr, USE_LB: tl.constexpr, HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr,
-                       HAS_LEN: tl.constexpr):
+                       HAS_LEN: tl.constexpr, MERGED: tl.constexpr):
     """Program (b, h, j) owns the value columns j*BV .. j*BV+BV-1 of S [K, V]: the delta rule is independent per
     value column (u = v - S^T k and o = S^T q are column-wise), so D/BV programs per head share the serial work.
     Everything that does not depend on the state is computed for all T tokens at once ([BT, BD] tiles, every load
@@ -97,7 +97,9 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     gate, beta. The serial loop over tokens is then only the delta rule on the [K, BV] slice (row t of each tile
     picked by a masked sum). Writes the raw outputs o [B, T, P] fp32; _kda_out_norm_kernel applies the gated
     per-head RMSNorm, which needs all of a head's columns. NH = B*H is only the autotuning key (the grid size).
-    SQ, SF, SB: the row strides of qkv, f and beta (row b*T + t; column slices of one wider projection)."""
+    SQ, SF, SB: the row strides of qkv, f and beta (row b*T + t; column slices of one wider projection).
+    MERGED: both reductions over K of a token read the decayed state (o = S^T q + beta (k . q) u), so they are
+    independent; else o is reduced from the updated state, a second reduction on the serial path (autotuned)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -145,6 +147,7 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     else:
         S = tl.zeros([BD, BV], dtype=tl.float32)
     Ot = tl.zeros([BT, BV], dtype=tl.float32)
+    KQ = tl.sum(K * Q, 1)  # [BT] k_t . q_t
     for t in range(0, T):  # the delta rule, token by token
         sel = tt[:, None] == t
         q = tl.sum(tl.where(sel, Q, 0.0), 0)
@@ -152,10 +155,16 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
         v = tl.sum(tl.where(sel, V, 0.0), 0)  # [BV]
         e = tl.sum(tl.where(sel, decay, 0.0), 0)
         bt = tl.sum(tl.where(tt == t, beta, 0.0), 0)
+        kq = tl.sum(tl.where(tt == t, KQ, 0.0), 0)
         S = S * e[:, None]
         u = v - tl.sum(S * k[:, None], 0)  # [BV]
-        S = S + bt * k[:, None] * u[None, :]
-        Ot = tl.where(sel, tl.sum(S * q[:, None], 0)[None, :], Ot)
+        if MERGED:  # o = (S + bt k u^T)^T q = S^T q + bt (k . q) u: this reduction is independent of u's
+            o = tl.sum(S * q[:, None], 0) + bt * kq * u
+            S = S + bt * k[:, None] * u[None, :]
+        else:  # o after the update: a second reduction that waits for the first
+            S = S + bt * k[:, None] * u[None, :]
+            o = tl.sum(S * q[:, None], 0)
+        Ot = tl.where(sel, o[None, :], Ot)
         if ALL_STATES:
             tl.store(s_out_ptr + ((b * T + t) * H + h) * D * D + sidx, S, mask=smask)
     if not ALL_STATES:
@@ -166,7 +175,7 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
 @triton.jit
 def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, SG, eps, D: tl.constexpr, BD: tl.constexpr):
     """out[n, h] = RMSNorm_D(o[n, h]) * o_norm_w * sigmoid(gate[n, h]); one program per (token row n, head h);
-    SG: gate's row stride."""
+    SG: the row stride of gate."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BD)
@@ -182,11 +191,12 @@ def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, SG, eps, D: tl
 # (BV value columns per program, warps): autotuned per (T, B*H, D, all states) on CUDA at first use. Small grids
 # (bs=1: 6..96 heads) want narrow slices, so that the serial delta rule runs on many SMs (H200, T = 9 with all
 # states, 6 heads: 28.9 us at BV 16 / 4 warps, against 87 us for one program per head); large grids want wide ones.
-_CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8))
+_CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8))  # x MERGED 0 / 1
 _DEFAULT_BV = 16  # the interpreter's (and block_v=None without autotuning) value slice
 
 if HAS_TRITON:
-    _kda_tuned = triton.autotune([triton.Config({"BV": bv}, num_warps=w, num_stages=1) for bv, w in _CONFIGS],
+    _kda_tuned = triton.autotune([triton.Config({"BV": bv, "MERGED": m}, num_warps=w, num_stages=1)
+                                  for bv, w in _CONFIGS for m in (False, True)],
                                  key=["T", "NH", "D", "ALL_STATES"], restore_value=["s_out_ptr"])(_kda_decode_kernel)
 
 
@@ -202,10 +212,12 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
-                      eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None):
+                      eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None,
+                      merged=True):
     """state_out may be `state` itself (in-place update: each program reads its state slice before writing it).
-    block_v: value columns per program (default: autotuned on CUDA, _DEFAULT_BV in the interpreter); two launches:
-    the delta rule, then the gated norm."""
+    block_v: value columns per program (default: autotuned on CUDA, with the reduction order; _DEFAULT_BV in the
+    interpreter); merged: the reduction order when not autotuned (MERGED in _kda_decode_kernel). Two launches: the
+    delta rule, then the gated norm."""
     B, T, P3 = qkv.shape
     P, W = P3 // 3, conv_w.shape[1]
     D = o_norm_w.shape[0]
@@ -229,8 +241,8 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
         _kda_tuned[lambda a: (B, H, triton.cdiv(D, a["BV"]))](*args, **meta)
     else:
         BV = min(block_v or _DEFAULT_BV, BD)
-        _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](*args, **meta, BV=BV, num_warps=4 if BV <= 32 else 8,
-                                                       num_stages=1)
+        _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](*args, **meta, BV=BV, MERGED=merged,
+                                                       num_warps=4 if BV <= 32 else 8, num_stages=1)
     _kda_out_norm_kernel[(B * T, H)](o, gate, o_norm_w, out, H, P, sg, eps, D=D, BD=BD,
                                      num_warps=1 if BD <= 128 else 4)
     return out, s_out, ext
