@@ -30,7 +30,8 @@
 #   bash bench/h200_run.sh s7-a   # GPU0 target (first step excluded from max_minutes); GPU1 warms the compiles
 #   bash bench/h200_run.sh s7-b   # GPU0 drafter (prompts of five lengths); GPU1 session 6's best-on-code recipe
 #   bash bench/h200_run.sh s7-c   # both pairs compiled + profiled (GPU0 with the batch sweep); GPU1 then CUDA tests
-# Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens).
+# Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens), and
+# .cache/triton-autotune.tgz once a lease has saved one (save_autotune: s7-a, s7-c).
 # Run every GPU command through this script: it installs the fla wheel and puts it on PYTHONPATH. A bare
 # `python3 -m train ...` on the device trains KDA on the torch fallback, 7x slower (session 4: 63 target steps in 3 min).
 set -uo pipefail
@@ -42,6 +43,18 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# fla's autotune picks (FLA_CACHE_RESULTS, on by default) persist in Triton's cache as *.autotune.json; a fresh machine
+# spent 256 s in the target's first step compiling and timing every config. A carried .cache/triton-autotune.tgz
+# (saved by save_autotune from an earlier lease, same GPU / triton / fla) leaves only the picked configs to compile.
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .cache/triton-autotune.tgz ]; then
+  mkdir -p "$TRITON_CACHE" && tar -xzf .cache/triton-autotune.tgz -C "$TRITON_CACHE" \
+    && echo "triton autotune picks restored: $(tar -tzf .cache/triton-autotune.tgz | grep -c autotune.json)"
+fi
+save_autotune() {  # -> $OUT/triton-autotune.tgz, to carry as .cache/triton-autotune.tgz next time
+  (cd "$TRITON_CACHE" 2>/dev/null && find . -name "*.autotune.json" | tar -czf "$OUT/triton-autotune.tgz" -T -) \
+    && echo "saved $(tar -tzf "$OUT/triton-autotune.tgz" | wc -l) autotune picks"
+}
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 python3 -c "import fla; print('fla', getattr(fla, '__version__', '?'))" || true
 case "${1:-kernels}" in
@@ -262,6 +275,7 @@ case "${1:-kernels}" in
       max_minutes=${TARGET_MIN:-2.8} 2>&1 | grep -v "it/s\]" | grep -v "^ " | tail -6 | tee "$OUT/k3_mini_train.txt"
     cp runs/k3-mini/final_metrics.json "$OUT/k3_mini_final_metrics.json"
     wait; cat "$OUT/warm.txt" 2>/dev/null; grep -A3 '"holdout' "$OUT/k3_mini_final_metrics.json" | head -8
+    save_autotune
     ;;
   s7-b)
     # the drafter (recipes/k3-mini.yaml: prompts of five lengths) on GPU0; with two GPUs, session 6's best on code
@@ -297,6 +311,7 @@ case "${1:-kernels}" in
     wait
     grep "^|" "$OUT/pair.txt" | head -12; grep "^|" "$OUT/pair_b32.txt" 2>/dev/null | head -12
     grep "kernels per step" "$OUT/pair.txt"; tail -3 "$OUT/gpu_tests.txt" 2>/dev/null
+    save_autotune
     ;;
   k3-floor)
     timeout 420 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tee "$OUT/k3_floor.txt"
