@@ -28,8 +28,8 @@
 #   s6-b2 (the target again, then drafters A and B side by side), s6-c and s6-c2 (both pairs timed, compiled).
 # Session 7 plan, three calls in a row on one warm nvidia-h200-x2 (one GPU: the side jobs are skipped):
 #   bash bench/h200_run.sh s7-a   # GPU0 target (first step excluded from max_minutes); GPU1 warms the compiles
-#   bash bench/h200_run.sh s7-b   # GPU0 drafter (prompts of five lengths); GPU1 session 6's best-on-code recipe
-#   bash bench/h200_run.sh s7-c   # both pairs compiled + profiled (GPU0 with the batch sweep); GPU1 then CUDA tests
+#   bash bench/h200_run.sh s7-b   # the drafter (prompts of five lengths), data parallel over both GPUs
+#   bash bench/h200_run.sh s7-c   # GPU0 the pair compiled + profiled + batch sweep; GPU1 CUDA tests, kernels, flex
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens), and
 # .cache/triton-autotune.tgz once a lease has saved one (save_autotune: s7-a, s7-c).
 # Run every GPU command through this script: it installs the fla wheel and puts it on PYTHONPATH. A bare
@@ -278,39 +278,36 @@ case "${1:-kernels}" in
     save_autotune
     ;;
   s7-b)
-    # the drafter (recipes/k3-mini.yaml: prompts of five lengths) on GPU0; with two GPUs, session 6's best on code
-    # (128-token prompts + 256 new, batch 32, lr 6e-4) on GPU1 as the control, for the same minutes
+    # the drafter (recipes/k3-mini.yaml: prompts of five lengths, global batch 128) data parallel over the GPUs
+    # (accelerate launch; rank 0 regenerates, the others wait for its sequences): twice the blocks per minute on two
     ngpu=$(nvidia-smi -L | wc -l)
     if [ "$ngpu" -ge 2 ]; then
-      CUDA_VISIBLE_DEVICES=1 timeout 570 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled \
-        output_dir=runs/k3-mini-drafter-b32 optim.batch_size=32 optim.lr=6.0e-4 data.regenerate.num_sequences=4096 \
-        data.regenerate.prompt_tokens=128 data.regenerate.new_tokens=256 data.seq_len=384 \
-        max_minutes=${DRAFTER_MIN:-5} > /tmp/drafter_b32.log 2>&1 &
+      run_train="python3 -m accelerate.commands.launch --multi_gpu --num_processes $ngpu --num_machines 1 \
+        --mixed_precision bf16 --dynamo_backend no -m train"
+    else
+      run_train="python3 -m train"
     fi
-    CUDA_VISIBLE_DEVICES=0 timeout 570 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled \
-      max_minutes=${DRAFTER_MIN:-5} 2>&1 | grep -v "it/s" | grep "INFO\|step \|tau" | tail -12 | tee "$OUT/drafter.txt"
-    wait
-    grep -v "it/s" /tmp/drafter_b32.log 2>/dev/null | grep "INFO\|step \|tau" | tail -6 | tee "$OUT/drafter_b32.txt"
+    timeout 570 $run_train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes=${DRAFTER_MIN:-5.5} 2>&1 \
+      | grep -v "it/s" | grep "INFO\|step \|tau\|acc\|rror" | tail -24 | tee "$OUT/drafter.txt"
     cp runs/k3-mini-drafter/final_metrics.json "$OUT/drafter_final_metrics.json"
-    cp runs/k3-mini-drafter-b32/final_metrics.json "$OUT/drafter_b32_final_metrics.json" 2>/dev/null
     ;;
   s7-c)
-    # bs=1 AR vs DSpark compiled + graphed with the kernel profile: the new drafter on GPU0 (+ the batch sweep); with
-    # two GPUs the control drafter the same way on GPU1, then the CUDA tests there. One GPU: the new drafter only.
+    # bs=1 AR vs DSpark compiled + graphed with the kernel profile and the batch sweep on GPU0; with two GPUs, GPU1
+    # meanwhile runs the CUDA tests, the graph-timed KDA / MoE kernels (autotune picks) and the flex diagnosis
     ngpu=$(nvidia-smi -L | wc -l)
-    pair() {  # $1 drafter dir, $2 out name, $3 extra args
-      timeout 330 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter "$1" --tasks humaneval,creative \
-        --prompts 8 --max-tokens 128 --compile --profile --agree 1 ${3:-} --append "$OUT/$2.md" > "$OUT/$2.txt" 2>&1
+    side() {
+      timeout 240 python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py \
+        tests/test_static_spec.py -q -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.txt" 2>&1
+      timeout 90 python3 bench/gpu_kernels.py --only kda,moe --graph --iters 30 > "$OUT/gpu_kernels.txt" 2>&1
+      timeout 110 python3 bench/check_flex_cuda.py --diagnose > "$OUT/flex_diagnose.txt" 2>&1
     }
-    if [ "$ngpu" -ge 2 ] && [ -d runs/k3-mini-drafter-b32/final ]; then
-      (export CUDA_VISIBLE_DEVICES=1; pair runs/k3-mini-drafter-b32/final pair_b32
-       timeout 200 python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py \
-         tests/test_static_spec.py -q -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.txt" 2>&1) &
-    fi
-    CUDA_VISIBLE_DEVICES=0 pair runs/k3-mini-drafter/final pair "--batches 1,4,16,64"
+    if [ "$ngpu" -ge 2 ]; then CUDA_VISIBLE_DEVICES=1 side & fi
+    CUDA_VISIBLE_DEVICES=0 timeout 360 python3 bench/pair_decode.py --target runs/k3-mini/final \
+      --drafter runs/k3-mini-drafter/final --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile \
+      --profile --agree 1 --batches 1,4,16,64 --append "$OUT/pair.md" > "$OUT/pair.txt" 2>&1
     wait
-    grep "^|" "$OUT/pair.txt" | head -12; grep "^|" "$OUT/pair_b32.txt" 2>/dev/null | head -12
-    grep "kernels per step" "$OUT/pair.txt"; tail -3 "$OUT/gpu_tests.txt" 2>/dev/null
+    grep "^|" "$OUT/pair.txt" | head -14; grep "kernels per step" "$OUT/pair.txt"
+    tail -3 "$OUT/gpu_tests.txt" 2>/dev/null; cat "$OUT/gpu_kernels.txt" "$OUT/flex_diagnose.txt" 2>/dev/null
     save_autotune
     ;;
   k3-floor)

@@ -1,6 +1,7 @@
 """Data parallel training: 2 gloo processes (torchrun, the same code path accelerate uses on GPUs) give the same
 result as 1 process with the same global batch."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,25 @@ def test_fsdp_sharded_target_equals_the_whole_target(tmp_path):
     curves = [[json.loads(ln)["loss"] for ln in (tmp_path / n / "train_log.jsonl").read_text().splitlines()]
               for n in ("whole", "sharded")]
     assert len(curves[0]) == 3 and all(abs(a - b) < 1e-4 * abs(a) for a, b in zip(*curves))
+
+
+def test_max_minutes_is_one_decision_for_all_processes(tmp_path):
+    """Rank 1's clock is past max_minutes and rank 0's is not: both stop (real gloo processes). Deciding apart, rank 0
+    would take one more step and wait forever in its gradient all-reduce."""
+    code = ("import time\n"
+            "from accelerate import Accelerator\n"
+            "from train.loop import out_of_time\n"
+            "acc = Accelerator(cpu=True)\n"
+            "start = time.time() - (120 if acc.process_index == 1 else 0)\n"
+            "print('RANK', acc.process_index, out_of_time(1.0, start, acc), out_of_time(None, start, acc))\n")
+    script = tmp_path / "clock.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    res = subprocess.run(torchrun + [str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = sorted(ln for ln in res.stdout.splitlines() if ln.startswith("RANK"))
+    assert lines == ["RANK 0 True False", "RANK 1 True False"], res.stdout
+    one = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert "RANK 0 False False" in one.stdout, one.stderr[-2000:]
+

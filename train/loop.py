@@ -30,6 +30,19 @@ class LoopSpec:
     info: dict = field(default_factory=dict)  # facts about the run added to final_metrics.json (e.g. block_mask)
 
 
+def out_of_time(max_minutes: float | None, t_budget: float | None, accelerator) -> bool:
+    """max_minutes passed since t_budget on any process: one decision for all of them. Each process reads its own
+    clock, and a process that stopped one step before the others would leave them waiting in that step's gradient
+    all-reduce."""
+    if max_minutes is None or t_budget is None:  # the same on every process
+        return False
+    over = (time.time() - t_budget) / 60 > max_minutes
+    if accelerator.num_processes > 1:
+        flag = torch.tensor(float(over), device=accelerator.device)
+        over = accelerator.reduce(flag, reduction="sum").item() > 0
+    return over
+
+
 def cosine_lr(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -105,7 +118,7 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     model.train()
     while step < recipe.max_steps:
-        if recipe.max_minutes is not None and t_budget is not None and (time.time() - t_budget) / 60 > recipe.max_minutes:
+        if out_of_time(recipe.max_minutes, t_budget, accelerator):
             log.info("max_minutes=%s reached at step %d", recipe.max_minutes, step)
             break
         for micro in range(oc.grad_accum):
