@@ -38,6 +38,7 @@ def _err(a, b) -> float:
 
 
 def bench_kda(iters):
+    import dspark.kernels.kda_chunk as kc
     import dspark.kernels.kda_decode as kd
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
     D, W = 128, 4
@@ -50,14 +51,19 @@ def bench_kda(iters):
                            gate=r(B, T, P).bfloat16(), conv_w=r(3 * P, W) * .5, window=r(B, W - 1, 3 * P).bfloat16(),
                            A_log=r(H) * .5, dt_bias=r(P), o_norm_w=torch.ones(D, device="cuda").bfloat16(),
                            state=r(B, H, D, D) * .3, lower_bound=-5.0, return_all_states=all_states)
-                ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp)
-                err = max(_err(out[0], ref[0]), _err(out[1], ref[1]))
+                ref = kda_decode_ref(**inp)
                 nbytes = (B * T * (3 * P + 2 * P + H) * 2 + 3 * P * W * 4 + B * (W - 1) * 3 * P * 2 + B * H * D * D * 4
                           + B * T * P * 2 + B * (T + W - 1) * 3 * P * 2 + B * (T if all_states else 1) * H * D * D * 4)
-                cfg = kd._kda_tuned.best_config  # the autotuned (value slice, warps, reduction order) of this shape
-                _row(f"kda B={B} H={H} T={T}{' all-states' if all_states else ''} BV={cfg.kwargs['BV']}/"
-                     f"{cfg.num_warps}w/{'m' if cfg.kwargs['MERGED'] else 'u'}", err,
-                     partial(kda_decode_ref, **inp), partial(kda_decode_triton, **inp), nbytes, iters)
+                name = f"B={B} H={H} T={T}{' all-states' if all_states else ''}"
+                for chunk in ((False, True) if T > 1 else (False,)):  # the loop, then the chunk form (kda_chunk.py)
+                    out = kda_decode_triton(**inp, chunk=chunk)
+                    err = max(_err(out[0], ref[0]), _err(out[1], ref[1]))
+                    tuned = kc._kda_chunk_tuned if chunk else kd._kda_tuned  # the autotuned pick of this shape
+                    cfg = tuned.best_config
+                    pick = f"BV={cfg.kwargs['BV']}/{cfg.num_warps}w" + (
+                        "" if chunk else f"/{'m' if cfg.kwargs['MERGED'] else 'u'}")
+                    _row(f"kda{' chunk' if chunk else ''} {name} {pick}", err, partial(kda_decode_ref, **inp),
+                         partial(kda_decode_triton, **inp, chunk=chunk), nbytes, iters)
 
 
 def bench_attnres(iters):

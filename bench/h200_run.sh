@@ -29,7 +29,8 @@
 # Session 7 plan, three calls in a row on one warm nvidia-h200-x2 (one GPU: the side jobs are skipped):
 #   bash bench/h200_run.sh s7-a   # GPU0 target (first step excluded from max_minutes); GPU1 warms the compiles
 #   bash bench/h200_run.sh s7-b   # the drafter (prompts of five lengths), data parallel over both GPUs
-#   bash bench/h200_run.sh s7-c   # GPU0 the pair compiled + profiled + batch sweep; GPU1 CUDA tests, kernels, flex
+#   bash bench/h200_run.sh s7-c   # GPU0 the pair compiled + profiled + batch sweep, then the CUDA tests; GPU1 the
+#                                 #   kernels (KDA loop vs chunk form), the pair with the chunk form, flex
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens), and
 # .cache/triton-autotune.tgz once a lease has saved one (save_autotune: s7-a, s7-c).
 # Run every GPU command through this script: it installs the fla wheel and puts it on PYTHONPATH. A bare
@@ -292,22 +293,29 @@ case "${1:-kernels}" in
     cp runs/k3-mini-drafter/final_metrics.json "$OUT/drafter_final_metrics.json"
     ;;
   s7-c)
-    # bs=1 AR vs DSpark compiled + graphed with the kernel profile and the batch sweep on GPU0; with two GPUs, GPU1
-    # meanwhile runs the CUDA tests, the graph-timed KDA / MoE kernels (autotune picks) and the flex diagnosis
+    # GPU0: bs=1 AR vs DSpark compiled + graphed, kernel profile, batch sweep; then the CUDA tests. GPU1 meanwhile:
+    # the graph-timed KDA kernels (loop vs chunk form, autotune picks) and MoE, the same pair with the chunk-form KDA
+    # verify (DSPARK_KDA_CHUNK_MIN_T=2; τ is the same, the step time is what differs), then the flex diagnosis
     ngpu=$(nvidia-smi -L | wc -l)
+    pair() {  # $1 out name, $2 extra args
+      timeout 330 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter/final \
+        --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile --profile $2 --append "$OUT/$1.md" \
+        > "$OUT/$1.txt" 2>&1
+    }
     side() {
-      timeout 240 python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py \
-        tests/test_static_spec.py -q -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.txt" 2>&1
       timeout 90 python3 bench/gpu_kernels.py --only kda,moe --graph --iters 30 > "$OUT/gpu_kernels.txt" 2>&1
-      timeout 110 python3 bench/check_flex_cuda.py --diagnose > "$OUT/flex_diagnose.txt" 2>&1
+      DSPARK_KDA_CHUNK_MIN_T=2 pair pair_chunk "--agree 0"
+      timeout 100 python3 bench/check_flex_cuda.py --diagnose > "$OUT/flex_diagnose.txt" 2>&1
     }
     if [ "$ngpu" -ge 2 ]; then CUDA_VISIBLE_DEVICES=1 side & fi
-    CUDA_VISIBLE_DEVICES=0 timeout 360 python3 bench/pair_decode.py --target runs/k3-mini/final \
-      --drafter runs/k3-mini-drafter/final --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile \
-      --profile --agree 1 --batches 1,4,16,64 --append "$OUT/pair.md" > "$OUT/pair.txt" 2>&1
+    export CUDA_VISIBLE_DEVICES=0
+    pair pair "--agree 1 --batches 1,4,16,64"
+    timeout 230 python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py tests/test_static_decode.py \
+      tests/test_static_spec.py -q -p no:cacheprovider -p no:warnings > "$OUT/gpu_tests.txt" 2>&1
     wait
-    grep "^|" "$OUT/pair.txt" | head -14; grep "kernels per step" "$OUT/pair.txt"
-    tail -3 "$OUT/gpu_tests.txt" 2>/dev/null; cat "$OUT/gpu_kernels.txt" "$OUT/flex_diagnose.txt" 2>/dev/null
+    grep "^|" "$OUT/pair.txt" | head -14; grep "^|" "$OUT/pair_chunk.txt" 2>/dev/null | head -4
+    grep "kernels per step" "$OUT/pair.txt" "$OUT/pair_chunk.txt" 2>/dev/null
+    tail -3 "$OUT/gpu_tests.txt"; cat "$OUT/gpu_kernels.txt" "$OUT/flex_diagnose.txt" 2>/dev/null
     save_autotune
     ;;
   k3-floor)

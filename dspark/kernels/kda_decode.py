@@ -20,6 +20,7 @@ loop (see _kda_decode_kernel). A second launch applies the gated per-head RMSNor
 from __future__ import annotations
 
 import inspect
+import os
 from types import SimpleNamespace
 
 import torch
@@ -85,6 +86,50 @@ def _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, ch, dm, T, n_valid, P3, SQ, W
 
 
 @triton.jit
+def _kda_tiles(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, ext_ptr, len_ptr,
+               b, h, j, T, H, P, SQ, SF, SB, lower_bound, scale,
+               D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+               W: tl.constexpr, USE_LB: tl.constexpr, HAS_LEN: tl.constexpr):
+    """What does not depend on the state, for all T tokens of program (b, h, j) (value columns j*BV..): the
+    extended conv window written by j == 0; Q, K [BT, BD] (conv + SiLU + L2 norm, q scaled), V [BT, BV] (conv +
+    SiLU), the log decay G [BT, BD] and sigmoid(beta) [BT], both 0 on padding rows (t >= the row's valid length),
+    which then leave the state untouched."""
+    P3 = 3 * P
+    offs = tl.arange(0, BD)
+    dm = offs < D
+    vo = j * BV + tl.arange(0, BV)
+    vm = vo < D
+    n_valid = T
+    if HAS_LEN:
+        n_valid = tl.load(len_ptr + b)
+    cq = h * D + offs  # channel ids of this head in q | k | v
+    tt = tl.arange(0, BT)
+    if j == 0:  # extended window ext[b, pos] = window[b, pos] (pos < W-1) else qkv[b, pos-W+1] (zeroed past length)
+        pe = tl.arange(0, BE)
+        for part in tl.static_range(3):
+            x = _raw_tile(qkv_ptr, win_ptr, b, pe, cq + part * P, dm, T, n_valid, P3, SQ, W)
+            tl.store(ext_ptr + (b * (T + W - 1) + pe[:, None]) * P3 + (cq + part * P)[None, :],
+                     x.to(ext_ptr.dtype.element_ty), mask=(pe[:, None] < T + W - 1) & dm[None, :])
+    Q = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, cq, dm, T, n_valid, P3, SQ, W, BT, BD)  # [BT, BD]
+    K = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, P + cq, dm, T, n_valid, P3, SQ, W, BT, BD)
+    V = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, 2 * P + h * D + vo, vm, T, n_valid, P3, SQ, W, BT, BV)
+    Q = Q * (1.0 / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6))[:, None] * scale
+    K = K * (1.0 / tl.sqrt(tl.sum(K * K, 1) + 1e-6))[:, None]
+    tm = (tt[:, None] < T) & dm[None, :]
+    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    dtb = tl.load(dtb_ptr + cq, mask=dm, other=0.0).to(tl.float32)
+    z = tl.load(f_ptr + (b * T + tt[:, None]) * SF + cq[None, :], mask=tm, other=0.0).to(tl.float32) + dtb[None, :]
+    if USE_LB:
+        g = lower_bound * tl.sigmoid(a * z)
+    else:
+        g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
+    live = tt < n_valid
+    G = tl.where(live[:, None], g, 0.0)
+    beta = tl.sigmoid(tl.load(beta_ptr + (b * T + tt) * SB + h, mask=tt < T, other=0.0).to(tl.float32))
+    return Q, K, V, G, tl.where(live, beta, 0.0)
+
+
+@triton.jit
 def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr,
                        s_in_ptr, s_out_ptr, o_ptr, ext_ptr, len_ptr,
                        T, H, P, NH, SQ, SF, SB, lower_bound, scale,
@@ -104,43 +149,16 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
-    P3 = 3 * P
+    Q, K, V, G, beta = _kda_tiles(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, ext_ptr, len_ptr,
+                                  b, h, j, T, H, P, SQ, SF, SB, lower_bound, scale, D, BD, BV, BT, BE, W, USE_LB,
+                                  HAS_LEN)
+    decay = tl.exp(G)  # [BT, BD]
     offs = tl.arange(0, BD)
-    dm = offs < D
     vo = j * BV + tl.arange(0, BV)  # this program's value columns
     vm = vo < D
     rows = offs[:, None]  # K index
     smask = (rows < D) & vm[None, :]
-    n_valid = T
-    if HAS_LEN:
-        n_valid = tl.load(len_ptr + b)
-    cq = h * D + offs  # channel ids of this head in q | k | v
     tt = tl.arange(0, BT)  # token index
-    if j == 0:  # extended window ext[b, pos] = window[b, pos] (pos < W-1) else qkv[b, pos-W+1] (zeroed past length)
-        pe = tl.arange(0, BE)
-        for part in tl.static_range(3):
-            x = _raw_tile(qkv_ptr, win_ptr, b, pe, cq + part * P, dm, T, n_valid, P3, SQ, W)
-            tl.store(ext_ptr + (b * (T + W - 1) + pe[:, None]) * P3 + (cq + part * P)[None, :],
-                     x.to(ext_ptr.dtype.element_ty), mask=(pe[:, None] < T + W - 1) & dm[None, :])
-    # causal depthwise conv + SiLU + L2 norm (q, k) for all tokens
-    Q = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, cq, dm, T, n_valid, P3, SQ, W, BT, BD)  # [BT, BD]
-    K = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, P + cq, dm, T, n_valid, P3, SQ, W, BT, BD)
-    V = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, 2 * P + h * D + vo, vm, T, n_valid, P3, SQ, W, BT, BV)
-    Q = Q * (1.0 / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6))[:, None] * scale
-    K = K * (1.0 / tl.sqrt(tl.sum(K * K, 1) + 1e-6))[:, None]
-    # gate (log decay over K) and beta, all tokens
-    tm = (tt[:, None] < T) & dm[None, :]
-    a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
-    dtb = tl.load(dtb_ptr + cq, mask=dm, other=0.0).to(tl.float32)
-    z = tl.load(f_ptr + (b * T + tt[:, None]) * SF + cq[None, :], mask=tm, other=0.0).to(tl.float32) + dtb[None, :]
-    if USE_LB:
-        g = lower_bound * tl.sigmoid(a * z)
-    else:
-        g = -a * tl.where(z > 20.0, z, tl.log(1.0 + tl.exp(tl.minimum(z, 20.0))))
-    live = tt < n_valid
-    decay = tl.exp(tl.where(live[:, None], g, 0.0))  # [BT, BD]; padding rows leave S untouched
-    beta = tl.sigmoid(tl.load(beta_ptr + (b * T + tt) * SB + h, mask=tt < T, other=0.0).to(tl.float32))
-    beta = tl.where(live, beta, 0.0)  # [BT]
     sidx = rows * D + vo[None, :]
     sbase = (b * H + h) * D * D
     if HAS_STATE:
@@ -194,6 +212,9 @@ def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, SG, eps, D: tl
 # states, 6 heads: 28.9 us at BV 16 / 4 warps, against 87 us for one program per head); large grids want wide ones.
 _CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8))  # x MERGED 0 / 1
 _DEFAULT_BV = 16  # the interpreter's (and block_v=None without autotuning) value slice
+# verifies of T >= CHUNK_MIN_T tokens take the chunk form (kda_chunk.py); off until timed against the loop on the
+# H200 (bench/gpu_kernels.py prints both): DSPARK_KDA_CHUNK_MIN_T=2 turns it on
+CHUNK_MIN_T = int(os.environ.get("DSPARK_KDA_CHUNK_MIN_T", "0")) or None
 
 if HAS_TRITON:  # picks persist in Triton's cache dir where this triton can (as fla's do; bench/h200_run.sh carries them)
     _CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
@@ -216,11 +237,12 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 @torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
                       eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None,
-                      merged=True):
+                      merged=True, chunk=None):
     """state_out may be `state` itself (in-place update: each program reads its state slice before writing it).
     block_v: value columns per program (default: autotuned on CUDA, with the reduction order; _DEFAULT_BV in the
-    interpreter); merged: the reduction order when not autotuned (MERGED in _kda_decode_kernel). Two launches: the
-    delta rule, then the gated norm."""
+    interpreter); merged: the reduction order when not autotuned (MERGED in _kda_decode_kernel); chunk: the chunk
+    form for 2 <= T <= 32 (kda_chunk.py; default: from T = CHUNK_MIN_T on). Two launches: the delta rule, then the
+    gated norm."""
     B, T, P3 = qkv.shape
     P, W = P3 // 3, conv_w.shape[1]
     D = o_norm_w.shape[0]
@@ -240,7 +262,19 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
             lengths if lengths is not None else qkv, T, H, P, B * H, sq, sf, sb, float(lower_bound or 0.0), D ** -0.5)
     meta = dict(D=D, BD=BD, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None,
                 HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None)
-    if block_v is None and not interpreting():
+    if chunk is None:
+        chunk = CHUNK_MIN_T is not None and T >= CHUNK_MIN_T
+    if chunk and 2 <= T <= 32:  # the chunk form (dspark/kernels/kda_chunk.py): matmuls instead of the serial loop
+        from dspark.kernels.kda_chunk import _kda_chunk_kernel, _kda_chunk_tuned
+
+        BT = max(16, next_pow2(T))  # tl.dot's minimum
+        meta.update(BT=BT, LOG_BT=BT.bit_length() - 1, PREC="ieee")
+        if block_v is None and not interpreting():
+            _kda_chunk_tuned[lambda a: (B, H, triton.cdiv(D, a["BV"]))](*args, **meta)
+        else:
+            BV = min(max(block_v or _DEFAULT_BV, 16), BD)
+            _kda_chunk_kernel[(B, H, triton.cdiv(D, BV))](*args, **meta, BV=BV, num_warps=4, num_stages=1)
+    elif block_v is None and not interpreting():
         _kda_tuned[lambda a: (B, H, triton.cdiv(D, a["BV"]))](*args, **meta)
     else:
         BV = min(block_v or _DEFAULT_BV, BD)
