@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 
 from dspark.kernels import HAS_TRITON, tl, triton
-from dspark.kernels.kda_decode import _kda_tiles
+from dspark.kernels.kda_decode import _kda_tiles, _state_slice
 
 
 @triton.jit
@@ -34,20 +34,12 @@ def _kda_chunk_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dt
     Q, K, V, G, beta = _kda_tiles(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, ext_ptr, len_ptr,
                                   b, h, j, T, H, P, SQ, SF, SB, lower_bound, scale, D, BD, BV, BT, BE, W, USE_LB,
                                   HAS_LEN)
-    offs = tl.arange(0, BD)
+    S0, sidx, smask = _state_slice(s_in_ptr, b, h, j, H, D, BD, BV, HAS_STATE)  # [BD, BV]
     vo = j * BV + tl.arange(0, BV)
     vm = vo < D
-    rows = offs[:, None]
-    smask = (rows < D) & vm[None, :]
-    sidx = rows * D + vo[None, :]
-    sbase = (b * H + h) * D * D
     tt = tl.arange(0, BT)
     ti = tt[:, None]
     ii = tt[None, :]
-    if HAS_STATE:
-        S0 = tl.load(s_in_ptr + sbase + sidx, mask=smask, other=0.0).to(tl.float32)  # [BD, BV]
-    else:
-        S0 = tl.zeros([BD, BV], dtype=tl.float32)
     Gc = tl.cumsum(G, 0)  # [BT, BD] G_t (<= 0; constant over padding rows)
     R = 0.5 * tl.min(Gc, 0)  # [BD] half the chunk's decay
     up = tl.exp(Gc - R[None, :])  # e^{G_t - R} <= e^{-R}
@@ -79,7 +71,7 @@ def _kda_chunk_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dt
         if ALL_STATES:
             tl.store(s_out_ptr + ((b * T + t) * H + h) * D * D + sidx, S, mask=smask)
     if not ALL_STATES:
-        tl.store(s_out_ptr + sbase + sidx, S, mask=smask)
+        tl.store(s_out_ptr + (b * H + h) * D * D + sidx, S, mask=smask)
 
 
 # (BV value columns, warps), autotuned per (T, B*H, D, all states) like the loop kernel's

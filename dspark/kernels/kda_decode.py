@@ -130,6 +130,21 @@ def _kda_tiles(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, 
 
 
 @triton.jit
+def _state_slice(s_in_ptr, b, h, j, H, D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, HAS_STATE: tl.constexpr):
+    """Program (b, h, j)'s value columns j*BV.. of head h's state [K, V] (fp32; zeros without a state) -> (S [BD, BV],
+    its offsets in a [D, D] state, its mask)."""
+    offs = tl.arange(0, BD)
+    vo = j * BV + tl.arange(0, BV)
+    smask = (offs[:, None] < D) & (vo < D)[None, :]
+    sidx = offs[:, None] * D + vo[None, :]
+    if HAS_STATE:
+        S = tl.load(s_in_ptr + (b * H + h) * D * D + sidx, mask=smask, other=0.0).to(tl.float32)
+    else:
+        S = tl.zeros([BD, BV], dtype=tl.float32)
+    return S, sidx, smask
+
+
+@triton.jit
 def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr,
                        s_in_ptr, s_out_ptr, o_ptr, ext_ptr, len_ptr,
                        T, H, P, NH, SQ, SF, SB, lower_bound, scale,
@@ -153,18 +168,10 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
                                   b, h, j, T, H, P, SQ, SF, SB, lower_bound, scale, D, BD, BV, BT, BE, W, USE_LB,
                                   HAS_LEN)
     decay = tl.exp(G)  # [BT, BD]
-    offs = tl.arange(0, BD)
+    S, sidx, smask = _state_slice(s_in_ptr, b, h, j, H, D, BD, BV, HAS_STATE)  # [BD, BV]
     vo = j * BV + tl.arange(0, BV)  # this program's value columns
     vm = vo < D
-    rows = offs[:, None]  # K index
-    smask = (rows < D) & vm[None, :]
     tt = tl.arange(0, BT)  # token index
-    sidx = rows * D + vo[None, :]
-    sbase = (b * H + h) * D * D
-    if HAS_STATE:
-        S = tl.load(s_in_ptr + sbase + sidx, mask=smask, other=0.0).to(tl.float32)  # [BD, BV]
-    else:
-        S = tl.zeros([BD, BV], dtype=tl.float32)
     Ot = tl.zeros([BT, BV], dtype=tl.float32)
     KQ = tl.sum(K * Q, 1)  # [BT] k_t . q_t
     for t in range(0, T):  # the delta rule, token by token
@@ -187,7 +194,7 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
         if ALL_STATES:
             tl.store(s_out_ptr + ((b * T + t) * H + h) * D * D + sidx, S, mask=smask)
     if not ALL_STATES:
-        tl.store(s_out_ptr + sbase + sidx, S, mask=smask)
+        tl.store(s_out_ptr + (b * H + h) * D * D + sidx, S, mask=smask)
     tl.store(o_ptr + (b * T + tt[:, None]) * P + h * D + vo[None, :], Ot, mask=(tt[:, None] < T) & vm[None, :])
 
 
