@@ -178,6 +178,10 @@ class LogConfig:
     save_every: int = doc(100, "steps between resumable checkpoints")
 
 
+_MAX_MINUTES = ("stop after this wall time, counted from the end of the first step (its compile and autotune "
+                "excluded); the lr schedule follows steps")
+
+
 @dataclass
 class TargetRecipe:
     kind: Literal["target"]
@@ -188,8 +192,7 @@ class TargetRecipe:
     optim: OptimConfig = doc(OptimConfig, "")
     log: LogConfig = doc(LogConfig, "")
     max_steps: int = 400
-    max_minutes: float | None = doc(None, "stop after this wall time, counted from the end of the first step (its "
-                                          "compile and autotune excluded); the lr schedule follows steps")
+    max_minutes: float | None = doc(None, _MAX_MINUTES)
     seed: int = 0
     resume: bool = doc(False, "continue from the last checkpoint in output_dir")
     device: str = doc("auto", "auto | cpu | cuda")
@@ -273,8 +276,7 @@ class DrafterRecipe:
     export: ExportConfig = doc(ExportConfig, "")
     serve: dict = doc(dict, "deployment for `python -m serve --engine vllm --recipe` (keys: serve/vllm.py docstring)")
     max_steps: int = 400
-    max_minutes: float | None = doc(None, "stop after this wall time, counted from the end of the first step (its "
-                                          "compile and autotune excluded); the lr schedule follows steps")
+    max_minutes: float | None = doc(None, _MAX_MINUTES)
     seed: int = 0
     resume: bool = False
     device: str = "auto"
