@@ -241,7 +241,8 @@ class KimiDeltaAttention(nn.Module):
     def fused_in_weight(self) -> torch.Tensor:
         """[q | k | v | gate (g_proj, or g_a_proj) | f_a | b | zero rows to a multiple of 8] as one weight: a cached
         step's input projections in one GEMM instead of six. Alone, b_proj's H outputs made cuBLAS run an
-        alignment-2 fallback kernel at 9 tokens (50 us of the k3-mini verify step, session 6)."""
+        alignment-2 fallback kernel at 9 tokens (50 us of the k3-mini verify step, session 6). A copy: the layer's
+        input projections are held twice once a cached step has run (the modules keep theirs for training)."""
         w = torch.cat([m.weight.detach() for m in self._in_proj_modules()], 0)
         return F.pad(w, (0, 0, 0, -w.shape[0] % 8))
 
