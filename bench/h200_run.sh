@@ -28,7 +28,8 @@
 #   s6-b2 (the target again, then drafters A and B side by side), s6-c and s6-c2 (both pairs timed, compiled).
 # Session 7 plan, three calls in a row on one warm nvidia-h200-x2 (one GPU: the side jobs are skipped):
 #   bash bench/h200_run.sh s7-a   # GPU0 target (first step excluded from max_minutes); GPU1 warms the compiles
-#   bash bench/h200_run.sh s7-b   # the drafter (prompts of five lengths), data parallel over both GPUs
+#   bash bench/h200_run.sh s7-b   # the drafter (prompts of five lengths), data parallel over both GPUs; if s7-a's
+#                                 #   warm-up failed (warm.txt), DRAFTER_MIN=4.5: regeneration + flex compile first
 #   bash bench/h200_run.sh s7-c   # GPU0 the pair compiled + profiled + batch sweep, then the CUDA tests; GPU1 the
 #                                 #   kernels (KDA loop vs chunk form), the pair with the chunk form, flex
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens), and
