@@ -38,7 +38,6 @@ def _err(a, b) -> float:
 
 
 def bench_kda(iters):
-    import dspark.kernels.kda_chunk as kc
     import dspark.kernels.kda_decode as kd
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
     D, W = 128, 4
@@ -63,7 +62,7 @@ def bench_kda(iters):
                               f"{str(e).splitlines()[0][:120] if str(e) else ''})", flush=True)
                         continue
                     err = max(_err(out[0], ref[0]), _err(out[1], ref[1]))
-                    tuned = kc._kda_chunk_tuned if chunk else kd._kda_tuned  # the autotuned pick of this shape
+                    tuned = kd._kda_chunk_tuned if chunk else kd._kda_tuned  # the autotuned pick of this shape
                     cfg = tuned.best_config
                     pick = f"BV={cfg.kwargs['BV']}/{cfg.num_warps}w" + (
                         "" if chunk else f"/{'m' if cfg.kwargs['MERGED'] else 'u'}")
