@@ -5,6 +5,9 @@ One row per case: max abs error vs the reference (the fp32 reference where the k
 CUDA-event times (after warm-up) of the torch reference and the kernel, the bytes-moved floor (bytes / 4.8 TB/s)
 and the fraction of it the kernel reaches (floor / kernel time). --graph times the kernel as 20 calls captured in
 one CUDA graph (GPU time per call, as inside the decode graphs; without it the host's launch cost is included).
+`kda_sweep`: the k3-mini verify (B=1, H=6, T=9, all states) under every (BV, warps, reduction order) the autotuner
+picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as column slices of one fused projection
+(as the model passes them since the KDA input GEMMs were fused).
 `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
 against the loop path, N tokens. Prints only (bench/RESULTS.md is the lead's).
 Exits with code 2 and a message without CUDA or triton.
@@ -54,20 +57,42 @@ def bench_kda(iters):
                 nbytes = (B * T * (3 * P + 2 * P + H) * 2 + 3 * P * W * 4 + B * (W - 1) * 3 * P * 2 + B * H * D * D * 4
                           + B * T * P * 2 + B * (T + W - 1) * 3 * P * 2 + B * (T if all_states else 1) * H * D * D * 4)
                 name = f"B={B} H={H} T={T}{' all-states' if all_states else ''}"
-                for chunk in ((False, True) if T > 1 else (False,)):  # the loop, then the chunk form (kda_chunk.py)
-                    try:
-                        out = kda_decode_triton(**inp, chunk=chunk)
-                    except Exception as e:  # noqa: BLE001 - a kernel that does not build here: say so, time the rest
-                        print(f"kda{' chunk' if chunk else ''} {name}: FAILED ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:120] if str(e) else ''})", flush=True)
-                        continue
-                    err = max(_err(out[0], ref[0]), _err(out[1], ref[1]))
-                    tuned = kd._kda_chunk_tuned if chunk else kd._kda_tuned  # the autotuned pick of this shape
-                    cfg = tuned.best_config
-                    pick = f"BV={cfg.kwargs['BV']}/{cfg.num_warps}w" + (
-                        "" if chunk else f"/{'m' if cfg.kwargs['MERGED'] else 'u'}")
-                    _row(f"kda{' chunk' if chunk else ''} {name} {pick}", err, partial(kda_decode_ref, **inp),
-                         partial(kda_decode_triton, **inp, chunk=chunk), nbytes, iters)
+                try:
+                    out = kda_decode_triton(**inp)
+                except Exception as e:  # noqa: BLE001 - a kernel that does not build here: say so, time the rest
+                    print(f"kda {name}: FAILED ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:120] if str(e) else ''})", flush=True)
+                    continue
+                err = max(_err(out[0], ref[0]), _err(out[1], ref[1]))
+                cfg = kd._kda_tuned.best_config  # the autotuned pick of this shape
+                pick = f"BV={cfg.kwargs['BV']}/{cfg.num_warps}w/{'m' if cfg.kwargs['MERGED'] else 'u'}"
+                _row(f"kda {name} {pick}", err, partial(kda_decode_ref, **inp), partial(kda_decode_triton, **inp),
+                     nbytes, iters)
+
+
+def bench_kda_sweep(iters):
+    import dspark.kernels.kda_decode as kd
+    B, H, T, D, W = 1, 6, 9, 128, 4
+    P = H * D
+    r = lambda *s: torch.randn(*s, device="cuda")
+    fused = r(B, T, 3 * P + P + H).bfloat16()  # [q | k | v | gate | b], as KimiDeltaAttention.fused_in_weight
+    common = dict(f=r(B, T, P).bfloat16(), conv_w=r(3 * P, W) * .5, window=r(B, W - 1, 3 * P).bfloat16(),
+                  A_log=r(H) * .5, dt_bias=r(P), o_norm_w=torch.ones(D, device="cuda").bfloat16(),
+                  state=r(B, H, D, D) * .3, lower_bound=-5.0, return_all_states=True,
+                  lengths=torch.tensor([T], device="cuda"))
+    layouts = {"contiguous": dict(qkv=fused[..., :3 * P].contiguous(), gate=fused[..., 3 * P:4 * P].contiguous(),
+                                  beta=fused[..., 4 * P:].contiguous()),
+               "fused slices": dict(qkv=fused[..., :3 * P], gate=fused[..., 3 * P:4 * P], beta=fused[..., 4 * P:])}
+    ref = kd.kda_decode_ref(**layouts["contiguous"], **common)
+    print(f"kda sweep B={B} H={H} T={T} all states, graph us per call: " + " | ".join(layouts), flush=True)
+    for bv, w in kd._CONFIGS:
+        for merged in (False, True):
+            cells = []
+            for inp in layouts.values():
+                fn = partial(kd.kda_decode_triton, **inp, **common, block_v=bv, merged=merged, num_warps=w)
+                err = max(_err(a, b) for a, b in zip(fn()[:2], ref[:2]))
+                cells.append(f"{1e3 * graph_ms(fn, 20, iters):7.1f} (err {err:.1e})")
+            print(f"  BV={bv:<3} {w}w {'merged' if merged else 'unmerged':<8} " + " | ".join(cells), flush=True)
 
 
 def bench_attnres(iters):
@@ -172,7 +197,7 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"{'case':<44} {'max_err':>9} {'ref_us':>10} {'ker_us':>9} {'speedup':>8} {'MB':>9} {'floor_us':>8} "
           f"{'of_floor':>6}")
-    benches = dict(kda=bench_kda, attnres=bench_attnres, mxfp4=bench_mxfp4, markov=bench_markov, moe=bench_moe)
+    benches = dict(kda=bench_kda, kda_sweep=bench_kda_sweep, attnres=bench_attnres, mxfp4=bench_mxfp4, markov=bench_markov, moe=bench_moe)
     for name in args.only.split(","):
         benches[name.strip()](args.iters)
     return 0

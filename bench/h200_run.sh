@@ -31,7 +31,12 @@
 #   bash bench/h200_run.sh s7-b   # the drafter (prompts of five lengths), data parallel over both GPUs; if s7-a's
 #                                 #   warm-up failed (warm.txt), DRAFTER_MIN=4.5: regeneration + flex compile first
 #   bash bench/h200_run.sh s7-c   # GPU0 the pair compiled + profiled + batch sweep, then the CUDA tests; GPU1 the
-#                                 #   kernels (KDA loop vs chunk form), the pair with the chunk form, flex
+#                                 #   kernels (KDA loop vs chunk form), the pair with the chunk form, flex (the chunk
+#                                 #   form took 41 us against the loop's 28 and has been removed since)
+# Session 8 plan, the same way: s8-a (= s7-a), s8-b (= s7-b: the recipe now regenerates 32768 sequences, split over
+# the processes, keeps the best holdout tau in runs/k3-mini-drafter/best, and profiles 5 steps), then
+#   bash bench/h200_run.sh s8-c   # GPU0 the pair compiled + profiled + batch sweep, then engine_gpu bf16 (eager host
+#                                 #   overhead); GPU1 the kernel tests (per-test durations), the kernel timings, flex
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens), and
 # .cache/triton-autotune.tgz once a lease has saved one (save_autotune: s7-a, s7-c).
 # Run every GPU command through this script: it installs the fla wheel and puts it on PYTHONPATH. A bare
@@ -258,7 +263,7 @@ case "${1:-kernels}" in
       --profile --agree 1 --append "$OUT/pair_b32.md" > "$OUT/pair_b32.txt" 2>&1
     wait; grep "^|" "$OUT/pair_b32.txt" | head -12; cat "$OUT/engine_gpu.txt"
     ;;
-  s7-a)
+  s7-a|s8-a)
     # fresh machine. GPU0: the target; max_minutes counts from the end of its first step, which compiles fla's
     # kernels (256 s on session 6's fresh machine). GPU1 meanwhile: a 1-step target, then the drafter recipe on it
     # for 3 steps, so that the regeneration (every prompt length at 512 rows), flex and the drafter step are compiled
@@ -279,7 +284,7 @@ case "${1:-kernels}" in
     wait; cat "$OUT/warm.txt" 2>/dev/null; grep -A3 '"holdout' "$OUT/k3_mini_final_metrics.json" | head -8
     save_autotune
     ;;
-  s7-b)
+  s7-b|s8-b)
     # the drafter (recipes/k3-mini.yaml: prompts of five lengths, global batch 128) data parallel over the GPUs
     # (accelerate launch; rank 0 regenerates, the others wait for its sequences): twice the blocks per minute on two
     ngpu=$(nvidia-smi -L | wc -l)
@@ -289,9 +294,11 @@ case "${1:-kernels}" in
     else
       run_train="python3 -m train"
     fi
-    timeout 570 $run_train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes=${DRAFTER_MIN:-5.5} 2>&1 \
-      | grep -v "it/s" | grep "INFO\|step \|tau\|acc\|rror" | tail -24 | tee "$OUT/drafter.txt"
+    timeout 570 $run_train recipes/k3-mini.yaml log.wandb_mode=disabled max_minutes=${DRAFTER_MIN:-5.5} \
+      log.profile_steps=${PROFILE_STEPS:-5} 2>&1 | grep -v "it/s" | grep "INFO\|step \|tau\|acc\|rror" | tail -24 \
+      | tee "$OUT/drafter.txt"
     cp runs/k3-mini-drafter/final_metrics.json "$OUT/drafter_final_metrics.json"
+    cp runs/k3-mini-drafter/profile.txt "$OUT/drafter_profile.txt" 2>/dev/null  # where a 222 ms step goes (s7)
     ;;
   s7-c)
     # GPU0: bs=1 AR vs DSpark compiled + graphed, kernel profile, batch sweep; then the CUDA tests. GPU1 meanwhile:
@@ -317,6 +324,33 @@ case "${1:-kernels}" in
     grep "^|" "$OUT/pair.txt" | head -14; grep "^|" "$OUT/pair_chunk.txt" 2>/dev/null | head -4
     grep "kernels per step" "$OUT/pair.txt" "$OUT/pair_chunk.txt" 2>/dev/null
     tail -3 "$OUT/gpu_tests.txt"; cat "$OUT/gpu_kernels.txt" "$OUT/flex_diagnose.txt" 2>/dev/null
+    save_autotune
+    ;;
+  s8-c)
+    # GPU0: bs=1 AR vs DSpark compiled + graphed with the kernel profile and the batch sweep, then the eager engine's
+    # bf16 step profile (host overhead). GPU1 meanwhile: the k3-mini KDA verify under every config (why it took 28 us
+    # in session 7's step against 21 in session 6's), the kernel tests (test_kernels + test_k3_kda, every one timed),
+    # the graph-timed MoE, the flex diagnosis. One GPU: the side jobs after the pair.
+    ngpu=$(nvidia-smi -L | wc -l)
+    side() {
+      timeout 60 python3 bench/gpu_kernels.py --only kda_sweep --iters 30 > "$OUT/gpu_kernels.txt" 2>&1
+      timeout 300 python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py -q -p no:cacheprovider -p no:warnings \
+        --durations=12 > "$OUT/gpu_tests.txt" 2>&1
+      timeout 60 python3 bench/gpu_kernels.py --only moe --graph --iters 30 >> "$OUT/gpu_kernels.txt" 2>&1
+      timeout 100 python3 bench/check_flex_cuda.py --diagnose > "$OUT/flex_diagnose.txt" 2>&1
+    }
+    if [ "$ngpu" -ge 2 ]; then CUDA_VISIBLE_DEVICES=1 side & fi
+    export CUDA_VISIBLE_DEVICES=0
+    drafter=$(ls -d runs/k3-mini-drafter/best 2>/dev/null || echo runs/k3-mini-drafter/final)  # log.keep_best: tau
+    echo "drafter: $drafter"
+    timeout 330 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter "$drafter" \
+      --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile --profile --agree 1 --batches 1,4,16,64 \
+      --append "$OUT/pair.md" > "$OUT/pair.txt" 2>&1
+    timeout 150 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter "$drafter" \
+      --dtype bfloat16 --batches 1 --steps 30 2>&1 | grep -v "^USDT\|profiler_st" > "$OUT/engine_gpu.txt"
+    if [ "$ngpu" -ge 2 ]; then wait; else side; fi
+    grep "^|" "$OUT/pair.txt" | head -14; grep "kernels per step" "$OUT/pair.txt"; cat "$OUT/engine_gpu.txt"
+    tail -16 "$OUT/gpu_tests.txt"; cat "$OUT/gpu_kernels.txt" "$OUT/flex_diagnose.txt" 2>/dev/null
     save_autotune
     ;;
   k3-floor)

@@ -5,6 +5,7 @@ Every error is one line naming the field and what was expected (the valid fields
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -72,6 +73,8 @@ def _coerce(value: Any, tp, where: str):
             raise RecipeError(f"{where}: expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value.strip()):
+            value = float(value)  # YAML 1.1 (PyYAML) reads 3e-3, without a dot, as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise RecipeError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -176,6 +179,11 @@ class LogConfig:
     log_every: int = 10
     eval_every: int = doc(100, "steps between holdout evaluations")
     save_every: int = doc(100, "steps between resumable checkpoints")
+    profile_steps: int = doc(0, "profile this many steps after the first (torch.profiler, rank 0) into "
+                                "<output_dir>/profile.txt: wall ms per step and the top ops by device time")
+    keep_best: Literal["", "tau", "ce", "loss"] = doc("", "also keep the model with the best value of this holdout "
+                                                          "metric in <output_dir>/best (tau: highest; ce, loss: "
+                                                          "lowest); '' = off")
 
 
 _MAX_MINUTES = ("stop after this wall time, counted from the end of the first step (its compile and autotune "

@@ -22,6 +22,9 @@ def test_loads_with_defaults_and_overrides(tmp_path):
     assert (r.max_steps, r.optim.lr, r.data.sources, r.resume) == (7, 0.01, ["python_stdlib"], True)
     assert r.optim.batch_size == 16 and r.data.seq_len == 256
     assert load_recipe(write(tmp_path, BASE), ["mixed_precision=no"]).mixed_precision == "no"  # YAML's bare no
+    assert load_recipe(write(tmp_path, BASE), ["optim.lr=3e-3"]).optim.lr == 0.003  # YAML 1.1: a string
+    with pytest.raises(RecipeError, match="optim.lr: expected a number, got '3e-3x'"):
+        load_recipe(write(tmp_path, BASE), ["optim.lr=3e-3x"])
 
 
 def test_unknown_key_lists_valid_fields(tmp_path):

@@ -100,6 +100,30 @@ def test_two_gloo_processes_equal_one_process_drafter(tmp_path):
     assert "| 3 |" in res.stdout and "loss, 2 GPUs" in res.stdout and "relative loss difference max" in res.stdout
 
 
+def test_processes_regenerate_a_part_each_and_hold_the_same_sequences(tmp_path):
+    """Regeneration is split over the data-parallel processes (prompts[rank::world]) and put back in order: 2 gloo
+    processes write the same sequences as 1, each continued half of the prompts, and the parts are cleaned up."""
+    r = _drafter_recipe(tmp_path)
+    r["max_steps"] = 1
+    r["data"]["regenerate"] = {"enabled": True, "num_sequences": 6, "prompt_tokens": [8, 12], "new_tokens": 5}
+    recipe = tmp_path / "drafter.yaml"
+    recipe.write_text(yaml.safe_dump(r))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    runs = {}
+    for n, cmd in ((1, [sys.executable]), (2, torchrun)):
+        res = subprocess.run(cmd + ["-m", "train", str(recipe), f"output_dir={tmp_path / str(n)}"],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[n] = res.stderr
+    import torch
+
+    one, two = (torch.load(tmp_path / n / "sequences.pt") for n in ("1", "2"))
+    assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+    assert one["train"].shape[0] == 6 and one["train_mask"].sum(1).tolist() == [5] * 6  # 5 new tokens each
+    assert "process 1 of 2 continued 3 of the 6 train prompts" in runs[2]
+    assert "process 0 of 2" not in runs[1] and not list((tmp_path / "2").glob("regenerated-*"))
+
+
 def test_fsdp_sharded_target_equals_the_whole_target(tmp_path):
     """target_sharding=fsdp: 2 processes each holding half of the frozen target (FSDP2, all-gathered layer by layer)
     train the same drafter as 1 process with the whole target."""
@@ -129,7 +153,10 @@ def test_max_minutes_is_one_decision_for_all_processes(tmp_path):
             "acc = Accelerator(cpu=True)\n"
             "start = time.time() - (120 if acc.process_index == 1 else 0)\n"
             "res = f'{out_of_time(1.0, start, acc)} {out_of_time(None, start, acc)}'\n"
-            "open(__file__ + f'.{acc.process_index}', 'w').write(res)\n")
+            "open(__file__ + f'.{acc.process_index}', 'w').write(res)\n"
+            "acc.wait_for_everyone()\n"
+            "import torch.distributed as dist\n"
+            "dist.destroy_process_group() if dist.is_initialized() else None  # a clean exit, no gloo teardown race\n")
     script = tmp_path / "clock.py"
     script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}

@@ -62,20 +62,13 @@ def _interp_checks() -> dict:
              "kda_vsplit2_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=3, block_v=8),
              # o reduced from the updated state (the autotuner's other reduction order)
              "kda_unmerged_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([9, 5]),
-                                            T=9, block_v=4, merged=False),
-             # the chunk form (kda_chunk.py): one value slice per head, then two (D = 32), softplus gate, final state
-             "kda_chunk_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([9, 4]),
-                                         T=9, chunk=True),
-             "kda_chunk_t17_split2_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=17,
-                                                   D=32, chunk=True),
-             "kda_chunk_t2_allstates": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([2, 1]),
-                                            T=2, chunk=True)}
+                                            T=9, block_v=4, merged=False)}
     g_junk = torch.Generator().manual_seed(7)
     for name, kw in cases.items():
         kw = dict(kw)
-        inp = _kda_inputs(B=2, T=kw.pop("T", 3), H=2, D=kw.pop("D", 16))
+        inp = _kda_inputs(B=2, T=kw.pop("T", 3), H=2, D=16)
         inp.update(kw)
-        opts = {k: inp.pop(k) for k in ("block_v", "merged", "chunk") if k in inp}
+        opts = {k: inp.pop(k) for k in ("block_v", "merged") if k in inp}
         ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp, **opts)
         res[name] = [max(_err(a, b) for a, b in zip(ref, out)), 1e-5]
     # qkv / f / beta / gate as column slices of one wide projection output (the KDA layer's fused input GEMM), read
@@ -220,12 +213,6 @@ def _k3_pair_checks() -> dict:
         ar_outs[flag] = StaticGenerator(target, None, max_len=48).generate(list(range(5, 16)), 8).token_ids
         if flag == "0":
             assert not calls
-        if flag == "1":  # the verify's KDA in the chunk form (kda_chunk.py) instead of the loop
-            kd.CHUNK_MIN_T = 2
-            try:
-                outs["chunk"] = StaticGenerator(target, drafter, max_len=48).generate(list(range(5, 16)), 8)
-            finally:
-                kd.CHUNK_MIN_T = None
     os.environ.pop("DSPARK_KERNELS")
     # the same step through torch.compile (inductor, CPU here): the kernels are launched as they are, the rest fused
     comp = StaticGenerator(target, drafter, max_len=48, compile=True).generate(list(range(5, 16)), 8)
@@ -235,8 +222,6 @@ def _k3_pair_checks() -> dict:
     return {"k3_static_pair_tokens": [float(sum(a != b for a, b in zip(ref.token_ids[0], ker.token_ids[0]))
                                             + (ar_outs["0"] != ar_outs["1"])), 0.0],
             "k3_static_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0],
-            "k3_static_pair_chunk_kda": [float(ref.token_ids != outs["chunk"].token_ids
-                                               or ref.accepted_per_step != outs["chunk"].accepted_per_step), 0.0],
             "k3_static_pair_compiled": [float(ref.token_ids != comp.token_ids
                                               or ref.accepted_per_step != comp.accepted_per_step), 0.0]}
 
@@ -252,14 +237,13 @@ def interp():
 
 
 INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9", "kda_t17_softplus",
-                "kda_unmerged_verify_t9", "kda_chunk_verify_t9", "kda_chunk_t17_split2_softplus",
-                "kda_chunk_t2_allstates", "kda_strided_slices_t1", "kda_strided_slices_t9", "attnres_plain",
+                "kda_unmerged_verify_t9", "kda_strided_slices_t1", "kda_strided_slices_t9", "attnres_plain",
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",
                 "decode_attention",
                 "fused_qwen3_decode_steps", "fused_qwen3_verify_rows",
-                "k3_static_pair_tokens", "k3_static_pair_accepted", "k3_static_pair_chunk_kda", "k3_static_pair_compiled"]
+                "k3_static_pair_tokens", "k3_static_pair_accepted", "k3_static_pair_compiled"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU box tests the compiled kernels (test_cuda_*); the "
@@ -345,15 +329,14 @@ def test_markov_reference_and_fallback_equal_sample_markov():
 
 # ------------------------------------------------------------------------------------------ CUDA, K3 shapes, bf16
 @cuda
-@pytest.mark.parametrize("T,all_states,chunk", [(1, False, False), (9, True, False), (17, False, False),
-                                               (9, True, True), (17, False, True)])
-def test_cuda_kda_decode(T, all_states, chunk):
+@pytest.mark.parametrize("T,all_states", [(1, False), (9, True), (17, False)])
+def test_cuda_kda_decode(T, all_states):
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
 
     inp = _kda_inputs(B=4, T=T, H=32, D=128, dtype=torch.bfloat16, device="cuda")
     inp.update(lower_bound=-5.0, return_all_states=all_states, lengths=torch.tensor([T, 1, T, max(1, T // 2)],
                                                                                      device="cuda"))
-    ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp, chunk=chunk)
+    ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp)
     assert _err(out[0], ref[0]) <= 3e-2 * ref[0].float().abs().max().item()  # bf16 output
     # fp32 state; the reference rounds conv/SiLU outputs to bf16, the kernel not (H200: 1.2e-2 .. 1.3e-2 measured)
     assert _err(out[1], ref[1]) <= 2e-2

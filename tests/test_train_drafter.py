@@ -58,6 +58,36 @@ def test_drafter_run_exports_a_loadable_dspark_drafter(setup):
     assert drafter.config.mask_token_id == target.tokenizer.convert_tokens_to_ids("<|mask|>")
 
 
+def test_keep_best_keeps_the_model_of_the_best_holdout_tau(setup):
+    """log.keep_best=tau with an evaluation every step: <output_dir>/best holds the model of the evaluation with the
+    highest holdout tau (a loadable drafter), and final_metrics.json names that step."""
+    res = train(recipe(setup, "best"), "log.keep_best=tau", "log.eval_every=1", "max_steps=5", "optim.lr=3e-3")
+    assert res.returncode == 0, res.stderr[-2000:]
+    metrics = json.loads((setup / "best" / "final_metrics.json").read_text())
+    taus = [h["tau"] for h in metrics["history"]]
+    assert len(taus) == 5
+    top = max(range(5), key=lambda i: (taus[i], -i))  # the first of equal bests: a later tie does not replace it
+    assert metrics["best"] == {"step": top + 1, "tau": taus[top]}
+    drafter = load_drafter(setup / "best" / "best", load_target(setup / "target"))
+    assert drafter.config.block_size == 3 and not (setup / "best" / ".best.tmp").exists()
+    same = top == 4  # best is the final model exactly when the last evaluation was the best
+    a = load_file(str(setup / "best" / "best" / "model.safetensors"))
+    b = load_file(str(setup / "best" / "final" / "model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a) == same
+
+
+def test_profile_steps_writes_a_step_profile(setup):
+    """log.profile_steps=2: the two steps after the first (compile) run under torch.profiler and profile.txt holds
+    their wall time and an op table; training goes on to max_steps."""
+    res = train(recipe(setup, "prof"), "log.profile_steps=2", "max_steps=4")
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = (setup / "prof" / "profile.txt").read_text()
+    head = text.splitlines()[0]
+    assert __import__("re").match(r"\d+\.\d ms per step \(wall, steps 2-3, profiler on\)$", head), head
+    assert "Self CPU" in text and "aten::" in text
+    assert json.loads((setup / "prof" / "final_metrics.json").read_text())["steps"] == 4
+
+
 def test_resume_after_kill_9_continues_from_the_last_checkpoint(setup):
     """Kill -9 after the step-2 checkpoint, resume: the result equals an uninterrupted run, bit for bit."""
     ref = train(recipe(setup, "straight"))
@@ -86,6 +116,7 @@ def test_resume_after_kill_9_continues_from_the_last_checkpoint(setup):
     ({"target": "MISSING"}, "does not exist"),
     ({"target_sharding": "fsdp", "data": "REGENERATE"}, "target_sharding: fsdp cannot regenerate"),
     ({"data": ("REGENERATE", {"prompt_tokens": []})}, r"data.regenerate.prompt_tokens: expected a length >= 1"),
+    ({"log": {"wandb_mode": "disabled", "keep_best": "acc"}}, r"log.keep_best: expected one of \['', 'tau'"),
     ({"data": ("REGENERATE", {"prompt_tokens": [8, 96]})}, r"prompt_tokens: 96 leaves no response tokens in "
                                                             r"data.seq_len=96"),
 ])
@@ -120,6 +151,26 @@ def test_prompt_length_list_regenerates_prompts_of_each_length(setup):
         starts = mask.int().argmax(1).tolist()  # first loss token = the prompt's length
         assert starts == [(8, 16, 24)[j % 3] for j in range(len(starts))], (split, starts)
         assert mask.sum(1).tolist() == [6] * len(starts)
+
+
+def test_prompts_beyond_the_rows_start_at_random_positions():
+    """More regeneration prompts than corpus rows: the first pass takes each row's prefix, later passes windows at
+    random starts (no prompt repeats); with fewer prompts than rows only prefixes, as before."""
+    from train.sequences import pick_prompts
+
+    rows = [(None, None, list(range(1000 * r, 1000 * r + 100))) for r in range(5)]  # 5 rows of 100 tokens
+    few = pick_prompts(rows, 3, [10, 20], torch.Generator().manual_seed(0), passes=True)
+    assert [len(p) for p in few] == [10, 20, 10] and all(p[0] % 1000 == 0 for p in few)
+    assert len({p[0] for p in few}) == 3  # distinct rows
+    many = pick_prompts(rows, 12, [10, 20], torch.Generator().manual_seed(0), passes=True)
+    assert many[:3] == few  # the first pass is the same draw
+    assert [len(p) for p in many] == [10, 20] * 6
+    assert sorted(p[0] // 1000 for p in many[:5]) == list(range(5))  # pass 1: every row once, from its start
+    later = many[5:]
+    assert all(p == list(range(p[0], p[0] + len(p))) for p in later)  # contiguous windows inside one row
+    assert any(p[0] % 1000 for p in later) and len({tuple(p) for p in many}) == 12
+    assert pick_prompts(rows, 12, [10], torch.Generator().manual_seed(0), passes=False) == \
+        pick_prompts(rows, 5, [10], torch.Generator().manual_seed(0), passes=True)  # records: one pass only
 
 
 def test_max_minutes_counts_from_the_end_of_the_first_step(setup):

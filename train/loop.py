@@ -88,7 +88,7 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
     for m in spec.extra_modules:
         m.to(accelerator.device)
 
-    start_step, history = 0, []
+    start_step, history, best = 0, [], None
     if recipe.resume:
         last = _latest_checkpoint(ckpt_root)
         if last is None:
@@ -96,7 +96,7 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         else:
             accelerator.load_state(str(last))
             state = json.loads((last / "trainer_state.json").read_text())
-            start_step, history = state["step"], state.get("history", [])
+            start_step, history, best = state["step"], state.get("history", []), state.get("best")
             log.info("resumed from %s (step %d)", last, start_step)
     elif accelerator.is_main_process:
         shutil.rmtree(ckpt_root, ignore_errors=True)
@@ -113,7 +113,7 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
     # max_minutes counts from the end of this run's first step: that step compiles and autotunes (fla's KDA kernels
     # took 256 s of it on a fresh H200), a one-off that would otherwise eat a short run's budget
     t0, metrics, step = time.time(), {}, start_step
-    t_budget = None
+    t_budget, prof = None, None
     bar = tqdm(total=recipe.max_steps, initial=start_step, desc=f"train {Path(recipe.output_dir).name}",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     model.train()
@@ -137,6 +137,10 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         if t_budget is None:
             t_budget = time.time()
             log.info("first step took %.1f s (compile, autotune); max_minutes counts from here", t_budget - t0)
+            if recipe.log.profile_steps and accelerator.is_main_process:
+                prof = _StepProfile(accelerator.device, step + 1, recipe.log.profile_steps)
+        elif prof is not None and prof.done(step, out):
+            prof = None
         global_loss = accelerator.reduce(loss.detach().float(), reduction="mean")
         metrics = {"loss": float(global_loss), "lr": sched.get_last_lr()[0], **metrics}
         if step_log is not None:
@@ -152,16 +156,26 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
             bar.write(f"step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
             if wandb_run is not None:
                 wandb_run.log({f"holdout/{k}": v for k, v in ev.items()}, step=step)
+            if recipe.log.keep_best:
+                best = _keep_best(recipe, spec, model, accelerator, ev, step, best)
         if step % recipe.log.save_every == 0 and step < recipe.max_steps:
-            _save_checkpoint(accelerator, ckpt_root, step, history)
+            _save_checkpoint(accelerator, ckpt_root, step, {"history": history, "best": best})
     bar.close()
+    if prof is not None and step >= prof.first:  # training ended inside the profiled steps
+        prof.done(step, out, end=True)
+    elif prof is not None:
+        prof.prof.__exit__(None, None, None)
     if step_log is not None:
         step_log.close()
     if not history or history[-1]["step"] != step:
         history.append({"step": step, "minutes": (time.time() - t0) / 60, **_evaluate(spec, model, accelerator)})
+        if recipe.log.keep_best:
+            best = _keep_best(recipe, spec, model, accelerator, history[-1], step, best)
     accelerator.wait_for_everyone()
     summary = {"steps": step, "train_minutes": (time.time() - t0) / 60, "final": history[-1], "history": history,
                "last_train_metrics": metrics, "num_processes": accelerator.num_processes, **spec.info}
+    if best is not None:
+        summary["best"] = best
     if accelerator.is_main_process:
         spec.save_final(accelerator.unwrap_model(model), out / "final")
         (out / "final_metrics.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -169,6 +183,7 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
     if wandb_run is not None:
         wandb_run.summary.update({f"final/{k}": v for k, v in history[-1].items()})
         wandb_run.finish()
+    accelerator.end_training()  # data parallel: destroys the process group, so no process exits mid-teardown
     return summary
 
 
@@ -180,7 +195,57 @@ def _evaluate(spec: LoopSpec, model, accelerator) -> dict:
     return ev
 
 
-def _save_checkpoint(accelerator, ckpt_root: Path, step: int, history: list) -> None:
+class _StepProfile:
+    """log.profile_steps: torch.profiler over the n steps after the first (which compiles), on this process; after
+    the last of them (or at the end of training), <output_dir>/profile.txt gets the wall ms per step and the top ops
+    by device (else host) time."""
+
+    def __init__(self, device: torch.device, first_step: int, n: int):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.cuda, self.first, self.last = device.type == "cuda", first_step, first_step + n - 1
+        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else []))
+        self.prof.__enter__()
+        self.t0 = time.time()
+
+    def done(self, step: int, out: Path, end: bool = False) -> bool:
+        """Call after each step; True once written."""
+        if step < self.last and not end:
+            return False
+        if self.cuda:
+            torch.cuda.synchronize()
+        n = step - self.first + 1
+        ms = (time.time() - self.t0) * 1e3 / max(1, n)
+        self.prof.__exit__(None, None, None)
+        table = self.prof.key_averages().table(sort_by="cuda_time_total" if self.cuda else "cpu_time_total",
+                                               row_limit=30)
+        (out / "profile.txt").write_text(f"{ms:.1f} ms per step (wall, steps {self.first}-{step}, profiler on)\n"
+                                         f"{table}\n")
+        log.info("profile of steps %d-%d (%.1f ms each) in %s", self.first, step, ms, out / "profile.txt")
+        return True
+
+
+def _keep_best(recipe, spec: LoopSpec, model, accelerator, ev: dict, step: int, best: dict | None) -> dict:
+    """log.keep_best: when this evaluation's value of the metric beats every earlier one, the model goes to
+    <output_dir>/best (written to a temp dir, then renamed). -> {"step", metric: value} of the best so far."""
+    name = recipe.log.keep_best
+    if name not in ev:
+        raise ValueError(f"log.keep_best: {name!r} is not a holdout metric of this run; it has {', '.join(ev)}")
+    sign = 1.0 if name == "tau" else -1.0  # tau: higher is better; ce, loss: lower
+    if best is not None and sign * ev[name] <= sign * best[name]:
+        return best
+    if accelerator.is_main_process:
+        out = Path(recipe.output_dir)
+        tmp = out / ".best.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        spec.save_final(accelerator.unwrap_model(model), tmp)
+        shutil.rmtree(out / "best", ignore_errors=True)
+        os.replace(tmp, out / "best")
+    accelerator.wait_for_everyone()
+    return {"step": step, name: ev[name]}
+
+
+def _save_checkpoint(accelerator, ckpt_root: Path, step: int, state: dict) -> None:
     """accelerate state (model, optimizer, scheduler, RNG) into a temp dir, renamed when complete; keep 2."""
     final = ckpt_root / f"step-{step}"
     tmp = ckpt_root / f".step-{step}.tmp"
@@ -189,7 +254,7 @@ def _save_checkpoint(accelerator, ckpt_root: Path, step: int, history: list) -> 
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
     if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "history": history}) + "\n")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(ckpt_root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:

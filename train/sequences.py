@@ -3,6 +3,7 @@ target. Each sequence has a loss mask (True where a token is something the draft
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,48 +112,90 @@ def _from_corpus(recipe, tok) -> dict[str, _Rows]:
             for split in ("train", "holdout")}
 
 
-def load_sequences(recipe, target, tok, reuse: bool = False) -> Sequences:
-    """reuse: take `<output_dir>/sequences.pt` if present (resume, or a non-main data-parallel process)."""
+def pick_prompts(items, n: int, lens: list[int], g: torch.Generator, passes: bool) -> list[list[int]]:
+    """n regeneration prompts, their lengths taken from `lens` in turn. The first pass takes the prefixes of
+    distinct items in random order. When n exceeds the items and `passes` (corpus rows, which are long), further
+    passes start each prompt at a random position of its row, so no prompt repeats."""
+    out: list[list[int]] = []
+    while len(out) < n:
+        later = bool(out)
+        for i in torch.randperm(len(items), generator=g).tolist():
+            if len(out) == n:
+                break
+            row, L = items[i][2], lens[len(out) % len(lens)]
+            start = int(torch.randint(0, max(1, len(row) - L + 1), (1,), generator=g)) if later else 0
+            out.append(row[start:start + L])
+        if not passes:
+            break
+    return [p for p in out if p]
+
+
+def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str, acc) -> list[list[int]]:
+    """regenerate() over the data-parallel processes: process r continues prompts[r::world] and saves them; after a
+    barrier every process reads all parts back in the prompts' order (so each holds the same sequences)."""
+    from train.drafter import regenerate
+
+    d = recipe.data.regenerate
+    rank, world = (acc.process_index, acc.num_processes) if acc is not None else (0, 1)
+    seeds = [recipe.seed + i for i in range(rank, len(prompts), world)]  # per prompt: the same for any world size
+    mine = regenerate(target, tok, prompts[rank::world], d.new_tokens, d.temperature, d.batch_size, seeds)
+    if world == 1:
+        return mine
+    log.info("regenerate: process %d of %d continued %d of the %d %s prompts", rank, world, len(mine), len(prompts),
+             split)
+    parts = [Path(recipe.output_dir) / f"regenerated-{split}.{r}.pt" for r in range(world)]
+    parts[rank].parent.mkdir(parents=True, exist_ok=True)
+    torch.save(mine, parts[rank].with_suffix(".tmp"))
+    parts[rank].with_suffix(".tmp").rename(parts[rank])
+    acc.wait_for_everyone()
+    out: list = [None] * len(prompts)
+    for r, part in enumerate(parts):
+        out[r::world] = torch.load(part)
+    acc.wait_for_everyone()  # every process has read every part
+    if rank == 0:
+        for part in parts:
+            part.unlink()
+    return out
+
+
+def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
+    """The sequences of `recipe.data` (`<output_dir>/sequences.pt` when resuming and present). accelerator: with
+    several processes, rank 0 prepares the corpus first, and regeneration is split over all of them."""
     out = Path(recipe.output_dir)
     cache = out / "sequences.pt"
-    if (recipe.resume or reuse) and cache.is_file():
+    if recipe.resume and cache.is_file():
         return Sequences(**torch.load(cache))
     d, T = recipe.data, recipe.data.seq_len
     g = torch.Generator().manual_seed(recipe.seed)
-    if d.dataset is None:
-        enc = _from_corpus(recipe, tok)
-    else:
-        recs = [encode_record(r, tok) for r in load_records(d.dataset)]
-        n_hold = max(1, min(d.holdout_sequences, len(recs) // 10))
-        order = torch.randperm(len(recs), generator=g).tolist()
-        enc = {"holdout": [recs[i] for i in order[:n_hold]], "train": [recs[i] for i in order[n_hold:]] or
-               [recs[i] for i in order[:n_hold]]}
+    with accelerator.main_process_first() if accelerator is not None else nullcontext():  # one process packs
+        if d.dataset is None:
+            enc = _from_corpus(recipe, tok)
+        else:
+            recs = [encode_record(r, tok) for r in load_records(d.dataset)]
+            n_hold = max(1, min(d.holdout_sequences, len(recs) // 10))
+            order = torch.randperm(len(recs), generator=g).tolist()
+            enc = {"holdout": [recs[i] for i in order[:n_hold]], "train": [recs[i] for i in order[n_hold:]] or
+                   [recs[i] for i in order[:n_hold]]}
     result = {}
     for split, items in enc.items():
         n = d.regenerate.num_sequences if split == "train" else d.holdout_sequences
         if d.regenerate.enabled:
-            from train.drafter import regenerate
-
-            pick = torch.randperm(len(items), generator=g)[:n].tolist()
             lens = d.regenerate.prompt_tokens
-            lens = [lens] if isinstance(lens, int) else lens
-            prompts = [items[i][2][: lens[j % len(lens)]] for j, i in enumerate(pick)]
-            prompts = [p for p in prompts if p]
+            prompts = pick_prompts(items, n, [lens] if isinstance(lens, int) else lens, g, passes=d.dataset is None)
             log.info("regenerate: the target continues %d %s prompts by %d tokens", len(prompts), split,
                      d.regenerate.new_tokens)
-            seqs = regenerate(target, tok, prompts, d.regenerate.new_tokens, d.regenerate.temperature,
-                              d.regenerate.batch_size, recipe.seed)
-            rows = seqs
-            masks = [[False] * len(p) + [True] * (len(s) - len(p)) for p, s in zip(prompts, seqs)]
+            rows = _regenerate_shared(recipe, target, tok, prompts, split, accelerator)
             # the prompt's last token anchors the first block of the response
+            masks = [[False] * len(p) + [True] * (len(s) - len(p)) for p, s in zip(prompts, rows)]
         else:
             picked = [items[i] for i in range(len(items) if split == "train" else min(n, len(items)))]
             rows, masks = [it[0] for it in picked], [it[1] for it in picked]
         x, m = _pad(rows, masks, min(T, max(len(r) for r in rows)), tok.pad_token_id or 0)
         result[split], result[f"{split}_mask"] = x, m
     seqs = Sequences(result["train"], result["train_mask"], result["holdout"], result["holdout_mask"])
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    torch.save(vars(seqs), tmp)
-    tmp.rename(cache)
+    if accelerator is None or accelerator.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        torch.save(vars(seqs), tmp)
+        tmp.rename(cache)
     return seqs

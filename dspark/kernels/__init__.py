@@ -4,7 +4,6 @@ Every module holds `<op>_ref` (pure torch, calling the model code), `_<op>_kerne
 launcher) and `<op>` (the dispatcher: Triton for CUDA tensors, or for any tensor under TRITON_INTERPRET=1; else the
 reference). Modules:
   kda_decode     fused KDA decode / verify step (conv + SiLU + L2 norm + gate + delta rule; then the gated RMSNorm)
-  kda_chunk      the chunk-form body of kda_decode's kernel (CHUNK: matmuls, then an element-wise state loop)
   attn_res       Attention-Residuals depth mix (+ optional output RMSNorm)
   mxfp4_matmul   y = x @ dequant(W)^T with MXFP4 weights dequantised in registers (single or grouped experts)
   markov_sample  the sequential Markov-head draft sampling loop of one draft step, one launch

@@ -20,13 +20,11 @@ loop (see _kda_decode_kernel). A second launch applies the gated per-head RMSNor
 from __future__ import annotations
 
 import inspect
-import os
 from types import SimpleNamespace
 
 import torch
 
 from dspark.kernels import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
-from dspark.kernels.kda_chunk import _chunk_u_o
 from dspark.models.k3.kda import KimiDeltaAttention, kda_gate, kda_recurrent, l2norm
 from dspark.models.layers import RMSNorm
 
@@ -151,7 +149,7 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
                        T, H, P, NH, SQ, SF, SB, lower_bound, scale,
                        D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                        W: tl.constexpr, USE_LB: tl.constexpr, HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr,
-                       HAS_LEN: tl.constexpr, MERGED: tl.constexpr, CHUNK: tl.constexpr, LOG_BT: tl.constexpr):
+                       HAS_LEN: tl.constexpr, MERGED: tl.constexpr):
     """Program (b, h, j) owns the value columns j*BV .. j*BV+BV-1 of S [K, V]: the delta rule is independent per
     value column (u = v - S^T k and o = S^T q are column-wise), so D/BV programs per head share the serial work.
     Everything that does not depend on the state is computed for all T tokens at once ([BT, BD] tiles, every load
@@ -161,9 +159,7 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     per-head RMSNorm, which needs all of a head's columns. NH = B*H is only the autotuning key (the grid size).
     SQ, SF, SB: the row strides of qkv, f and beta (row b*T + t; column slices of one wider projection).
     MERGED: both reductions over K of a token read the decayed state (o = S^T q + beta (k . q) u), so they are
-    independent; else o is reduced from the updated state, a second reduction on the serial path (autotuned).
-    CHUNK (T >= 2, BT >= 16, BV >= 16): u and o of all tokens by matmuls first (kda_chunk._chunk_u_o), the loop then
-    only updates and stores the states, element-wise."""
+    independent; else o is reduced from the updated state, a second reduction on the serial path (autotuned)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -175,10 +171,7 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     vo = j * BV + tl.arange(0, BV)  # this program's value columns
     vm = vo < D
     tt = tl.arange(0, BT)  # token index
-    if CHUNK:
-        U, Ot = _chunk_u_o(Q, K, V, G, beta, S, BT, LOG_BT)  # [BT, BV] each
-    else:
-        Ot = tl.zeros([BT, BV], dtype=tl.float32)
+    Ot = tl.zeros([BT, BV], dtype=tl.float32)
     KQ = tl.sum(K * Q, 1)  # [BT] k_t . q_t
     for t in range(0, T):  # the delta rule, token by token
         sel = tt[:, None] == t
@@ -186,19 +179,16 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
         e = tl.sum(tl.where(sel, decay, 0.0), 0)
         bt = tl.sum(tl.where(tt == t, beta, 0.0), 0)
         S = S * e[:, None]
-        if CHUNK:  # u known: no reduction over K on this path
-            S = S + bt * k[:, None] * tl.sum(tl.where(sel, U, 0.0), 0)[None, :]
-        else:
-            q = tl.sum(tl.where(sel, Q, 0.0), 0)
-            v = tl.sum(tl.where(sel, V, 0.0), 0)  # [BV]
-            u = v - tl.sum(S * k[:, None], 0)  # [BV]
-            if MERGED:  # o = (S + bt k u^T)^T q = S^T q + bt (k . q) u: this reduction is independent of u's
-                o = tl.sum(S * q[:, None], 0) + bt * tl.sum(tl.where(tt == t, KQ, 0.0), 0) * u
-                S = S + bt * k[:, None] * u[None, :]
-            else:  # o after the update: a second reduction that waits for the first
-                S = S + bt * k[:, None] * u[None, :]
-                o = tl.sum(S * q[:, None], 0)
-            Ot = tl.where(sel, o[None, :], Ot)
+        q = tl.sum(tl.where(sel, Q, 0.0), 0)
+        v = tl.sum(tl.where(sel, V, 0.0), 0)  # [BV]
+        u = v - tl.sum(S * k[:, None], 0)  # [BV]
+        if MERGED:  # o = (S + bt k u^T)^T q = S^T q + bt (k . q) u: this reduction is independent of u's
+            o = tl.sum(S * q[:, None], 0) + bt * tl.sum(tl.where(tt == t, KQ, 0.0), 0) * u
+            S = S + bt * k[:, None] * u[None, :]
+        else:  # o after the update: a second reduction that waits for the first
+            S = S + bt * k[:, None] * u[None, :]
+            o = tl.sum(S * q[:, None], 0)
+        Ot = tl.where(sel, o[None, :], Ot)
         if ALL_STATES:
             tl.store(s_out_ptr + ((b * T + t) * H + h) * D * D + sidx, S, mask=smask)
     if not ALL_STATES:
@@ -225,23 +215,17 @@ def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, SG, eps, D: tl
 # (BV value columns per program, warps): autotuned per (T, B*H, D, all states) on CUDA at first use. Small grids
 # (bs=1: 6..96 heads) want narrow slices, so that the serial delta rule runs on many SMs (H200, T = 9 with all
 # states, 6 heads: 28.9 us at BV 16 / 4 warps, against 87 us for one program per head); large grids want wide ones.
+# A chunk form of the verify (u and o by matmuls, then an element-wise state loop) took 41 us per launch in the
+# k3-mini DSpark step against 28 us for this loop (session 7, bench/RESULTS.md) and was removed.
 _CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8))  # x MERGED 0 / 1
-_CHUNK_CONFIGS = ((16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8))  # the chunk form: BV >= 16 (tl.dot)
 _DEFAULT_BV = 16  # the interpreter's (and block_v=None without autotuning) value slice
-# verifies of T >= CHUNK_MIN_T tokens take the chunk form (kda_chunk.py); off until timed against the loop on the
-# H200 (bench/gpu_kernels.py prints both): DSPARK_KDA_CHUNK_MIN_T=2 turns it on
-CHUNK_MIN_T = int(os.environ.get("DSPARK_KDA_CHUNK_MIN_T", "0")) or None
 
 if HAS_TRITON:  # picks persist in Triton's cache dir where this triton can (as fla's do; bench/h200_run.sh carries them)
     _CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
-    _kda_tuned = triton.autotune([triton.Config({"BV": bv, "MERGED": m, "CHUNK": False}, num_warps=w, num_stages=1)
+    _kda_tuned = triton.autotune([triton.Config({"BV": bv, "MERGED": m}, num_warps=w, num_stages=1)
                                   for bv, w in _CONFIGS for m in (False, True)],
                                  key=["T", "NH", "D", "ALL_STATES"], restore_value=["s_out_ptr"],
                                  **_CACHE_RESULTS)(_kda_decode_kernel)
-    _kda_chunk_tuned = triton.autotune([triton.Config({"BV": bv, "MERGED": True, "CHUNK": True}, num_warps=w,
-                                                      num_stages=1) for bv, w in _CHUNK_CONFIGS],
-                                       key=["T", "NH", "D", "ALL_STATES"], restore_value=["s_out_ptr"],
-                                       **_CACHE_RESULTS)(_kda_decode_kernel)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -257,12 +241,11 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 @torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
                       eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None,
-                      merged=True, chunk=None):
+                      merged=True, num_warps=None):
     """state_out may be `state` itself (in-place update: each program reads its state slice before writing it).
     block_v: value columns per program (default: autotuned on CUDA, with the reduction order; _DEFAULT_BV in the
-    interpreter); merged: the reduction order when not autotuned (MERGED in _kda_decode_kernel); chunk: the chunk
-    form for 2 <= T <= 32 (kda_chunk.py; default: from T = CHUNK_MIN_T on). Two launches: the delta rule, then the
-    gated norm."""
+    interpreter); merged, num_warps: the reduction order (MERGED in _kda_decode_kernel) and warps when block_v is
+    given. Two launches: the delta rule, then the gated norm."""
     B, T, P3 = qkv.shape
     P, W = P3 // 3, conv_w.shape[1]
     D = o_norm_w.shape[0]
@@ -282,18 +265,12 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
             lengths if lengths is not None else qkv, T, H, P, B * H, sq, sf, sb, float(lower_bound or 0.0), D ** -0.5)
     meta = dict(D=D, BD=BD, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None,
                 HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None)
-    if chunk is None:
-        chunk = CHUNK_MIN_T is not None and T >= CHUNK_MIN_T
-    chunk = bool(chunk) and 2 <= T <= 32  # the chunk form (kda_chunk.py): matmuls, then an element-wise loop
-    if chunk:
-        meta["BT"] = max(16, next_pow2(T))  # tl.dot's minimum
-    meta["LOG_BT"] = meta["BT"].bit_length() - 1
     if block_v is None and not interpreting():
-        (_kda_chunk_tuned if chunk else _kda_tuned)[lambda a: (B, H, triton.cdiv(D, a["BV"]))](*args, **meta)
+        _kda_tuned[lambda a: (B, H, triton.cdiv(D, a["BV"]))](*args, **meta)
     else:
-        BV = min(max(block_v or _DEFAULT_BV, 16 if chunk else 1), BD)
-        _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](*args, **meta, BV=BV, MERGED=merged, CHUNK=chunk,
-                                                       num_warps=4 if BV <= 32 else 8, num_stages=1)
+        BV = min(block_v or _DEFAULT_BV, BD)
+        _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](*args, **meta, BV=BV, MERGED=merged, num_stages=1,
+                                                       num_warps=num_warps or (4 if BV <= 32 else 8))
     _kda_out_norm_kernel[(B * T, H)](o, gate, o_norm_w, out, H, P, sg, eps, D=D, BD=BD,
                                      num_warps=1 if BD <= 128 else 4)
     return out, s_out, ext
