@@ -343,10 +343,10 @@ case "${1:-kernels}" in
     export CUDA_VISIBLE_DEVICES=0
     drafter=$(ls -d runs/k3-mini-drafter/best 2>/dev/null || echo runs/k3-mini-drafter/final)  # log.keep_best: tau
     echo "drafter: $drafter"
-    timeout 330 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter "$drafter" \
+    timeout 380 python3 bench/pair_decode.py --target runs/k3-mini/final --drafter "$drafter" \
       --tasks humaneval,creative --prompts 8 --max-tokens 128 --compile --profile --agree 1 --batches 1,4,16,64 \
       --append "$OUT/pair.md" > "$OUT/pair.txt" 2>&1
-    timeout 150 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter "$drafter" \
+    timeout 130 python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter "$drafter" \
       --dtype bfloat16 --batches 1 --steps 30 2>&1 | grep -v "^USDT\|profiler_st" > "$OUT/engine_gpu.txt"
     if [ "$ngpu" -ge 2 ]; then wait; else side; fi
     grep "^|" "$OUT/pair.txt" | head -14; grep "kernels per step" "$OUT/pair.txt"; cat "$OUT/engine_gpu.txt"
