@@ -19,6 +19,7 @@ subprocess for that reason.
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -39,6 +40,12 @@ except Exception:  # noqa: BLE001 - no triton: every op runs its torch reference
             return fn if fn is not None else (lambda f: f)
 
     triton = tl = _Stub()
+
+
+# autotune picks persist in Triton's cache dir where this triton can (as fla's do): a carried cache (bench/h200_run.sh
+# save_autotune) spares a fresh machine the timing of every config
+AUTOTUNE_CACHE = ({"cache_results": True} if HAS_TRITON and "cache_results" in
+                  inspect.signature(triton.autotune).parameters else {})
 
 
 def interpreting() -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dspark.kernels import HAS_TRITON, interpreting, tl, triton, use_triton
+from dspark.kernels import AUTOTUNE_CACHE, HAS_TRITON, interpreting, tl, triton, use_triton
 from dspark.models.layers import rms_norm
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
@@ -95,7 +95,7 @@ if HAS_TRITON:
     _even = triton.heuristics({"EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a["K"] % a["BLOCK_K"] == 0})
     _gemv = _even(_gemv_kernel)
     _gemv_tuned = triton.autotune(_configs(), key=["N", "K", "PROLOGUE", "RESIDUAL", "GROUPED"],
-                                  restore_value=["y_ptr"])(
+                                  restore_value=["y_ptr"], **AUTOTUNE_CACHE)(
         _even(_gemv_kernel))
 
 

@@ -19,12 +19,11 @@ loop (see _kda_decode_kernel). A second launch applies the gated per-head RMSNor
 """
 from __future__ import annotations
 
-import inspect
 from types import SimpleNamespace
 
 import torch
 
-from dspark.kernels import HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
+from dspark.kernels import AUTOTUNE_CACHE, HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
 from dspark.models.k3.kda import KimiDeltaAttention, kda_gate, kda_recurrent, l2norm
 from dspark.models.layers import RMSNorm
 
@@ -220,12 +219,11 @@ def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, SG, eps, D: tl
 _CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8))  # x MERGED 0 / 1
 _DEFAULT_BV = 16  # the interpreter's (and block_v=None without autotuning) value slice
 
-if HAS_TRITON:  # picks persist in Triton's cache dir where this triton can (as fla's do; bench/h200_run.sh carries them)
-    _CACHE_RESULTS = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+if HAS_TRITON:
     _kda_tuned = triton.autotune([triton.Config({"BV": bv, "MERGED": m}, num_warps=w, num_stages=1)
                                   for bv, w in _CONFIGS for m in (False, True)],
                                  key=["T", "NH", "D", "ALL_STATES"], restore_value=["s_out_ptr"],
-                                 **_CACHE_RESULTS)(_kda_decode_kernel)
+                                 **AUTOTUNE_CACHE)(_kda_decode_kernel)
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
