@@ -267,7 +267,7 @@ case "${1:-kernels}" in
     # fresh machine. GPU0: the target; max_minutes counts from the end of its first step, which compiles fla's
     # kernels (256 s on session 6's fresh machine). GPU1 meanwhile: a 1-step target, then the drafter recipe on it
     # for 3 steps, so that the regeneration (every prompt length at 512 rows), flex and the drafter step are compiled
-    # before s7-b. One GPU: the target alone.
+    # before s7-b; s8-a then runs the kernel tests there until about 440 s. One GPU: the target alone.
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     ngpu=$(nvidia-smi -L | wc -l)
     warm() {
@@ -276,12 +276,18 @@ case "${1:-kernels}" in
       timeout 220 python3 -m train recipes/k3-mini.yaml log.wandb_mode=disabled target=runs/k3-step1/final \
         output_dir=runs/warm max_steps=3 data.regenerate.num_sequences=2560 data.holdout_sequences=8 > /tmp/warm.log 2>&1
       echo "warm-up drafter rc $?"; grep -h "first step took\|regenerate" /tmp/warm_target.log /tmp/warm.log | head
+      left=$((440 - SECONDS))  # s8-a: the kernel tests in what is left of the target's time (GPU0 ended at ~420 s)
+      if [ "$1" = s8-a ] && [ $left -gt 30 ]; then
+        timeout $left python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py -q -p no:cacheprovider \
+          -p no:warnings --durations=12 > "$OUT/gpu_tests_a.txt" 2>&1; echo "kernel tests rc $? ($left s)"
+      fi
     }
-    if [ "$ngpu" -ge 2 ]; then CUDA_VISIBLE_DEVICES=1 warm > "$OUT/warm.txt" 2>&1 & fi
+    if [ "$ngpu" -ge 2 ]; then CUDA_VISIBLE_DEVICES=1 warm "$1" > "$OUT/warm.txt" 2>&1 & fi
     CUDA_VISIBLE_DEVICES=0 timeout 560 python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled \
       max_minutes=${TARGET_MIN:-2.8} 2>&1 | grep -v "it/s\]" | grep -v "^ " | tail -6 | tee "$OUT/k3_mini_train.txt"
     cp runs/k3-mini/final_metrics.json "$OUT/k3_mini_final_metrics.json"
-    wait; cat "$OUT/warm.txt" 2>/dev/null; grep -A3 '"holdout' "$OUT/k3_mini_final_metrics.json" | head -8
+    wait; cat "$OUT/warm.txt" 2>/dev/null; tail -16 "$OUT/gpu_tests_a.txt" 2>/dev/null
+    grep -A4 '"final"' "$OUT/k3_mini_final_metrics.json" | head -6
     save_autotune
     ;;
   s7-b|s8-b)
