@@ -171,6 +171,7 @@ def test_prompts_beyond_the_rows_start_at_random_positions():
     assert any(p[0] % 1000 for p in later) and len({tuple(p) for p in many}) == 12
     assert pick_prompts(rows, 12, [10], torch.Generator().manual_seed(0), passes=False) == \
         pick_prompts(rows, 5, [10], torch.Generator().manual_seed(0), passes=True)  # records: one pass only
+    assert pick_prompts([], 3, [10], torch.Generator().manual_seed(0), passes=True) == []  # no rows: no prompts
 
 
 def test_max_minutes_counts_from_the_end_of_the_first_step(setup):

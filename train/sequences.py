@@ -117,7 +117,7 @@ def pick_prompts(items, n: int, lens: list[int], g: torch.Generator, passes: boo
     distinct items in random order. When n exceeds the items and `passes` (corpus rows, which are long), further
     passes start each prompt at a random position of its row, so no prompt repeats."""
     out: list[list[int]] = []
-    while len(out) < n:
+    while items and len(out) < n:
         later = bool(out)
         for i in torch.randperm(len(items), generator=g).tolist():
             if len(out) == n:
