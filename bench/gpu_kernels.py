@@ -40,6 +40,16 @@ def _err(a, b) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
+def _kda_inputs(B, T, H, all_states, D=128, W=4) -> dict:
+    """kda_decode's arguments at K3 head size in bf16 (fp32 conv weights, gate parameters and state)."""
+    P = H * D
+    r = lambda *s: torch.randn(*s, device="cuda")
+    return dict(qkv=r(B, T, 3 * P).bfloat16(), f=r(B, T, P).bfloat16(), beta=r(B, T, H).bfloat16(),
+                gate=r(B, T, P).bfloat16(), conv_w=r(3 * P, W) * .5, window=r(B, W - 1, 3 * P).bfloat16(),
+                A_log=r(H) * .5, dt_bias=r(P), o_norm_w=torch.ones(D, device="cuda").bfloat16(),
+                state=r(B, H, D, D) * .3, lower_bound=-5.0, return_all_states=all_states)
+
+
 def bench_kda(iters):
     import dspark.kernels.kda_decode as kd
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
@@ -48,11 +58,7 @@ def bench_kda(iters):
         for H in (6, 16, 96):  # 6: the k3-mini target's KDA heads
             for T, all_states in ((1, False), (9, True), (17, False)):
                 P = H * D
-                r = lambda *s: torch.randn(*s, device="cuda")
-                inp = dict(qkv=r(B, T, 3 * P).bfloat16(), f=r(B, T, P).bfloat16(), beta=r(B, T, H).bfloat16(),
-                           gate=r(B, T, P).bfloat16(), conv_w=r(3 * P, W) * .5, window=r(B, W - 1, 3 * P).bfloat16(),
-                           A_log=r(H) * .5, dt_bias=r(P), o_norm_w=torch.ones(D, device="cuda").bfloat16(),
-                           state=r(B, H, D, D) * .3, lower_bound=-5.0, return_all_states=all_states)
+                inp = _kda_inputs(B, T, H, all_states, D, W)
                 ref = kda_decode_ref(**inp)
                 nbytes = (B * T * (3 * P + 2 * P + H) * 2 + 3 * P * W * 4 + B * (W - 1) * 3 * P * 2 + B * H * D * D * 4
                           + B * T * P * 2 + B * (T + W - 1) * 3 * P * 2 + B * (T if all_states else 1) * H * D * D * 4)
@@ -72,14 +78,9 @@ def bench_kda(iters):
 
 def bench_kda_sweep(iters):
     import dspark.kernels.kda_decode as kd
-    B, H, T, D, W = 1, 6, 9, 128, 4
-    P = H * D
-    r = lambda *s: torch.randn(*s, device="cuda")
-    fused = r(B, T, 3 * P + P + H).bfloat16()  # [q | k | v | gate | b], as KimiDeltaAttention.fused_in_weight
-    common = dict(f=r(B, T, P).bfloat16(), conv_w=r(3 * P, W) * .5, window=r(B, W - 1, 3 * P).bfloat16(),
-                  A_log=r(H) * .5, dt_bias=r(P), o_norm_w=torch.ones(D, device="cuda").bfloat16(),
-                  state=r(B, H, D, D) * .3, lower_bound=-5.0, return_all_states=True,
-                  lengths=torch.tensor([T], device="cuda"))
+    B, H, T, P = 1, 6, 9, 6 * 128
+    common = dict(_kda_inputs(B, T, H, True), lengths=torch.tensor([T], device="cuda"))
+    fused = torch.cat([common.pop(k) for k in ("qkv", "gate", "beta")], -1)  # [q|k|v | gate | b], as fused_in_weight
     layouts = {"contiguous": dict(qkv=fused[..., :3 * P].contiguous(), gate=fused[..., 3 * P:4 * P].contiguous(),
                                   beta=fused[..., 4 * P:].contiguous()),
                "fused slices": dict(qkv=fused[..., :3 * P], gate=fused[..., 3 * P:4 * P], beta=fused[..., 4 * P:])}
@@ -197,7 +198,8 @@ def main() -> int:
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"{'case':<44} {'max_err':>9} {'ref_us':>10} {'ker_us':>9} {'speedup':>8} {'MB':>9} {'floor_us':>8} "
           f"{'of_floor':>6}")
-    benches = dict(kda=bench_kda, kda_sweep=bench_kda_sweep, attnres=bench_attnres, mxfp4=bench_mxfp4, markov=bench_markov, moe=bench_moe)
+    benches = dict(kda=bench_kda, kda_sweep=bench_kda_sweep, attnres=bench_attnres, mxfp4=bench_mxfp4,
+                   markov=bench_markov, moe=bench_moe)
     for name in args.only.split(","):
         benches[name.strip()](args.iters)
     return 0

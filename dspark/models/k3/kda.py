@@ -253,16 +253,14 @@ class KimiDeltaAttention(nn.Module):
         (t >= num_new) leave the state untouched, as in forward."""
         from dspark.kernels.kda_decode import conv_weight, kda_decode  # the kernel module imports this one
 
-        P, D, H = self.num_heads * self.head_dim, self.head_dim, self.num_heads
         conv_w = self._derived("_conv_w", (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
                                lambda: conv_weight(self))  # the fused [3P, W] copy
         mods = self._in_proj_modules()
         y = F.linear(x, self._derived("_in_w", [m.weight for m in mods], self.fused_in_weight))  # [B, T, >= 3P+G+D+H]
-        G = mods[3].out_features
-        gate = y[..., 3 * P: 3 * P + G]
+        widths = [m.out_features for m in mods]
+        qkv, gate, f_a, beta = y[..., :sum(widths)].split([sum(widths[:3]), *widths[3:]], -1)  # padding dropped
         gate = gate if self.use_full_rank_gate else self.g_b_proj(gate)
-        f = self.f_b_proj(y[..., 3 * P + G: 3 * P + G + D])
-        o, S, ext = kda_decode(y[..., : 3 * P], f, y[..., 3 * P + G + D: 3 * P + G + D + H], gate, conv_w, window,
+        o, S, ext = kda_decode(qkv, self.f_b_proj(f_a), beta, gate, conv_w, window,
                                self.A_log, self.dt_bias, self.o_norm.weight, S0, self.gate_lower_bound,
                                self.o_norm.eps, return_all_states=record, lengths=batch.num_new.to(x.device))
         self._write_cache(batch.cache, batch, S, ext, record)
