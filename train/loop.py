@@ -161,10 +161,8 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         if step % recipe.log.save_every == 0 and step < recipe.max_steps:
             _save_checkpoint(accelerator, ckpt_root, step, {"history": history, "best": best})
     bar.close()
-    if prof is not None and step >= prof.first:  # training ended inside the profiled steps
+    if prof is not None:  # training ended before the last profiled step
         prof.done(step, out, end=True)
-    elif prof is not None:
-        prof.prof.__exit__(None, None, None)
     if step_log is not None:
         step_log.close()
     if not history or history[-1]["step"] != step:
@@ -209,9 +207,12 @@ class _StepProfile:
         self.t0 = time.time()
 
     def done(self, step: int, out: Path, end: bool = False) -> bool:
-        """Call after each step; True once written."""
+        """Call after each step (end: training stopped); True once the profiler is closed."""
         if step < self.last and not end:
             return False
+        if step < self.first:  # ended before any profiled step: nothing to write
+            self.prof.__exit__(None, None, None)
+            return True
         if self.cuda:
             torch.cuda.synchronize()
         n = step - self.first + 1
