@@ -239,6 +239,9 @@ class RegenerateConfig:
     new_tokens: int = doc(192, "tokens the target writes per prompt")
     temperature: float = doc(0.0, "0 = greedy, as evaluated")
     batch_size: int = 64
+    code_prompts: float = doc(0.0, "share of the train prompts that end where a Python function's body begins (after "
+                                   "its docstring, HumanEval's form), cut from the corpus's train .py files; the rest "
+                                   "are corpus windows")
 
 
 @dataclass
@@ -303,6 +306,12 @@ class DrafterRecipe:
         if not lens or min(lens) < 1:
             raise RecipeError(f"data.regenerate.prompt_tokens: expected a length >= 1 or a non-empty list of them, "
                               f"got {self.data.regenerate.prompt_tokens!r}")
+        share = self.data.regenerate.code_prompts
+        if not 0.0 <= share <= 1.0:
+            raise RecipeError(f"data.regenerate.code_prompts: expected a share in [0, 1], got {share}")
+        if share > 0 and self.data.dataset is not None:
+            raise RecipeError("data.regenerate.code_prompts: cut from the corpus, so it needs data.dataset unset "
+                              f"(got data.dataset={self.data.dataset!r}); set code_prompts: 0 for a dataset")
         if self.data.regenerate.enabled and max(lens) >= self.data.seq_len:
             raise RecipeError(f"data.regenerate.prompt_tokens: {max(lens)} leaves no response tokens in "
                               f"data.seq_len={self.data.seq_len} (sequences are cut to seq_len)")

@@ -223,3 +223,84 @@ def test_unigram_entropy():
     # Laplace: q = (count + 1) / (2 + 4) = [3/6, 1/6, 1/6, 1/6]
     assert h.cross_entropy == pytest.approx(-(math.log(0.5) + 3 * math.log(1 / 6)) / 4)
     assert h.cross_entropy > h.entropy
+
+
+# --- code-completion prompts ------------------------------------------------------------------------------------
+
+FUNCTIONS = '''import os
+
+
+def f(a, b):
+    """Add.
+
+    >>> f(1, 2)
+    3
+    """
+    return a + b
+
+
+class C:
+    def g(self,
+          x):
+        # a comment
+        return x
+
+    def h(self): return 1
+
+    async def k(self):
+        "one line"
+        pass
+'''
+
+
+def test_completion_points_end_at_each_function_body():
+    """After the docstring when there is one, else after the (multi-line) signature and comments; a body on the
+    def line gives no point; a file that does not parse gives none."""
+    from dspark.data.completions import completion_points
+
+    points = completion_points(FUNCTIONS)
+    assert [FUNCTIONS[:p].splitlines()[-1].strip() for p in points] == ['"""', "# a comment", '"one line"']
+    assert [FUNCTIONS[p:].splitlines()[0].strip() for p in points] == ["return a + b", "return x", "pass"]
+    assert completion_points("def f(:\n    pass\n") == []
+
+
+def test_completion_prompts_are_the_context_before_each_point(small_corpus, tokenizer_dir):
+    """Real stdlib files of the corpus: each prompt decodes to the text just before a completion point (at most
+    n_tokens tokens of it); a context that reaches the file's start begins with the document separator."""
+    from transformers import AutoTokenizer
+
+    from dspark.data.completions import completion_points, completion_prompts
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    train = load_corpus(small_corpus)["train"]
+    texts = [t for t, p in zip(train["text"], train["path"]) if p.endswith(".py")][:3]
+    prompts = completion_prompts(texts, tok, 48, bos_id=tok.eos_token_id)
+    points = [(t, p) for t in texts for p in completion_points(t)]
+    assert len(prompts) == len(points) > 3
+    for ids, (text, p) in zip(prompts, points):
+        assert 0 < len(ids) <= 48
+        body = ids[1:] if ids[0] == tok.eos_token_id else ids
+        assert text[:p].endswith(tok.decode(body)), (tok.decode(body)[-80:], text[max(0, p - 80):p])
+        assert (ids[0] == tok.eos_token_id) == (len(tok(text[:p])["input_ids"]) < 48)
+
+
+def test_code_prompts_are_cached_next_to_the_tokenizer(small_corpus, tokenizer_dir, tmp_path):
+    """train.data.prepare_code_prompts builds the prompts once, into the tokenizer dir; a second call (e.g. on a GPU
+    box that carries the tokenizer dir but not the corpus texts) reads the same prompts back."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from dspark.config import DataConfig
+    from train.data import _file_digest, prepare_code_prompts
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tokenizer_dir, tok_dir)
+    cfg = DataConfig(corpus_dir=str(tmp_path / "corpus"), sources=["python_stdlib"], max_bytes_per_source=1_000_000,
+                     tokenizer_dir=str(tok_dir), vocab_size=512)
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    digest = _file_digest(tok_dir / "tokenizer.json")
+    built = prepare_code_prompts(cfg, tok, digest, 32)
+    assert len(list(tok_dir.glob("code-prompts-*.pt"))) == 1
+    assert len(built) > 10 and all(0 < len(p) <= 32 for p in built)
+    assert prepare_code_prompts(cfg, tok, digest, 32) == built

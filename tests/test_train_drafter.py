@@ -119,6 +119,9 @@ def test_resume_after_kill_9_continues_from_the_last_checkpoint(setup):
     ({"log": {"wandb_mode": "disabled", "keep_best": "acc"}}, r"log.keep_best: expected one of \['', 'tau'"),
     ({"data": ("REGENERATE", {"prompt_tokens": [8, 96]})}, r"prompt_tokens: 96 leaves no response tokens in "
                                                             r"data.seq_len=96"),
+    ({"data": ("REGENERATE", {"code_prompts": 1.5})}, r"data.regenerate.code_prompts: expected a share in \[0, 1\]"),
+    ({"data": ("REGENERATE", {"code_prompts": 0.5})}, r"code_prompts: cut from the corpus, so it needs data.dataset "
+                                                      r"unset"),
 ])
 def test_bad_input_is_one_clear_line(setup, over, message):
     data = over.get("data")
@@ -172,6 +175,21 @@ def test_prompts_beyond_the_rows_start_at_random_positions():
     assert pick_prompts(rows, 12, [10], torch.Generator().manual_seed(0), passes=False) == \
         pick_prompts(rows, 5, [10], torch.Generator().manual_seed(0), passes=True)  # records: one pass only
     assert pick_prompts([], 3, [10], torch.Generator().manual_seed(0), passes=True) == []  # no rows: no prompts
+
+
+def test_code_prompts_take_the_lengths_in_turn_and_each_point_once_per_pass():
+    """pick_code_prompts: the point's last L tokens, L from the lengths in turn, points too short for their L passed
+    over; no point twice before every point was used once."""
+    from train.sequences import pick_code_prompts
+
+    points = [list(range(100 * i, 100 * i + n)) for i, n in enumerate([40, 12, 25, 40, 33, 8])]
+    got = pick_code_prompts(points, 4, [10, 30], torch.Generator().manual_seed(0))
+    assert [len(p) for p in got] == [10, 30, 10, 30]
+    assert all(p == points[p[0] // 100][-len(p):] for p in got)  # each is the tail of one point
+    assert len({p[0] // 100 for p in got}) == 4
+    many = pick_code_prompts(points, 9, [10], torch.Generator().manual_seed(0))
+    assert len(many) == 9 and len({p[0] // 100 for p in many[:5]}) == 5  # 5 points reach 10 tokens; then a new pass
+    assert pick_code_prompts([[1, 2]], 3, [10], torch.Generator().manual_seed(0)) == []  # none long enough: none
 
 
 def test_max_minutes_counts_from_the_end_of_the_first_step(setup):

@@ -89,6 +89,36 @@ def prepare_tokens(cfg: DataConfig) -> TokenData:
     return TokenData(tok, rows["train"], holdout, corpus_dir)
 
 
+def prepare_code_prompts(cfg: DataConfig, tokenizer, tok_digest: str, n_tokens: int) -> list[list[int]]:
+    """Token prompts of at most n_tokens that end where a function's body begins in the corpus's train .py files
+    (dspark.data.completions), cached next to the tokenizer like the packed rows: a GPU box without the corpus (or
+    `datasets`) reuses them. tok_digest: the tokenizer's file digest (part of the cache key)."""
+    from dspark.data.completions import completion_prompts
+
+    key = _key({"card": _file_digest(Path(cfg.corpus_dir) / "card.json"), "tok": tok_digest, "n": n_tokens,
+                "kind": "function-bodies/1"})
+    cache = Path(cfg.tokenizer_dir) / f"code-prompts-{key}.pt"
+    if cache.is_file():
+        c = torch.load(cache)
+        flat, ends = c["ids"].tolist(), c["ends"].tolist()
+        return [flat[a:b] for a, b in zip([0] + ends[:-1], ends)]
+    corpus, corpus_dir = prepare_corpus(cfg)
+    train = corpus["train"]
+    texts = [t for t, p in zip(train["text"], train["path"]) if p.endswith(".py")]
+    prompts = completion_prompts(texts, tokenizer, n_tokens, tokenizer.eos_token_id)
+    if not prompts:
+        raise ValueError(f"data.regenerate.code_prompts: the train split of {corpus_dir} has no Python function to "
+                         "cut a prompt at; add python_stdlib to data.corpus.sources or set code_prompts: 0")
+    log.info("code prompts: %d function-body points in %d train .py files", len(prompts), len(texts))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache.with_suffix(".tmp")
+    small = torch.int16 if len(tokenizer) <= 32767 else torch.int32
+    ends = torch.tensor([len(p) for p in prompts]).cumsum(0)
+    torch.save({"ids": torch.tensor([t for p in prompts for t in p], dtype=small), "ends": ends}, tmp)
+    tmp.rename(cache)
+    return prompts
+
+
 def batch_for_step(rows: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
     """Deterministic per-step sampling (resume-safe): the rows of step s depend only on (seed, s)."""
     g = torch.Generator().manual_seed(seed * 1_000_003 + step)

@@ -130,6 +130,49 @@ def pick_prompts(items, n: int, lens: list[int], g: torch.Generator, passes: boo
     return [p for p in out if p]
 
 
+def pick_code_prompts(points: list[list[int]], n: int, lens: list[int], g: torch.Generator) -> list[list[int]]:
+    """n prompts ending at function-body points (train.data.prepare_code_prompts), their lengths taken from `lens` in
+    turn: the point's last L tokens (a point with less context is passed over for that length). Random order, every
+    point once per pass."""
+    out: list[list[int]] = []
+    while len(out) < n:
+        before = len(out)
+        for i in torch.randperm(len(points), generator=g).tolist():
+            if len(out) == n:
+                break
+            L = lens[len(out) % len(lens)]
+            if len(points[i]) >= L:
+                out.append(points[i][-L:])
+        if len(out) == before:
+            break
+    return out
+
+
+def _code_points(recipe, tok) -> list[list[int]] | None:
+    """The function-body prompts for data.regenerate.code_prompts (None when the share is 0)."""
+    from train.data import _file_digest, prepare_code_prompts
+
+    d = recipe.data
+    if not d.regenerate.enabled or d.regenerate.code_prompts <= 0:
+        return None
+    lens = d.regenerate.prompt_tokens
+    return prepare_code_prompts(d.corpus, tok, _file_digest(Path(recipe.target) / "tokenizer.json"),
+                                lens if isinstance(lens, int) else max(lens))
+
+
+def _train_prompts(recipe, items, points, n: int, lens: list[int], g: torch.Generator) -> list[list[int]]:
+    """The train split's regeneration prompts: corpus windows (pick_prompts), with the share data.regenerate
+    .code_prompts of them cut at the function-body points instead, shuffled together."""
+    if points is None:
+        return pick_prompts(items, n, lens, g, passes=recipe.data.dataset is None)
+    gc = torch.Generator().manual_seed(recipe.seed + 2)
+    code = pick_code_prompts(points, round(n * recipe.data.regenerate.code_prompts), lens, gc)
+    prompts = pick_prompts(items, n - len(code), lens, g, passes=True) + code
+    log.info("regenerate: %d of the %d train prompts end at a Python function body (%d points)", len(code),
+             len(prompts), len(points))
+    return [prompts[i] for i in torch.randperm(len(prompts), generator=gc).tolist()]
+
+
 def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str, acc) -> list[list[int]]:
     """regenerate() over the data-parallel processes: process r continues prompts[r::world] and saves them; after a
     barrier every process reads all parts back in the prompts' order (so each holds the same sequences)."""
@@ -170,18 +213,25 @@ def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
     with accelerator.main_process_first() if accelerator is not None else nullcontext():  # one process packs
         if d.dataset is None:
             enc = _from_corpus(recipe, tok)
+            points = _code_points(recipe, tok)
         else:
             recs = [encode_record(r, tok) for r in load_records(d.dataset)]
             n_hold = max(1, min(d.holdout_sequences, len(recs) // 10))
             order = torch.randperm(len(recs), generator=g).tolist()
             enc = {"holdout": [recs[i] for i in order[:n_hold]], "train": [recs[i] for i in order[n_hold:]] or
                    [recs[i] for i in order[:n_hold]]}
+            points = None
     result = {}
     for split, items in enc.items():
         n = d.regenerate.num_sequences if split == "train" else d.holdout_sequences
         if d.regenerate.enabled:
             lens = d.regenerate.prompt_tokens
-            prompts = pick_prompts(items, n, [lens] if isinstance(lens, int) else lens, g, passes=d.dataset is None)
+            lens = [lens] if isinstance(lens, int) else lens
+            if split == "train":
+                prompts = _train_prompts(recipe, items, points, n, lens, g)
+            else:  # its own generator: the holdout prompts do not depend on how the train prompts were drawn
+                prompts = pick_prompts(items, n, lens, torch.Generator().manual_seed(recipe.seed + 1),
+                                       passes=d.dataset is None)
             log.info("regenerate: the target continues %d %s prompts by %d tokens", len(prompts), split,
                      d.regenerate.new_tokens)
             rows = _regenerate_shared(recipe, target, tok, prompts, split, accelerator)
