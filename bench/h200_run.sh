@@ -50,6 +50,8 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# NVLink multicast stays off (the device tool's KINDS.md): set here too, for the processes accelerate starts
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # fla's autotune picks (FLA_CACHE_RESULTS, on by default) persist in Triton's cache as *.autotune.json; a fresh machine
 # spent 256 s in the target's first step compiling and timing every config. A carried .cache/triton-autotune.tgz
 # (saved by save_autotune from an earlier lease, same GPU / triton / fla) leaves only the picked configs to compile.
