@@ -37,6 +37,7 @@
 # the processes, keeps the best holdout tau in runs/k3-mini-drafter/best, and profiles 5 steps), then
 #   bash bench/h200_run.sh s8-c   # GPU0 the pair compiled + profiled + batch sweep, then engine_gpu bf16 (eager host
 #                                 #   overhead); GPU1 the kernel tests (per-test durations), the kernel timings, flex
+#   bash bench/h200_run.sh s8-d   # the pair re-timed plainly (best and final, 8 prompts; best, 16 prompts)
 # Carry: .whl (fla-core wheel), .cache/tokenizer-mini-8192 and .cache/corpus-mini/card.json (pre-packed tokens), and
 # .cache/triton-autotune.tgz once a lease has saved one (save_autotune: s7-a, s7-c).
 # Run every GPU command through this script: it installs the fla wheel and puts it on PYTHONPATH. A bare
@@ -365,6 +366,19 @@ case "${1:-kernels}" in
     grep "^|" "$OUT/pair.txt" | head -14; grep "kernels per step" "$OUT/pair.txt"; cat "$OUT/engine_gpu.txt"
     tail -16 "$OUT/gpu_tests.txt"; cat "$OUT/gpu_kernels.txt" "$OUT/flex_diagnose.txt" 2>/dev/null
     save_autotune
+    ;;
+  s8-d)
+    # the pair timed again without the profiler, agreement check or batch sweep (session 8, after s8-c), each GPU one
+    # process: `best` (GPU0) and `final` (GPU1) on 8 prompts per task, then `best` on 16 prompts (code on GPU0, prose
+    # on GPU1). s8-b's best holdout tau was its last evaluation, so best and final are the same weights
+    pair() {  # $1 GPU, $2 drafter, $3 tasks, $4 prompts, $5 out name
+      CUDA_VISIBLE_DEVICES=$1 timeout 250 python3 bench/pair_decode.py --target runs/k3-mini/final \
+        --drafter "runs/k3-mini-drafter/$2" --tasks "$3" --prompts "$4" --max-tokens 128 --compile --agree 0 \
+        > "$OUT/$5.txt" 2>&1
+    }
+    pair 1 final humaneval,creative 8 pair_final & pair 0 best humaneval,creative 8 pair_best2; wait
+    pair 1 best creative 16 pair16_prose & pair 0 best humaneval 16 pair16_code; wait
+    grep -h "^| [hc]" "$OUT"/pair_best2.txt "$OUT"/pair_final.txt "$OUT"/pair16_*.txt | sort -u
     ;;
   k3-floor)
     timeout 420 python3 bench/k3_floor.py --append "$OUT/k3_floor.md" 2>&1 | tee "$OUT/k3_floor.txt"
