@@ -51,6 +51,19 @@ def prepare_tokenizer(cfg: DataConfig, corpus):
     return train_tokenizer(corpus["train"]["text"], cfg.vocab_size, tok_dir)
 
 
+def save_atomic(obj, path: Path) -> None:
+    """torch.save into a temp file beside `path`, renamed when complete: a crash leaves no half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    tmp.rename(path)
+
+
+def ids_dtype(tokenizer) -> torch.dtype:
+    """The smallest integer dtype that holds the tokenizer's ids (cached token files)."""
+    return torch.int16 if len(tokenizer) <= 32767 else torch.int32
+
+
 def _file_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "none"
 
@@ -78,11 +91,7 @@ def prepare_tokens(cfg: DataConfig) -> TokenData:
         corpus, corpus_dir = prepare_corpus(cfg)
         tok = prepare_tokenizer(cfg, corpus)
         rows = {split: pack_tokens(corpus[split]["text"], tok, cfg.seq_len) for split in ("train", "holdout")}
-        small = torch.int16 if len(tok) <= 32767 else torch.int32
-        cache = packed_cache_path(cfg)
-        tmp = cache.with_suffix(".tmp")
-        torch.save({k: v.to(small) for k, v in rows.items()}, tmp)
-        tmp.rename(cache)
+        save_atomic({k: v.to(ids_dtype(tok)) for k, v in rows.items()}, packed_cache_path(cfg))
     if len(rows["train"]) == 0:
         raise ValueError(f"data: the train split of {corpus_dir} gives no rows of seq_len={cfg.seq_len}")
     holdout = rows["holdout"][: max(1, cfg.holdout_tokens // cfg.seq_len)]
@@ -110,12 +119,8 @@ def prepare_code_prompts(cfg: DataConfig, tokenizer, tok_digest: str, n_tokens: 
         raise ValueError(f"data.regenerate.code_prompts: the train split of {corpus_dir} has no Python function to "
                          "cut a prompt at; add python_stdlib to data.corpus.sources or set code_prompts: 0")
     log.info("code prompts: %d function-body points in %d train .py files", len(prompts), len(texts))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cache.with_suffix(".tmp")
-    small = torch.int16 if len(tokenizer) <= 32767 else torch.int32
     ends = torch.tensor([len(p) for p in prompts]).cumsum(0)
-    torch.save({"ids": torch.tensor([t for p in prompts for t in p], dtype=small), "ends": ends}, tmp)
-    tmp.rename(cache)
+    save_atomic({"ids": torch.tensor([t for p in prompts for t in p], dtype=ids_dtype(tokenizer)), "ends": ends}, cache)
     return prompts
 
 

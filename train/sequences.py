@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from train.data import save_atomic
+
 log = logging.getLogger(__name__)
 
 
@@ -112,62 +114,64 @@ def _from_corpus(recipe, tok) -> dict[str, _Rows]:
             for split in ("train", "holdout")}
 
 
+def _draw(count: int, n: int, lens: list[int], g: torch.Generator, take, passes: bool = True) -> list[list[int]]:
+    """n prompts from `count` sources in random order, pass after pass (one pass unless `passes`), their lengths
+    taken from `lens` in turn: take(i, L, first_pass) -> the prompt of source i at length L, or empty to pass it
+    over. Stops early when a whole pass gives nothing."""
+    out: list[list[int]] = []
+    first = True
+    while count and len(out) < n:
+        before = len(out)
+        for i in torch.randperm(count, generator=g).tolist():
+            if len(out) == n:
+                break
+            p = take(i, lens[len(out) % len(lens)], first)
+            if p:
+                out.append(p)
+        first = False
+        if not passes or len(out) == before:
+            break
+    return out
+
+
 def pick_prompts(items, n: int, lens: list[int], g: torch.Generator, passes: bool) -> list[list[int]]:
     """n regeneration prompts, their lengths taken from `lens` in turn. The first pass takes the prefixes of
     distinct items in random order. When n exceeds the items and `passes` (corpus rows, which are long), further
     passes start each prompt at a random position of its row, so no prompt repeats."""
-    out: list[list[int]] = []
-    while items and len(out) < n:
-        later = bool(out)
-        for i in torch.randperm(len(items), generator=g).tolist():
-            if len(out) == n:
-                break
-            row, L = items[i][2], lens[len(out) % len(lens)]
-            start = int(torch.randint(0, max(1, len(row) - L + 1), (1,), generator=g)) if later else 0
-            out.append(row[start:start + L])
-        if not passes:
-            break
-    return [p for p in out if p]
+    def take(i, L, first):
+        row = items[i][2]
+        start = 0 if first else int(torch.randint(0, max(1, len(row) - L + 1), (1,), generator=g))
+        return row[start:start + L]
+
+    return _draw(len(items), n, lens, g, take, passes)
 
 
 def pick_code_prompts(points: list[list[int]], n: int, lens: list[int], g: torch.Generator) -> list[list[int]]:
     """n prompts ending at function-body points (train.data.prepare_code_prompts), their lengths taken from `lens` in
     turn: the point's last L tokens (a point with less context is passed over for that length). Random order, every
     point once per pass."""
-    out: list[list[int]] = []
-    while len(out) < n:
-        before = len(out)
-        for i in torch.randperm(len(points), generator=g).tolist():
-            if len(out) == n:
-                break
-            L = lens[len(out) % len(lens)]
-            if len(points[i]) >= L:
-                out.append(points[i][-L:])
-        if len(out) == before:
-            break
-    return out
+    return _draw(len(points), n, lens, g, lambda i, L, first: points[i][-L:] if len(points[i]) >= L else [])
 
 
-def _code_points(recipe, tok) -> list[list[int]] | None:
-    """The function-body prompts for data.regenerate.code_prompts (None when the share is 0)."""
+def _code_points(recipe, tok, n_tokens: int) -> list[list[int]] | None:
+    """The function-body prompts of at most n_tokens for data.regenerate.code_prompts (None when the share is 0)."""
     from train.data import _file_digest, prepare_code_prompts
 
     d = recipe.data
     if not d.regenerate.enabled or d.regenerate.code_prompts <= 0:
         return None
-    lens = d.regenerate.prompt_tokens
-    return prepare_code_prompts(d.corpus, tok, _file_digest(Path(recipe.target) / "tokenizer.json"),
-                                lens if isinstance(lens, int) else max(lens))
+    return prepare_code_prompts(d.corpus, tok, _file_digest(Path(recipe.target) / "tokenizer.json"), n_tokens)
 
 
 def _train_prompts(recipe, items, points, n: int, lens: list[int], g: torch.Generator) -> list[list[int]]:
     """The train split's regeneration prompts: corpus windows (pick_prompts), with the share data.regenerate
     .code_prompts of them cut at the function-body points instead, shuffled together."""
+    passes = recipe.data.dataset is None
     if points is None:
-        return pick_prompts(items, n, lens, g, passes=recipe.data.dataset is None)
+        return pick_prompts(items, n, lens, g, passes)
     gc = torch.Generator().manual_seed(recipe.seed + 2)
     code = pick_code_prompts(points, round(n * recipe.data.regenerate.code_prompts), lens, gc)
-    prompts = pick_prompts(items, n - len(code), lens, g, passes=True) + code
+    prompts = pick_prompts(items, n - len(code), lens, g, passes) + code
     log.info("regenerate: %d of the %d train prompts end at a Python function body (%d points)", len(code),
              len(prompts), len(points))
     return [prompts[i] for i in torch.randperm(len(prompts), generator=gc).tolist()]
@@ -187,9 +191,7 @@ def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str
     log.info("regenerate: process %d of %d continued %d of the %d %s prompts", rank, world, len(mine), len(prompts),
              split)
     parts = [Path(recipe.output_dir) / f"regenerated-{split}.{r}.pt" for r in range(world)]
-    parts[rank].parent.mkdir(parents=True, exist_ok=True)
-    torch.save(mine, parts[rank].with_suffix(".tmp"))
-    parts[rank].with_suffix(".tmp").rename(parts[rank])
+    save_atomic(mine, parts[rank])
     acc.wait_for_everyone()
     out: list = [None] * len(prompts)
     for r, part in enumerate(parts):
@@ -210,10 +212,12 @@ def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
         return Sequences(**torch.load(cache))
     d, T = recipe.data, recipe.data.seq_len
     g = torch.Generator().manual_seed(recipe.seed)
+    lens = d.regenerate.prompt_tokens
+    lens = [lens] if isinstance(lens, int) else lens
     with accelerator.main_process_first() if accelerator is not None else nullcontext():  # one process packs
         if d.dataset is None:
             enc = _from_corpus(recipe, tok)
-            points = _code_points(recipe, tok)
+            points = _code_points(recipe, tok, max(lens))
         else:
             recs = [encode_record(r, tok) for r in load_records(d.dataset)]
             n_hold = max(1, min(d.holdout_sequences, len(recs) // 10))
@@ -225,8 +229,6 @@ def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
     for split, items in enc.items():
         n = d.regenerate.num_sequences if split == "train" else d.holdout_sequences
         if d.regenerate.enabled:
-            lens = d.regenerate.prompt_tokens
-            lens = [lens] if isinstance(lens, int) else lens
             if split == "train":
                 prompts = _train_prompts(recipe, items, points, n, lens, g)
             else:  # its own generator: the holdout prompts do not depend on how the train prompts were drawn
@@ -244,8 +246,5 @@ def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
         result[split], result[f"{split}_mask"] = x, m
     seqs = Sequences(result["train"], result["train_mask"], result["holdout"], result["holdout_mask"])
     if accelerator is None or accelerator.is_main_process:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(".tmp")
-        torch.save(vars(seqs), tmp)
-        tmp.rename(cache)
+        save_atomic(vars(seqs), cache)
     return seqs
