@@ -1,11 +1,20 @@
 """Verification: greedy cases by hand; rejection and block verification preserve the target distribution (χ²,
-with a broken verifier as the power check); adaptive verification lengths."""
+with a broken verifier as the power check), with every random number from the counter RNG; greedy rows in a mixed
+batch reproduce greedy verification exactly; the vectorised verifiers equal a float64 sequential reference;
+adaptive verification lengths (host and device forms)."""
 import math
 
 import pytest
 import torch
 
-from dspark.spec.verify import choose_verify_lengths, process_logits, verify_block, verify_greedy, verify_rejection
+from dspark.spec.sampling import counter_uniform, process_logits, sample_from, sample_rows
+from dspark.spec.verify import (
+    choose_verify_lengths,
+    choose_verify_lengths_device,
+    verify_block,
+    verify_greedy,
+    verify_rejection,
+)
 
 V, K, N = 5, 3, 20000
 
@@ -26,25 +35,12 @@ def test_greedy_hand_cases():
 
 @pytest.mark.parametrize("verifier", [verify_rejection, verify_block])
 def test_zero_drafts(verifier):
-    g = torch.Generator().manual_seed(0)
     p = torch.tensor([[[0.0, 0.0, 1.0, 0.0, 0.0]]])  # [1, 1, V]
     for q in (None, torch.zeros(1, 0, V)):
-        acc, nxt = verifier(torch.zeros(1, 0, dtype=torch.long), q, p, torch.tensor([0]), g)
+        acc, nxt = verifier(torch.zeros(1, 0, dtype=torch.long), q, p, torch.tensor([0]), torch.tensor([[0.7]]))
         assert acc.tolist() == [0] and nxt.tolist() == [2]
     acc, nxt = verify_greedy(torch.zeros(1, 0, dtype=torch.long), p, torch.tensor([0]))
     assert acc.tolist() == [0] and nxt.tolist() == [2]
-
-
-def test_process_logits():
-    lg = torch.tensor([[1.0, 3.0, 2.0, 0.0, -1.0]] * 3)
-    p = process_logits(lg, torch.tensor([0.0, 1.0, 1.0]), top_k=0, top_p=1.0)
-    assert p[0].tolist() == [0, 1, 0, 0, 0]
-    assert torch.allclose(p[1], lg[1].softmax(-1))
-    pk = process_logits(lg, 1.0, top_k=2)
-    assert (pk[0] > 0).tolist() == [False, True, True, False, False]
-    pp = process_logits(lg, 1.0, top_p=0.6)  # the top token alone has ~0.63 mass
-    assert (pp[0] > 0).tolist() == [False, True, False, False, False]
-    assert torch.allclose(pp.sum(-1), torch.ones(3))
 
 
 # --- distribution tests: target p and drafter q are fixed autoregressive tables over prefixes of depth <= K ---
@@ -62,25 +58,31 @@ def _dist(tables, prefix):  # prefix [N, d] -> [N, V]
 
 
 def _one_step(verifier, seed, probabilistic=True, num_drafts=None, n=N, m=2):
-    """One verification step on n independent rows; returns the first m emitted tokens [n, m] (tokens past what
-    the step emits are drawn from the target, as any lossless next step would)."""
-    N = n
-    g = torch.Generator().manual_seed(seed)
-    drafts = torch.zeros(N, 0, dtype=torch.long)
+    """One verification step on n independent rows (one request each, seeded by its row); returns the first m
+    emitted tokens [n, m] (tokens past what the step emits are drawn from the target, as any lossless next step
+    would). Counters 0..K-1 draft, K..2K verify, 2K+1.. draw the follow-up tokens."""
+    u = counter_uniform(torch.arange(n) + seed * 10 ** 6, 0, 2 * K + m)
+    drafts = torch.zeros(n, 0, dtype=torch.long)
     qs = []
-    for _ in range(K):
+    for i in range(K):
         q = _dist(Q, drafts)
         qs.append(q)
-        x = torch.multinomial(q, 1, generator=g) if probabilistic else q.argmax(-1, keepdim=True)
-        drafts = torch.cat([drafts, x], 1)
-    p = torch.stack([_dist(P, drafts[:, :i]) for i in range(K + 1)], 1)  # [N, K+1, V]
+        x = sample_from(q, u[:, i]) if probabilistic else q.argmax(-1)
+        drafts = torch.cat([drafts, x[:, None]], 1)
+    p = torch.stack([_dist(P, drafts[:, :i]) for i in range(K + 1)], 1)  # [n, K+1, V]
     q = torch.stack(qs, 1) if probabilistic else None
-    nd = torch.full((N,), K) if num_drafts is None else num_drafts
-    acc, nxt = verifier(drafts, q, p, nd, g)
-    out = torch.cat([drafts, torch.zeros(N, 1, dtype=torch.long)], 1)
-    out[torch.arange(N), acc] = nxt
+    nd = torch.full((n,), K) if num_drafts is None else num_drafts
+    acc, nxt = verifier(drafts, q, p, nd, u[:, K:2 * K + 1])
+    return _emitted(drafts, acc, nxt, u[:, 2 * K + 1:], m)
+
+
+def _emitted(drafts, acc, nxt, u_next, m):
+    """The first m tokens a row emits: d1..d_acc, next, then target samples (uniforms u_next [n, m-1])."""
+    n = drafts.shape[0]
+    out = torch.cat([drafts, torch.zeros(n, 1, dtype=torch.long)], 1)
+    out[torch.arange(n), acc] = nxt
     for j in range(1, m):
-        nxt = torch.multinomial(_dist(P, out[:, :j]), 1, generator=g)[:, 0]
+        nxt = sample_from(_dist(P, out[:, :j]), u_next[:, j - 1])
         out[:, j] = torch.where(acc >= j, out[:, j], nxt)
     return out[:, :m]
 
@@ -100,15 +102,15 @@ def _pvalues(tokens):
     return _chi2_pvalue(first, P[0].double()), _chi2_pvalue(joint, p_joint)
 
 
-def _accept_always(drafts, q, p, nd, g):
-    return nd.clone(), torch.multinomial(p[torch.arange(len(nd)), nd], 1, generator=g)[:, 0]
+def _accept_always(drafts, q, p, nd, u):
+    return nd.clone(), sample_from(p[torch.arange(len(nd)), nd], u[:, K])
 
 
-def _residual_from_p(drafts, q, p, nd, g):  # a plausible bug: after a rejection resample from p, not max(p-q, 0)
+def _residual_from_p(drafts, q, p, nd, u):  # a plausible bug: after a rejection resample from p, not max(p-q, 0)
     B = len(nd)
     ratio = p[:, :K].gather(-1, drafts[..., None])[..., 0] / q.gather(-1, drafts[..., None])[..., 0]
-    acc = (torch.rand(B, K, generator=g) < ratio).long().cumprod(1).sum(1).minimum(nd)
-    return acc, torch.multinomial(p[torch.arange(B), acc], 1, generator=g)[:, 0]
+    acc = (u[:, :K] < ratio).long().cumprod(1).sum(1).minimum(nd)
+    return acc, sample_from(p[torch.arange(B), acc], u[:, K])
 
 
 @pytest.mark.parametrize("verifier", [verify_rejection, verify_block])
@@ -136,26 +138,135 @@ def test_broken_verifier_fails(broken):
 
 
 def test_placeholder_rejected_and_lossless():
-    g = torch.Generator().manual_seed(0)
     drafts = torch.full((N, K), -1)
     p = torch.stack([P[0].expand(N, V)] * (K + 1), 1)
     q = torch.full((N, K, V), 1.0 / V)
+    u = counter_uniform(torch.arange(N), 0, K + 1)
     for verifier in (verify_rejection, verify_block):
-        acc, nxt = verifier(drafts, q, p, torch.full((N,), K), g)
+        acc, nxt = verifier(drafts, q, p, torch.full((N,), K), u)
         assert acc.eq(0).all()
         assert _chi2_pvalue(torch.bincount(nxt, minlength=V).double(), P[0].double()) > 1e-3
 
 
 def test_block_accepts_at_least_as_much_as_tokenwise():
     acc = {}
+    u = counter_uniform(torch.arange(N) + 3 * 10 ** 6, 0, 2 * K + 1)
+    drafts = sample_from(Q[0].expand(N, K, V), u[:, :K])
     for verifier in (verify_rejection, verify_block):
-        g = torch.Generator().manual_seed(3)
-        drafts = torch.multinomial(Q[0], N * K, replacement=True, generator=g).view(N, K)
         q = Q[0].expand(N, K, V)
         p = P[0].expand(N, K + 1, V)
-        acc[verifier.__name__] = verifier(drafts, q, p, torch.full((N,), K), g)[0].float().mean().item()
+        acc[verifier.__name__] = verifier(drafts, q, p, torch.full((N,), K), u[:, K:])[0].float().mean().item()
     print("mean accepted (iid draft/target):", acc)
     assert acc["verify_block"] > acc["verify_rejection"] + 0.01
+
+
+@pytest.mark.parametrize("verifier", [verify_rejection, verify_block])
+def test_mixed_greedy_and_sampled_rows(verifier):
+    """One batch, per-row temperatures: greedy rows (with argmax or sampled drafts) give exactly verify_greedy's
+    result; the sampled rows beside them stay lossless."""
+    n = 2 * N
+    row = torch.arange(n)
+    greedy = row % 2 == 0
+    t = torch.where(greedy, 0.0, 1.0)
+    t_draft = torch.where(row % 4 == 0, 0.0, 1.0)  # half the greedy rows draft by sampling: still exact
+    u = counter_uniform(row + 7 * 10 ** 6, 0, 2 * K + 2)
+    drafts, qs = torch.zeros(n, 0, dtype=torch.long), []
+    for i in range(K):
+        x, q = sample_rows(_dist(Q, drafts).log(), t_draft, 0, 1.0, u[:, i])
+        drafts, qs = torch.cat([drafts, x[:, None]], 1), qs + [q]
+    logits = torch.stack([_dist(P, drafts[:, :i]) for i in range(K + 1)], 1).log()  # [n, K+1, V]
+    p = process_logits(logits, t)  # per-row temperature over [B, T, V]
+    nd = row % (K + 1)
+    acc, nxt = verifier(drafts, torch.stack(qs, 1), p, nd, u[:, K:2 * K + 1])
+    g_acc, g_nxt = verify_greedy(drafts, logits, nd)
+    assert torch.equal(acc[greedy], g_acc[greedy]) and torch.equal(nxt[greedy], g_nxt[greedy])
+    assert 0 < g_acc[greedy].float().mean() < K  # the greedy rows accept some drafts and reject others
+    s = ~greedy & (nd == K)
+    p1, p2 = _pvalues(_emitted(drafts[s], acc[s], nxt[s], u[s, 2 * K + 1:], 2))
+    assert p1 > 1e-3 and p2 > 1e-3, (p1, p2)
+
+
+def _ref_verify(block, drafts, q, p, nd, u):
+    """The sequential definitions, row by row in float64 (q None = one-hot drafts)."""
+    B, k = drafts.shape
+    p = p.double()
+    q = torch.nn.functional.one_hot(drafts.clamp(min=0), p.shape[-1]).double() if q is None else q.double()
+    accs, nxts = [], []
+    for b in range(B):
+        n = 0
+        while n < min(int(nd[b]), k) and drafts[b, n] >= 0:
+            n += 1
+        d, ub = drafts[b].clamp(min=0), u[b].double()
+        if block:
+            run, runs, tau = 1.0, [1.0], 0
+            for i in range(1, n + 1):
+                run = min(1.0, run * float(p[b, i - 1, d[i - 1]]) / max(float(q[b, i - 1, d[i - 1]]), 1e-30))
+                runs.append(run)
+                if i < n:
+                    rho = float((run * p[b, i] - q[b, i]).clamp(min=0).sum())
+                    h = rho / (rho + 1 - run) if rho + 1 - run > 0 else 1.0
+                else:
+                    h = run
+                tau = i if ub[i - 1] < h else tau
+            a = tau
+            w = runs[a] * p[b, a] - (q[b, a] if a < n else 0)
+        else:
+            a = 0
+            while a < n and ub[a] * q[b, a, d[a]] < p[b, a, d[a]]:
+                a += 1
+            w = p[b, a] - (q[b, a] if a < n else 0)
+        w = w.clamp(min=0)
+        w = p[b, a] if w.sum() <= 0 else w
+        accs.append(a)
+        nxts.append(int((w.cumsum(0) > ub[k] * w.sum()).long().argmax()))
+    return torch.tensor(accs), torch.tensor(nxts)
+
+
+@pytest.mark.parametrize("verifier", [verify_rejection, verify_block])
+@pytest.mark.parametrize("probabilistic", [True, False])
+def test_matches_float64_sequential_reference(verifier, probabilistic):
+    n, k = 3000, 4
+    g = torch.Generator().manual_seed(5)
+    p = (torch.randn(n, k + 1, V, generator=g) * 1.5).softmax(-1)
+    q = (torch.randn(n, k, V, generator=g) * 1.5).softmax(-1)
+    u = counter_uniform(torch.arange(n) + 5 * 10 ** 6, 0, 2 * k + 1)
+    drafts = sample_from(q, u[:, :k]) if probabilistic else p[:, :k].argmax(-1)
+    drafts[torch.arange(n) % 7 == 3, 2] = -1  # placeholders cut some rows short
+    nd = torch.arange(n) % (k + 2)  # 0..k+1: more than k is clipped
+    qq = q if probabilistic else None
+    acc, nxt = verifier(drafts, qq, p, nd, u[:, k:])
+    r_acc, r_nxt = _ref_verify(verifier is verify_block, drafts, qq, p, nd, u[:, k:])
+    assert torch.equal(acc, r_acc) and torch.equal(nxt, r_nxt)
+
+
+def test_uniforms_shape_and_generator_form():
+    drafts = torch.tensor([[1, 2], [3, 0]])
+    p = torch.full((2, 3, V), 1.0 / V)
+    with pytest.raises(ValueError, match=r"u: expected uniforms \[B, k\+1\] = \[2, 3\]"):
+        verify_rejection(drafts, None, p, 2, torch.rand(2, 2))
+    # the eager engine still passes a per-request torch.Generator: it draws u [B, k+1] with torch.rand
+    for verifier in (verify_rejection, verify_block):
+        a = verifier(drafts, None, p, 2, torch.Generator().manual_seed(9))
+        b = verifier(drafts, None, p, 2, torch.rand(2, 3, generator=torch.Generator().manual_seed(9)))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_sampled_step_reads_no_tensor_data_on_the_host():
+    """The whole sampled step on the meta device (shapes only): any .item(), int(tensor), boolean-mask indexing or
+    other data-dependent shape would raise here, so nothing in it syncs with the host."""
+    B, k, V_, d = 4, 3, 11, "meta"
+    seed = torch.empty(B, dtype=torch.long, device=d)
+    u = counter_uniform(seed, seed * 64, 2 * k + 1)
+    t, top_k, top_p = torch.empty(B, device=d), torch.empty(B, dtype=torch.long, device=d), torch.empty(B, device=d)
+    ids, q = sample_rows(torch.empty(B, V_, device=d), t, top_k, top_p, u[:, 0])
+    assert ids.shape == (B,) and q.shape == (B, V_)
+    p = process_logits(torch.empty(B, k + 1, V_, device=d), t, top_k, top_p)
+    drafts, nd = torch.empty(B, k, dtype=torch.long, device=d), torch.empty(B, dtype=torch.long, device=d)
+    for verifier in (verify_rejection, verify_block):
+        for q in (torch.empty(B, k, V_, device=d), None):
+            acc, nxt = verifier(drafts, q, p, nd, u[:, k:])
+            assert acc.shape == nxt.shape == (B,)
+    assert choose_verify_lengths_device(torch.empty(B, k, device=d)).shape == (B,)
 
 
 def test_adaptive_prefix_and_confidence():
@@ -176,6 +287,24 @@ def test_adaptive_prefix_and_confidence():
     assert int(cheap.sum()) > int(dear.sum())
     # equal survivals (c = 1): the budget is still honoured exactly
     assert int(choose_verify_lengths(torch.ones(2, 4), budget=3).sum()) == 3
+
+
+def test_adaptive_device_form_equals_host_form():
+    g = torch.Generator().manual_seed(6)
+    cases = [torch.rand(R, k, generator=g) for R, k in ((1, 4), (4, 6), (16, 8), (64, 8), (3, 1))]
+    cases += [torch.ones(2, 4), (torch.rand(8, 5, generator=g) * 4).round() / 4, torch.zeros(3, 3), torch.rand(3, 0)]
+    costs = [(2.0, 0.1, 1.0, 0), (1.0, 0.001, 1.0, 0), (1.0, 0.5, 0.3, 7), (0.4, 0.05, 2.0, 32)]
+    for c in cases:
+        for a, b, d, extra in costs:
+            host = choose_verify_lengths(c, draft_cost=lambda r, d=d: d, verify_cost=lambda t, a=a, b=b: a + b * t,
+                                         extra_tokens=extra)
+            dev = choose_verify_lengths_device(c, a, b, d, extra)
+            assert torch.equal(host, dev), (c, a, b, d, extra, host, dev)
+        for budget in (0, 3, c.numel()):
+            assert torch.equal(choose_verify_lengths(c, budget=budget),
+                               choose_verify_lengths_device(c, budget=torch.tensor(budget)))
+    c = torch.tensor([[0.95, 0.95, 0.9], [0.5, 0.3, 0.9]])
+    assert choose_verify_lengths_device(c, budget=4).tolist() == [3, 1]
 
 
 def test_chi2_helper_matches_known_quantile():

@@ -5,6 +5,8 @@ Shapes: B requests, k draft slots, V vocab. `draft_ids [B, k]` (−1 = placehold
 (row b verifies only its first num_drafts[b] slots), target distributions `[B, k+1, V]` where position i is the
 distribution of the token after t0, d1..di (so position num_drafts[b] gives the bonus token).
 Every verifier returns `(num_accepted [B] long, next_token [B] long)`: the row emits d1..d_a then next_token.
+The sampled verifiers take uniforms `u [B, k+1]` (from `counter_uniform`): u[:, :k] decide acceptance, u[:, k]
+draws the next token. They run on the device without host syncs, so one CUDA graph can hold them.
 """
 from __future__ import annotations
 
@@ -12,36 +14,20 @@ from collections.abc import Callable
 
 import torch
 
+from dspark.spec.sampling import process_logits, sample_from
+
+__all__ = ["PLACEHOLDER", "choose_verify_lengths", "choose_verify_lengths_device", "process_logits", "verify_block",
+           "verify_greedy", "verify_rejection"]
+
 PLACEHOLDER = -1
-
-
-def process_logits(logits: torch.Tensor, temperature=1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """logits [..., V] -> probs [..., V] fp32. temperature: float or tensor broadcastable to logits[..., 0]
-    (e.g. [B] for logits [B, V], or [B, 1] for [B, T, V]); 0 means greedy (one-hot argmax). top_k 0 and top_p 1
-    are off. Apply the same call to target and drafter logits so both describe the same sampling rule."""
-    logits = logits.float()
-    t = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device)
-    t = t.expand(logits.shape[:-1])[..., None]  # [..., 1]
-    greedy = t == 0
-    x = logits / torch.where(greedy, torch.ones_like(t), t)
-    if top_k and top_k < x.shape[-1]:
-        kth = x.topk(top_k, dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if top_p < 1.0:
-        srt, idx = x.sort(dim=-1, descending=True)
-        cum = srt.softmax(-1).cumsum(-1)
-        drop = (cum - srt.softmax(-1)) >= top_p  # keep the smallest prefix whose mass reaches top_p
-        x = x.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-    probs = x.softmax(-1)
-    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy, onehot, probs)
 
 
 def _effective_drafts(draft_ids: torch.Tensor, num_drafts) -> torch.Tensor:
     """[B]: num_drafts clipped to k and cut at the first placeholder (a placeholder is always rejected, which is
     the same as a block that ends just before it: the target then samples that position itself)."""
     B, k = draft_ids.shape
-    n = torch.as_tensor(num_drafts, dtype=torch.long, device=draft_ids.device).expand(B).clamp(0, k)
+    n = (num_drafts.to(dtype=torch.long, device=draft_ids.device).expand(B) if torch.is_tensor(num_drafts)
+         else torch.full((B,), num_drafts, dtype=torch.long, device=draft_ids.device)).clamp(0, k)
     slot = torch.arange(k, device=draft_ids.device)[None]
     ok = (draft_ids >= 0) & (slot < n[:, None])  # [B, k]
     return ok.long().cumprod(1).sum(1)
@@ -68,11 +54,20 @@ def _q_at(q: torch.Tensor, idx: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return torch.where((idx < n)[:, None], out, torch.zeros_like(out))
 
 
-def _sample(weights: torch.Tensor, fallback: torch.Tensor, generator=None) -> torch.Tensor:
-    """weights [B, V] >= 0 (unnormalised); rows with zero mass sample from fallback [B, V]."""
+def _uniforms(u, B: int, k: int, device) -> torch.Tensor:
+    """u [B, k+1] checked. A torch.Generator (or None) in place of u draws them on the host with torch.rand: the
+    form the eager engine still uses with its per-request CPU generators; device-side callers pass a tensor."""
+    if u is None or isinstance(u, torch.Generator):
+        return torch.rand(B, k + 1, generator=u, device=device)
+    if tuple(u.shape) != (B, k + 1):
+        raise ValueError(f"u: expected uniforms [B, k+1] = [{B}, {k + 1}], got {list(u.shape)}")
+    return u
+
+
+def _sample(weights: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """weights [B, V] >= 0 (unnormalised); rows with zero mass sample from fallback [B, V]. u [B]."""
     empty = weights.sum(-1, keepdim=True) <= 0
-    w = torch.where(empty, fallback, weights)
-    return torch.multinomial(w, 1, generator=generator)[:, 0]
+    return sample_from(torch.where(empty, fallback, weights), u)
 
 
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor, num_drafts):
@@ -85,57 +80,56 @@ def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor, num_draf
     return acc, top.gather(1, acc[:, None])[:, 0]
 
 
-def verify_rejection(draft_ids, draft_probs, target_probs, num_drafts, generator=None):
-    """Leviathan et al.: accept d_i with probability min(1, p(d_i)/q(d_i)) until the first rejection, which
-    resamples from norm(max(p − q, 0)); if every draft is accepted, the bonus comes from p at position n."""
+def verify_rejection(draft_ids, draft_probs, target_probs, num_drafts, u: torch.Tensor | torch.Generator | None):
+    """Leviathan et al.: accept d_i when u_i · q(d_i) < p(d_i) (probability min(1, p/q)) until the first
+    rejection, which resamples from norm(max(p − q, 0)); if every draft is accepted, the bonus comes from p at
+    position n. u [B, k+1]: u[:, i] decides slot i, u[:, k] draws the next token."""
     B, k = draft_ids.shape
     V = target_probs.shape[-1]
     n = _effective_drafts(draft_ids, num_drafts)
     p = target_probs.float()
     q = _draft_dists(draft_ids, draft_probs, V)
+    u = _uniforms(u, B, k, p.device)
     px, qx = _gather(p[:, :k], draft_ids), _gather(q, draft_ids)
-    u = torch.rand(B, k, generator=generator, device=p.device)
-    ok = (u * qx < px) & (torch.arange(k, device=p.device)[None] < n[:, None])
+    ok = (u[:, :k] * qx < px) & (torch.arange(k, device=p.device)[None] < n[:, None])
     acc = ok.long().cumprod(1).sum(1)  # [B]
     rows = torch.arange(B, device=p.device)
     p_a = p[rows, acc]  # [B, V]
-    return acc, _sample((p_a - _q_at(q, acc, n)).clamp(min=0), p_a, generator)
+    return acc, _sample((p_a - _q_at(q, acc, n)).clamp(min=0), p_a, u[:, k])
 
 
-def verify_block(draft_ids, draft_probs, target_probs, num_drafts, generator=None):
+def verify_block(draft_ids, draft_probs, target_probs, num_drafts, u: torch.Tensor | torch.Generator | None):
     """Block verification (Sun et al. 2024, Alg. 2), per row with block length γ = n:
       p_0 = 1;  p_i = min(1, p_{i−1} · p(d_i)/q(d_i))                      (clipped running joint ratio)
       ρ_i = Σ_x max(p_i · p(x | d≤i) − q(x | d≤i), 0)                       (residual mass at the next position)
       h_i = ρ_i / (ρ_i + 1 − p_i) for i < γ (1 when the denominator is 0);  h_γ = p_γ
-      τ = last i in 1..γ with u_i ≤ h_i (0 if none); emit d1..dτ, then
+      τ = last i in 1..γ with u_i < h_i (0 if none); emit d1..dτ, then
       Y ~ p(· | d≤γ) if τ = γ, else Y ~ norm(max(p_τ · p(· | d≤τ) − q(· | d≤τ), 0)).
-    Lossless: the emitted sequence has exactly the target's distribution, and E[τ] ≥ token-wise verification."""
+    Lossless: the emitted sequence has exactly the target's distribution, and E[τ] ≥ token-wise verification.
+    u [B, k+1]: u[:, i−1] is u_i, u[:, k] draws Y. Vectorised over the k slots (no loop)."""
     B, k = draft_ids.shape
     V = target_probs.shape[-1]
     n = _effective_drafts(draft_ids, num_drafts)
     p = target_probs.float()
     q = _draft_dists(draft_ids, draft_probs, V)
+    u = _uniforms(u, B, k, p.device)
     ratio = _gather(p[:, :k], draft_ids) / _gather(q, draft_ids).clamp(min=1e-30)  # [B, k]
-    u = torch.rand(B, k, generator=generator, device=p.device)
-    run = torch.ones(B, device=p.device)  # p_{i}
-    runs = [run]
-    tau = torch.zeros(B, dtype=torch.long, device=p.device)
-    for i in range(1, k + 1):
-        run = torch.minimum(run * ratio[:, i - 1], torch.ones_like(run))
-        runs.append(run)
-        if i < k:
-            rho = (run[:, None] * p[:, i] - q[:, i]).clamp(min=0).sum(-1)
-            den = rho + 1 - run
-            h = torch.where(den > 0, rho / den.clamp(min=1e-30), torch.ones_like(rho))
-        else:
-            h = run
-        h = torch.where(n == i, run, h)
-        hit = (u[:, i - 1] <= h) & (i <= n)
-        tau = torch.where(hit, torch.full_like(tau, i), tau)
+    # p_i = min over j <= i of Π_{j<l<=i} ratio_l = exp(L_i − max_{j<=i} L_j), L the cumulative log-ratio (L_0 = 0)
+    L = torch.cat([ratio.new_zeros(B, 1), ratio.log().cumsum(1)], 1)  # [B, k+1]
+    runs = (L - L.cummax(1).values).exp()  # [B, k+1]: p_0 .. p_k
+    run = runs[:, 1:]  # [B, k]: p_1 .. p_k
+    rho = (run[:, :-1, None] * p[:, 1:k] - q[:, 1:k]).clamp(min=0).sum(-1)  # [B, k−1]: ρ_1 .. ρ_{k−1}
+    den = rho + 1 - run[:, :-1]
+    h = torch.where(den > 0, rho / den.clamp(min=1e-30), torch.ones_like(rho))
+    h = torch.cat([h, run[:, -1:]], 1)  # [B, k]: h_k = p_k
+    i = torch.arange(1, k + 1, device=p.device)[None]  # [1, k]
+    h = torch.where(i == n[:, None], run, h)  # h_γ = p_γ
+    hit = (u[:, :k] < h) & (i <= n[:, None])
+    tau = (hit.long() * i).amax(1) if k else n  # [B]; n = 0 when k = 0
     rows = torch.arange(B, device=p.device)
     p_t = p[rows, tau]  # [B, V]
-    run_t = torch.stack(runs, 1)[rows, tau]  # [B]
-    return tau, _sample((run_t[:, None] * p_t - _q_at(q, tau, n)).clamp(min=0), p_t, generator)
+    run_t = runs[rows, tau]  # [B]
+    return tau, _sample((run_t[:, None] * p_t - _q_at(q, tau, n)).clamp(min=0), p_t, u[:, k])
 
 
 def choose_verify_lengths(
@@ -165,3 +159,28 @@ def choose_verify_lengths(
     admitted = torch.zeros(R * k, dtype=torch.bool)
     admitted[order[: max(0, min(int(budget), R * k))]] = True
     return admitted.view(R, k).long().sum(1)  # ties inside a row have equal survival, so a count is a prefix
+
+
+def choose_verify_lengths_device(
+    confidences: torch.Tensor,
+    verify_cost_a: float = 2.0,
+    verify_cost_b: float = 0.1,
+    draft_cost: float = 1.0,
+    extra_tokens: int = 0,
+    budget: int | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """choose_verify_lengths with an affine verify cost a + b · n_tokens and draft_cost the value at R requests,
+    in device ops only (no host sync, no loop over the R·k budgets): every budget is scored at once and the
+    argmax is the one the host form picks. confidences [R, k] -> num_drafts [R] long, on confidences' device."""
+    c = confidences.float().clamp(0, 1)
+    R, k = c.shape
+    flat = c.cumprod(1).flatten()  # survivals
+    order = flat.argsort(descending=True, stable=True)
+    if budget is None:
+        gain = torch.cat([flat.new_zeros(1), flat[order].cumsum(0)]).double()  # [R*k + 1]
+        n_tokens = R + extra_tokens + torch.arange(R * k + 1, dtype=torch.float64, device=c.device)
+        # the host form's arithmetic, term for term (float64, then the fp32 score tensor it takes the argmax of)
+        score = ((R + gain) / (draft_cost + (verify_cost_a + verify_cost_b * n_tokens))).float()
+        budget = score.argmax()
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(R * k, device=c.device))  # slot -> its rank
+    return (rank < budget).view(R, k).long().sum(1)

@@ -1,0 +1,129 @@
+"""Sampling on the device: a counter-based RNG, the per-row sampling rule (temperature, top-k, top-p) and
+inverse-CDF sampling. No host syncs, no data-dependent shapes, no torch.Generator, so a CUDA graph can capture a
+whole speculative step for a batch that mixes greedy and sampled rows, each with its own seed.
+
+Random numbers are a pure function of (seed, counter): `counter_uniform(seed, counter, n)[b, j]` hashes
+(seed[b], counter[b] + j). Give each request one seed (`request_seed` at admission) and derive the counter from its
+position, e.g. `num_tokens * 64 + slot` with slots 0..63 split between the drafter and the verifier: every number a
+request draws is then fixed by its seed and position, whatever else is in the batch, whichever device runs it, and
+a step never reuses a number (num_tokens grows by at least one per step).
+"""
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+TEMPERATURE_FLOOR = 1e-5  # sampled rows divide by at least this (callers map smaller temperatures to 0 = greedy)
+
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
+_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser multipliers
+
+
+def _i64(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 bits; int64 products wrap mod 2^64 on CPU and CUDA alike."""
+    z = (z ^ _shr(z, 30)) * _i64(_M1)
+    z = (z ^ _shr(z, 27)) * _i64(_M2)
+    return z ^ _shr(z, 31)
+
+
+def request_seed(seed: int | None) -> int:
+    """A request's seed as an int64 (host side, once at admission): any Python int folds mod 2^64; None draws one."""
+    return _i64(secrets.randbits(64) if seed is None else seed % (1 << 64))
+
+
+def counter_uniform(seed: torch.Tensor, counter: torch.Tensor | int, n: int) -> torch.Tensor:
+    """seed [B] int64, counter [B] int64 (or an int) -> uniforms [B, n] fp32 in [0, 1) on a 2^-24 grid.
+    Element [b, j] is splitmix64 keyed by mix(seed[b]) at stream position counter[b] + j: a pure function of that
+    pair, bit-identical on every device and independent of the batch it is drawn in."""
+    if seed.dtype != torch.int64 or seed.ndim != 1:
+        raise TypeError(f"counter_uniform: seed must be int64 [B], got {seed.dtype} {list(seed.shape)}")
+    if torch.is_tensor(counter) and counter.dtype != torch.int64:
+        raise TypeError(f"counter_uniform: counter must be int64, got {counter.dtype}")
+    pos = torch.arange(n, device=seed.device) + (counter.reshape(-1, 1) if torch.is_tensor(counter) else counter)
+    z = _mix64(_mix64(seed)[:, None] + pos * _i64(_GOLDEN))
+    return _shr(z, 40).float() * 2.0 ** -24  # the top 24 bits: exact in fp32
+
+
+def _per_row(x, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A scalar, a per-row tensor [B] for logits [B, ..., V], or a tensor broadcastable to logits[..., 0]
+    -> [..., 1] over logits' leading dims."""
+    if not torch.is_tensor(x):  # a fill, not a host-to-device copy: safe inside CUDA graph capture
+        return torch.full((*logits.shape[:-1], 1), x, dtype=dtype, device=logits.device)
+    t = x.to(dtype=dtype, device=logits.device)
+    if t.ndim == 1 and logits.ndim > 2:
+        t = t.view(-1, *[1] * (logits.ndim - 2))
+    return t.expand(logits.shape[:-1])[..., None]
+
+
+def _static_off(x, off) -> bool:
+    """True when x is a Python number that switches its filter off (a tensor may vary per row: never off)."""
+    return not torch.is_tensor(x) and off(x)
+
+
+def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """logits [B, ..., V] -> probs [B, ..., V] fp32, the distribution the request samples from.
+    temperature, top_k, top_p: Python numbers or per-row tensors [B] (or broadcastable to logits[..., 0]).
+    temperature <= 0: greedy, a one-hot at the argmax (first index on ties); other rows divide by at least
+    TEMPERATURE_FLOOR. top_k 0 (or >= V) is off; ties with the k-th value are kept. top_p >= 1 is off; top-p keeps
+    the smallest prefix (by probability after top-k) whose mass reaches top_p, and always the most likely token.
+    Finite logits never give nan/inf. Sorting is skipped when top_k and top_p are Python numbers that are off.
+    Apply the same call to target and drafter logits so both describe the same sampling rule."""
+    logits = logits.float()
+    V = logits.shape[-1]
+    t = _per_row(temperature, logits, torch.float32)
+    greedy = t <= 0
+    x = (logits - logits.amax(-1, keepdim=True)) / torch.where(greedy, 1.0, t.clamp(min=TEMPERATURE_FLOOR))
+    k_off = _static_off(top_k, lambda k: k <= 0 or k >= V)
+    p_off = _static_off(top_p, lambda p: p >= 1.0)
+    if not (k_off and p_off):
+        srt, idx = x.sort(dim=-1, descending=True, stable=True)  # [..., V]; the argmax first, as torch.argmax picks it
+        if not k_off:
+            k = _per_row(top_k, logits, torch.long)
+            kth = srt.gather(-1, (k - 1).clamp(0, V - 1))
+            srt = srt.masked_fill((srt < kth) & (k > 0) & (k < V), float("-inf"))
+        if not p_off:
+            p = _per_row(top_p, logits, torch.float32)
+            ps = srt.softmax(-1)
+            before = ps.cumsum(-1) - ps  # mass of the more likely tokens
+            rank = torch.arange(V, device=x.device)
+            srt = srt.masked_fill((before >= p) & (p < 1) & (rank > 0), float("-inf"))
+        x = torch.empty_like(x).scatter_(-1, idx, srt)
+    onehot = torch.zeros_like(x).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy, onehot, x.softmax(-1))
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: probs [..., V] >= 0 (need not sum to 1), u [...] in [0, 1) -> ids [...] long.
+    Picks the first index whose cumulative weight exceeds u * total; rounding in the cumsum (a parallel scan may
+    not be monotone) never yields a zero-weight index: it falls back to the nearest positive index below. A row
+    without any weight gives its argmax (index 0)."""
+    w = probs if probs.dtype == torch.float64 else probs.float()
+    V = w.shape[-1]
+    cdf = w.cumsum(-1)
+    target = u.to(w.dtype)[..., None] * cdf[..., -1:]
+    i = torch.searchsorted(cdf, target, right=True).clamp(max=V - 1)  # [..., 1]
+    arange = torch.arange(V, device=w.device)
+    last_pos = torch.where(w > 0, arange, -1).cummax(-1).values  # the last positive index at or before each slot
+    j = last_pos.gather(-1, i)[..., 0]
+    return torch.where(j >= 0, j, w.argmax(-1))
+
+
+def sample_rows(logits: torch.Tensor, temperature, top_k, top_p, u: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row: logits [B, V], per-row temperature/top_k/top_p [B] (or Python numbers), u [B]
+    -> (ids [B] long, probs [B, V] fp32). Greedy rows (temperature <= 0) take the argmax and report a one-hot,
+    which is the drafter distribution q the verifier needs for them."""
+    probs = process_logits(logits, temperature, top_k, top_p)
+    greedy = _per_row(temperature, logits, torch.float32)[..., 0] <= 0
+    return torch.where(greedy, logits.argmax(-1), sample_from(probs, u)), probs
