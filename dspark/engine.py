@@ -1,12 +1,18 @@
 """The one decoding loop of the project: admit -> prefill (chunked) -> draft -> verify -> commit or roll back.
 
-    engine = Engine(target, drafter, num_speculative_tokens=4)     # drafter=None: plain autoregressive decoding
+    engine = Engine(target, drafter)     # drafter=None: plain autoregressive decoding
     outs = engine.generate(["def add(a, b):"], SamplingParams(max_tokens=64))
 
+The engine schedules (FCFS admission under a block budget, chunked prefill, continuous batching), keeps each
+request's tokens and stop conditions, and hands every decode step to the model runner (dspark/runner.py), which runs
+the whole speculative step on the device (a CUDA graph per batch bucket on a GPU) and returns one small tensor.
 Each running request has its committed tokens in the target cache except the last emitted one (the "pending"
-token). A speculative step feeds [pending, d1..dk] to the target with per-position recurrent snapshots
-(record=True), verifies, and commits pending + the accepted drafts; the next pending token is the bonus/correction.
-The drafter's context rows are written into the same paged cache right after every target forward.
+token); a step verifies [pending, d1..dk] and commits pending + the accepted drafts.
+
+Drafts per step: `num_speculative_tokens=None` picks k each step (0 .. the drafter's block) by the expected emitted
+tokens per second: the acceptance measured so far against the replay time of each candidate's graph at the current
+batch bucket, so speculation never runs slower than plain decoding; on CPU (no graphs) it drafts the whole block.
+An int pins k.
 """
 from __future__ import annotations
 
@@ -20,8 +26,9 @@ from dspark.cache.blocks import OutOfBlocks
 from dspark.cache.paged import PagedCache
 from dspark.cache.prefix import PrefixCacheConfig
 from dspark.request import Request, RequestOutput, SamplingParams, Status
+from dspark.runner import ModelRunner, RowInput
 from dspark.spec.draft import DraftRunner
-from dspark.spec.verify import choose_verify_lengths, process_logits, verify_block, verify_greedy, verify_rejection
+from dspark.spec.sampling import RowSampling
 
 
 class Engine:
@@ -29,43 +36,49 @@ class Engine:
                  max_batch_size: int = 32, max_model_len: int | None = None, num_blocks: int | None = None,
                  block_size: int = 16, prefill_chunk: int = 512, adaptive_verification: bool = False,
                  draft_sample: bool = False, draft_top_k: int = 0, rejection: str = "standard",
-                 prefix_caching: bool | PrefixCacheConfig = False):
+                 prefix_caching: bool | PrefixCacheConfig = False, graphs: bool | None = None):
         self.target, self.drafter = target, drafter
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.device = next(target.parameters()).device
         self.max_model_len = max_model_len or target.config.max_position_embeddings
         self.max_batch_size, self.block_size, self.prefill_chunk = max_batch_size, block_size, prefill_chunk
-        self.k = 0
+        self.k, self.pinned_k = 0, 0  # k: the most drafts a step may verify (what requests reserve room for)
         if drafter is not None:
-            self.k = drafter.config.num_drafts if num_speculative_tokens is None else num_speculative_tokens
-            if not 1 <= self.k <= drafter.config.num_drafts:
-                raise ValueError(f"num_speculative_tokens: expected 1..{drafter.config.num_drafts} for this drafter "
-                                 f"(block_size={drafter.config.block_size}, mode={drafter.config.mode}), got {self.k}")
+            self.k = drafter.config.num_drafts
+            self.pinned_k = num_speculative_tokens
+            if num_speculative_tokens is not None and not 1 <= num_speculative_tokens <= self.k:
+                raise ValueError(f"num_speculative_tokens: expected 1..{self.k} for this drafter "
+                                 f"(block_size={drafter.config.block_size}, mode={drafter.config.mode}), "
+                                 f"got {num_speculative_tokens}")
+            self.k = num_speculative_tokens or self.k
             if adaptive_verification and drafter.confidence_head is None:
                 raise ValueError("adaptive_verification needs a drafter with a confidence head")
         if rejection not in ("standard", "block"):
             raise ValueError(f"rejection: expected 'standard' or 'block', got {rejection!r}")
-        self.adaptive, self.draft_sample, self.draft_top_k, self.rejection = (
-            adaptive_verification, draft_sample, draft_top_k, rejection)
         if num_blocks is None:  # default budget: every batch slot can hold min(max_model_len, 2048) tokens
             num_blocks = max_batch_size * math.ceil((min(self.max_model_len, 2048) + self.k + 1) / block_size)
         attn, kda = target.cache_layout()
         self.drafts = None
         if drafter is not None:  # the drafter's context rows live in the same blocks (shared prefix caching)
-            self.drafts = DraftRunner(drafter, layer_offset=1 + max(list(attn) + list(kda)))
+            self.drafts = DraftRunner(drafter, layer_offset=1 + max(list(attn) + list(kda)), draft_top_k=draft_top_k)
             attn = {**attn, **self.drafts.cache_layout()}
         dtype = next(target.parameters()).dtype
         self.prefix_caching = prefix_caching
         self.cache = PagedCache(attn, kda, num_blocks, block_size, max_batch_size, dtype=dtype, device=self.device,
                                 prefix_cache=PrefixCacheConfig() if prefix_caching is True else prefix_caching or None)
-        self.aux_ids = list(drafter.config.target_layer_ids) if drafter is not None else None
+        self.runner = ModelRunner(target, self.drafts, self.cache, max_batch_size, self.k, rejection, draft_sample,
+                                  adaptive_verification, graphs)
+        self.k_choices = sorted({0, self.k} | {1 << i for i in range(8) if 1 << i < self.k}) if self.k else [0]
+        self.step_requests: list[Request] = []  # the rows of the device step in flight, in order
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.reserved: dict[str, int] = {}
         self.counters = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
                          "generation_tokens": 0, "target_forwards": 0}
-        self.eos_id = getattr(target.config, "eos_token_id", None)
+        self._reached = [0] * max(self.k, 1)  # row-steps that verified draft position j with all before it accepted
+        eos = getattr(target.config, "eos_token_id", None)
+        self.eos_id = eos if isinstance(eos, int) else None
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -77,7 +90,7 @@ class Engine:
             ids, text = self.tokenizer.encode(prompt, add_special_tokens=False), prompt
         else:
             ids, text = list(prompt), None
-        req = Request(ids, params, request_id, text)
+        req = Request(ids, params, request_id, text, self.tokenizer)
         need = len(ids) + params.max_tokens + self.k + 1
         if need > self.max_model_len:
             raise ValueError(f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} exceed the context "
@@ -145,19 +158,6 @@ class Engine:
             raise
         return emitted
 
-    def _forward(self, reqs: list[Request], tokens: list[list[int]], record: bool):
-        T = max(len(t) for t in tokens)
-        ids = torch.zeros(len(reqs), T, dtype=torch.long)
-        for b, t in enumerate(tokens):
-            ids[b, : len(t)] = torch.tensor(t)
-        fb = self.cache.batch([r.id for r in reqs], [len(t) for t in tokens], record=record)
-        self.counters["target_forwards"] += 1
-        if self.aux_ids is None:
-            return self.target(ids.to(self.device), batch=fb)
-        logits, aux = self.target(ids.to(self.device), batch=fb, aux_layer_ids=self.aux_ids)
-        self.drafts.write_context(fb, aux)
-        return logits
-
     def _chunk_end(self, r: Request) -> int:
         """Prefill up to the chunk size, stopping at the next prefix-cache checkpoint position."""
         end = min(len(r.prompt_ids), r.num_computed + self.prefill_chunk)
@@ -165,74 +165,91 @@ class Engine:
         return min(stops, default=end)
 
     def _prefill(self, reqs: list[Request]):
+        """One eager forward over every prefilling request's next chunk; the requests whose prompt is done sample
+        their first token on the device."""
         chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
-        logits = self._forward(reqs, chunks, record=False)
-        last = torch.stack([logits[b, len(c) - 1] for b, c in enumerate(chunks)]).float().cpu()  # sampling on CPU
+        ids = torch.zeros(len(reqs), max(len(c) for c in chunks), dtype=torch.long)
+        for b, c in enumerate(chunks):
+            ids[b, : len(c)] = torch.tensor(c)
+        fb = self.cache.batch([r.id for r in reqs], [len(c) for c in chunks], record=False)
+        self.counters["target_forwards"] += 1
+        logits = self.runner.forward(ids.to(self.device), fb)
         self.cache.commit()
-        emitted = []
+        done = []
         for b, (r, chunk) in enumerate(zip(reqs, chunks)):
             r.num_computed += len(chunk)
             self.cache.after_prefill(r.id, r.prompt_ids, r.num_computed)
             if r.num_computed == len(r.prompt_ids):
-                self.counters["prompt_tokens"] += len(r.prompt_ids)
-                probs = process_logits(last[b], r.params.temperature, r.params.top_k, r.params.top_p)
-                tok = int(torch.multinomial(probs, 1, generator=r.generator)[0])
-                r.status = Status.DECODE
-                emitted.append((r, self._emit(r, [tok])))
+                done.append(b)
+        if not done:
+            return []
+        rows = [reqs[b] for b in done]
+        dev = self.device
+        last = torch.stack([logits[b, len(chunks[b]) - 1] for b in done])  # [n, V]
+        sampling = RowSampling(torch.tensor([r.params.temperature for r in rows], device=dev),
+                               torch.tensor([r.params.top_k for r in rows], device=dev),
+                               torch.tensor([r.params.top_p for r in rows], device=dev))
+        first = self.runner.sample_first(last, sampling, torch.tensor([r.seed for r in rows], device=dev),
+                                         torch.tensor([len(r.prompt_ids) for r in rows], device=dev)).tolist()
+        emitted = []
+        for r, tok in zip(rows, first):
+            self.counters["prompt_tokens"] += len(r.prompt_ids)
+            r.status = Status.DECODE
+            emitted.append((r, self._emit(r, [tok])))
         return emitted
 
     def _decode(self, reqs: list[Request]):
-        B = len(reqs)
-        anchors = torch.tensor([r.last_token for r in reqs], device=self.device)
-        drafts = torch.zeros(B, 0, dtype=torch.long)
-        n_drafts = torch.zeros(B, dtype=torch.long)
-        draft_probs = None
-        if self.drafts is not None:
-            temps = torch.tensor([r.params.temperature for r in reqs], device=self.device)
-            prop = self.drafts.propose(self.cache, [r.id for r in reqs], anchors, temps, sample=self.draft_sample, top_k=self.draft_top_k,
-                                       generators=[r.generator for r in reqs])
-            drafts = prop.draft_ids[:, : self.k].cpu()
-            draft_probs = None if prop.draft_probs is None else prop.draft_probs[:, : self.k].cpu()
-            budget = [min(self.k, r.params.max_tokens - len(r.output_ids) - 1) for r in reqs]
-            n_drafts = torch.tensor([max(0, b) for b in budget])
-            if self.adaptive:
-                n_drafts = torch.minimum(n_drafts, choose_verify_lengths(prop.confidence[:, : self.k].float().cpu()))
-        tokens = [[r.last_token] + drafts[b, : n_drafts[b]].tolist() for b, r in enumerate(reqs)]
-        logits = self._forward(reqs, tokens, record=True)  # [B, 1 + max n_drafts, V] on the model's device
-        results: list = [None] * B
-        greedy = [b for b, r in enumerate(reqs) if r.params.temperature == 0]
-        if greedy:  # all greedy rows in one vectorised call, on the device: only the counts come back
-            g = torch.tensor(greedy)
-            width = logits.shape[1] - 1  # the forward is as wide as the longest verified row
-            a, nxt = verify_greedy(drafts[g, :width].to(logits.device), logits[g.to(logits.device)],
-                                   n_drafts[g].to(logits.device))
-            for i, b in enumerate(greedy):
-                results[b] = (int(n_drafts[b]), int(a[i]), int(nxt[i]))
-        for b, r in enumerate(reqs):  # sampled rows: per-request CPU generators, so their logits go to the host
-            if results[b] is None:
-                n = int(n_drafts[b])
-                dp = None if draft_probs is None else draft_probs[b: b + 1, :n]
-                results[b] = (n, *self._verify(r, drafts[b: b + 1, :n], dp, logits[b: b + 1, : n + 1].float().cpu()))
-        self.cache.commit(torch.tensor([a + 1 for _, a, _ in results]))
+        """One device step for every decoding request (the runner's graph for this batch bucket)."""
+        ps = [r.params for r in reqs]
+        sampled = [p for p in ps if p.temperature > 0]
+        mode = "greedy" if not sampled else ("filter" if any(p.top_k or p.top_p < 1 for p in sampled) else "sample")
+        longest = max(r.num_computed for r in reqs)
+        k = self._choose_k(len(reqs), longest, mode)
+        key = self.runner.key_for(len(reqs), k, longest + k + 1, mode)
+        rids = [r.id for r in reqs]
+        num_cached, tables, slots = self.cache.step_rows(rids, k + 1, key.width)
+        rows = [RowInput(r.last_token, max(0, min(k, p.max_tokens - len(r.output_ids) - 1)), r.seed,
+                         p.temperature, p.top_k, p.top_p) for r, p in zip(reqs, ps)]
+        self.counters["target_forwards"] += 1
+        self.step_requests = reqs
+        outs = self.runner.decode(rows, tables, num_cached, slots, key)
+        self.cache.advance(rids, [o[0] + 1 for o in outs])
         emitted = []
-        for b, (r, (n, a, nxt)) in enumerate(zip(reqs, results)):
+        for r, o in zip(reqs, outs):
+            a, n = o[0], o[1]
             r.num_computed += a + 1
             r.num_steps += 1
             if self.drafts is not None:
                 r.accepted_per_step.append(a)
                 r.num_drafts_per_step.append(n)
                 self._count(n, a)
-            emitted.append((r, self._emit(r, drafts[b, :a].tolist() + [nxt])))
+            emitted.append((r, self._emit(r, o[2: a + 3])))
         return emitted
 
-    def _verify(self, r: Request, drafts, draft_probs, logits) -> tuple[int, int]:
-        """One sampled request: (accepted drafts, next token) under its own sampling parameters."""
-        p = r.params
-        n = torch.tensor([drafts.shape[1]])
-        probs = process_logits(logits, p.temperature, p.top_k, p.top_p)
-        fn = verify_block if self.rejection == "block" else verify_rejection
-        a, nxt = fn(drafts, draft_probs, probs, n, r.generator)
-        return int(a[0]), int(nxt[0])
+    def _choose_k(self, num_rows: int, longest: int, mode: str) -> int:
+        """Drafts for this step: the pinned k, else the candidate with the most expected emitted tokens per
+        millisecond of its graph at this batch bucket (k drafts emit 1 + sum_i prod_{j<=i} alpha_j tokens per row,
+        alpha_j the measured acceptance of position j given all before it; a position never reached takes the one
+        before it). Without graphs (CPU): the whole block."""
+        if self.drafts is None:
+            return 0
+        if self.pinned_k is not None or not self.runner.graphs:
+            return self.k
+        acc, reach = self.counters["num_accepted_tokens_per_pos"], self._reached
+        alpha, last = [], 0.5
+        for j in range(self.k):
+            last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
+            alpha.append(last)
+        best, best_rate = 0, 0.0
+        for k in self.k_choices:
+            expected, surv = 1.0, 1.0
+            for j in range(k):
+                surv *= alpha[j]
+                expected += surv
+            rate = expected / self.runner.step_ms(self.runner.key_for(num_rows, k, longest + k + 1, mode))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
 
     def _count(self, n: int, a: int) -> None:
         if n == 0:
@@ -243,24 +260,26 @@ class Engine:
         c["num_accepted_tokens"] += a
         for i in range(a):
             c["num_accepted_tokens_per_pos"][i] += 1
+        for i in range(min(n, a + 1)):
+            self._reached[i] += 1
 
     def _emit(self, r: Request, toks: list[int]) -> list[int]:
         """Append tokens, apply max_tokens / EOS / stop strings; finish the request when done."""
         toks = toks[: r.params.max_tokens - len(r.output_ids)]
         reason = None
-        stops = set(r.params.stop_token_ids) | ({self.eos_id} if not r.params.ignore_eos and self.eos_id is not None
-                                                  else set())
-        hit = next((i for i, t in enumerate(toks) if t in stops), None)
+        stops = r.params.stop_token_ids
+        eos = None if r.params.ignore_eos else self.eos_id
+        hit = next((i for i, t in enumerate(toks) if t == eos or t in stops), None)
         if hit is not None:
             toks, reason = toks[: hit + 1], "stop"
         r.output_ids += toks
         self.counters["generation_tokens"] += len(toks)
-        if self.tokenizer is not None:
-            r.text = self.tokenizer.decode(r.output_ids, skip_special_tokens=True)
-            for s in r.params.stop:
-                at = r.text.find(s)
+        if r.params.stop and r.tokenizer is not None:  # the text is decoded only when a stop string needs it
+            text = r.text
+            for stop in r.params.stop:
+                at = text.find(stop)
                 if at >= 0:
-                    r.text, reason = r.text[:at], "stop"
+                    r.text, reason, text = text[:at], "stop", text[:at]
         if reason is None and len(r.output_ids) >= r.params.max_tokens:
             reason = "length"
         if reason is not None:
@@ -277,17 +296,16 @@ class Engine:
             raise ValueError(f"export_prefilled: request {request_id!r} is not running with its prefill done")
         handoff = {"request_id": req.id, "prompt_ids": req.prompt_ids, "output_ids": list(req.output_ids),
                    "params": req.params, "text": req.text,
-                   "rng": None if req.generator is None else req.generator.get_state(),
+                   "seed": req.seed,
                    "cache": self.cache.export_request(req.id)}
         self._finish(req, "exported")
         return handoff
 
     def import_prefilled(self, handoff: dict) -> Request:
         """Continue a request prefilled by another engine (same target, drafter and layout)."""
-        req = Request(handoff["prompt_ids"], handoff["params"], handoff["request_id"])
-        req.output_ids, req.text = list(handoff["output_ids"]), handoff["text"]
-        if handoff["rng"] is not None:
-            req.generator.set_state(handoff["rng"])
+        req = Request(handoff["prompt_ids"], handoff["params"], handoff["request_id"], tokenizer=self.tokenizer,
+                      seed=handoff["seed"])
+        req.output_ids = list(handoff["output_ids"])
         need = self._blocks_for(req)
         if sum(self.reserved.values()) + need > self.cache.pool.num_blocks or len(self.running) >= self.max_batch_size:
             raise OutOfBlocks(need, self.cache.pool.num_free)

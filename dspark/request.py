@@ -2,10 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass, field
 from enum import Enum
-
-import torch
 
 
 @dataclass
@@ -54,7 +53,7 @@ _ids = itertools.count()
 
 class Request:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                 prompt_text: str | None = None):
+                 prompt_text: str | None = None, tokenizer=None, seed: int | None = None):
         params.validate()
         if not prompt_ids:
             raise ValueError("prompt: empty after tokenization")
@@ -69,10 +68,23 @@ class Request:
         self.accepted_per_step: list[int] = []
         self.num_drafts_per_step: list[int] = []
         self.finish_reason: str | None = None
-        self.text = ""
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        self.tokenizer = tokenizer  # decodes `text` on demand
+        self._text, self._text_at = "", 0
+        # every random number the request draws is a function of this seed and its position (dspark.runner)
+        seed = seed if seed is not None else params.seed
+        self.seed = random.getrandbits(62) if seed is None else seed & (2 ** 62 - 1)
+
+    @property
+    def text(self) -> str:
+        """The decoded output (special tokens skipped), decoded again only when tokens were added since."""
+        if self._text_at != len(self.output_ids) and self.tokenizer is not None:
+            self._text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
+            self._text_at = len(self.output_ids)
+        return self._text
+
+    @text.setter
+    def text(self, value: str) -> None:  # pinned until more tokens arrive (a stop string cut it)
+        self._text, self._text_at = value, len(self.output_ids)
 
     @property
     def last_token(self) -> int:

@@ -46,12 +46,10 @@ class ScriptedDrafts:
     def write_context(self, batch, aux):
         self.runner.write_context(batch, aux)
 
-    def propose(self, cache, rids, anchors, temperature, **kw):
-        k = self.runner.drafter.config.num_drafts
+    def propose(self, view, anchors, k, sampling=None, u=None, confidence=False):
         rows = []
-        for rid in rids:
-            req = next(r for r in self.engine.running if r.id == rid)
-            ref = self.refs[rid]
+        for req in self.engine.step_requests:  # the rows of the step in flight, in order
+            ref = self.refs[req.id]
             done = len(req.output_ids)
             good = (ref[done:done + k] + [0] * k)[:k]
             if self.quality == "oracle":
@@ -64,7 +62,8 @@ class ScriptedDrafts:
                 bad = int(torch.randint(0, k, (1,), generator=self.g))
                 row = [(t + 1) % V if i == bad else t for i, t in enumerate(good)]
             rows.append(row)
-        return Proposal(torch.tensor(rows), None, None)
+        rows += [[0] * k] * (anchors.shape[0] - len(rows))  # the bucket's padding rows
+        return Proposal(torch.tensor(rows, device=anchors.device), None, None)
 
 
 @pytest.fixture(scope="module", params=list(TARGETS))
@@ -94,7 +93,8 @@ def test_speculative_greedy_equals_autoregressive(target, prompts, refs, quality
     engine = Engine(target, drafter, max_batch_size=4, prefill_chunk=8)
     if quality != "trained-random-weights":
         reqs = [engine.add_request(p, SamplingParams(max_tokens=24)) for p in prompts]
-        engine.drafts = ScriptedDrafts(engine.drafts, engine, {r.id: ref for r, ref in zip(reqs, refs)}, quality)
+        engine.runner.drafts = ScriptedDrafts(engine.drafts, engine, {r.id: ref for r, ref in zip(reqs, refs)},
+                                              quality)
         while engine.has_work():
             engine.step()
         outs = [r.output() for r in reqs]

@@ -316,8 +316,22 @@ def test_mxfp4_reference_and_fallback_equal_mxfp4_linear():
     assert _err(yg, lin(x)) <= 1e-5  # row subsets: BLAS summation order
 
 
+def markov_sample_model(U, w1, w2, anchors):
+    """Greedy ids through dspark.spec.draft.sample_markov itself (a drafter shim around U, w1, w2)."""
+    from types import SimpleNamespace
+
+    from dspark.spec.draft import sample_markov
+
+    def markov(prev):
+        m = torch.nn.functional.embedding(prev, w1)
+        return torch.nn.functional.linear(m, w2).float(), m
+    shim = SimpleNamespace(base_logits=lambda h: U, markov=markov, confidence=lambda h, m: None)
+    B, D, _ = U.shape
+    return sample_markov(shim, U.new_zeros(B, D, 1), anchors).draft_ids
+
+
 def test_markov_reference_and_fallback_equal_sample_markov():
-    from dspark.kernels.markov_sample import markov_sample, markov_sample_model
+    from dspark.kernels.markov_sample import markov_sample
 
     torch.manual_seed(0)
     U, w1, w2, anc = torch.randn(4, 6, 500), torch.randn(500, 8), torch.randn(500, 8), torch.randint(0, 500, (4,))

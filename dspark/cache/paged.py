@@ -17,6 +17,7 @@ import torch
 
 from dspark.cache.batch import ForwardBatch
 from dspark.cache.blocks import BlockPool, BlockTable, OutOfBlocks, prefix_hashes
+from dspark.cache.device_view import DeviceView
 from dspark.cache.prefix import PrefixCache, PrefixCacheConfig, PrefixMatch
 from dspark.cache.state import KDAStatePool, LayerShape
 
@@ -44,13 +45,19 @@ class PagedView:
         blk = (pos // bs).clamp(max=self.table.shape[1] - 1)
         return self.table.gather(1, blk) * bs + pos % bs
 
+    def attn_write(self, layer: int, new: torch.Tensor) -> None:
+        """new [B, T, C]: the valid rows into the pool."""
+        fb, store = self.fb, self.cache.kv[layer]
+        flat = store.view(-1, store.shape[-1])
+        valid = fb.valid(new.shape[1])
+        flat[self._rows(fb.positions(new.shape[1]))[valid]] = new[valid].to(flat.dtype)
+
     def attn_append(self, layer: int, new: torch.Tensor) -> torch.Tensor:
         """new [B, T, C] -> [B, L, C]: every row 0..num_cached+num_new−1 per request, zero right padding."""
         fb, store = self.fb, self.cache.kv[layer]
         B, T, C = new.shape
         flat = store.view(-1, store.shape[-1])
-        valid = fb.valid(T)
-        flat[self._rows(fb.positions(T))[valid]] = new[valid].to(flat.dtype)
+        self.attn_write(layer, new)
         lengths = fb.num_cached + fb.num_new
         L = int(lengths.max()) if B else 0
         lengths = lengths.to(flat.device)
@@ -77,10 +84,12 @@ class PagedCache:
         self.device = torch.device(device)
         self.block_size, self.max_requests = block_size, max_requests
         self.pool = BlockPool(num_blocks, block_size)
-        self.kv = {ly: torch.zeros(num_blocks, block_size, C, dtype=dtype, device=device)
-                   for ly, C in self.attn_layers.items()}  # layer -> [num_blocks, block_size, C]
+        self.scratch_block = num_blocks  # one block past the pool's: where the padding rows of a step write
+        self.kv = {ly: torch.zeros(num_blocks + 1, block_size, C, dtype=dtype, device=device)
+                   for ly, C in self.attn_layers.items()}  # layer -> [num_blocks + 1, block_size, C]
         self.state = KDAStatePool(max_requests, self.kda_layers, device=device)
         self.kv_bytes_per_block = sum(t[0].nbytes for t in self.kv.values())
+        self.scratch_slot = self.state.scratch_slot
         self.prefix = None
         if prefix_cache is not None:
             self.prefix = PrefixCache(self.pool, self.kv_bytes_per_block, bool(self.kda_layers), prefix_cache)
@@ -148,6 +157,38 @@ class PagedCache:
         for r, k, ok in zip(reqs, n_keep.tolist(), live):
             r.table.num_tokens += k if ok else 0
         self._batch = None
+
+    # --- a device-side step (dspark.runner) ---
+    def reserve(self, rids: Sequence[Hashable], num_tokens: Sequence[int]) -> list[_Request]:
+        """Blocks for num_tokens[b] tokens per request (all-or-nothing: OutOfBlocks changes nothing)."""
+        reqs = [self.reqs[rid] for rid in rids]
+        need = [r.table.blocks_needed(n) for r, n in zip(reqs, num_tokens)]
+        fresh = self.pool.allocate(sum(need))
+        for r, k in zip(reqs, need):
+            if k:
+                r.table.blocks += fresh[:k]
+                fresh = fresh[k:]
+        return reqs
+
+    def step_rows(self, rids: Sequence[Hashable], T: int, width: int) -> tuple[list[int], list[list[int]], list[int]]:
+        """Reserve room for T more tokens per request -> (num_cached, block-table rows padded with the scratch block to
+        `width`, KDA slots), what a DeviceView of these rows reads."""
+        reqs = self.reserve(rids, [self.reqs[rid].table.num_tokens + T for rid in rids])
+        pad = [self.scratch_block] * width
+        tables = [(r.table.blocks + pad)[:width] for r in reqs]
+        slots = [self.scratch_slot if r.slot is None else r.slot for r in reqs]
+        return [r.table.num_tokens for r in reqs], tables, slots
+
+    def device_view(self, num_cached, num_new, table, slots, T: int, record: bool) -> DeviceView:
+        return DeviceView(self.kv, self.state.S, self.state.conv, self.block_size, num_cached, num_new, table, slots,
+                          T, record)
+
+    def advance(self, rids: Sequence[Hashable], n_keep: Sequence[int]) -> None:
+        """After a device-side step: the rows' committed lengths (its KDA commit happened on the device)."""
+        for rid, n in zip(rids, n_keep):
+            r = self.reqs.get(rid)
+            if r is not None:  # cancelled mid-step
+                r.table.num_tokens += n
 
     # --- prefix caching ---
     def match_prefix(self, rid: Hashable, prompt_ids: Sequence[int]) -> int:

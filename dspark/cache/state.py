@@ -39,11 +39,12 @@ class KDAStatePool:
     def __init__(self, max_requests: int, layers: dict[int, LayerShape], device="cpu",
                  conv_dtype: torch.dtype = torch.float32):
         self.max_requests, self.layers = max_requests, dict(layers)
-        self.S: dict[int, torch.Tensor] = {}  # layer -> [max_requests, H, K, V] fp32
-        self.conv: dict[int, torch.Tensor] = {}  # layer -> [max_requests, W-1, C]
+        self.scratch_slot = max_requests  # one row more than the slots: where the padding rows of a step write
+        self.S: dict[int, torch.Tensor] = {}  # layer -> [max_requests + 1, H, K, V] fp32
+        self.conv: dict[int, torch.Tensor] = {}  # layer -> [max_requests + 1, W-1, C]
         for layer, (H, K, V, C, W) in self.layers.items():
-            self.S[layer] = torch.zeros(max_requests, H, K, V, dtype=torch.float32, device=device)
-            self.conv[layer] = torch.zeros(max_requests, W - 1, C, dtype=conv_dtype, device=device)
+            self.S[layer] = torch.zeros(max_requests + 1, H, K, V, dtype=torch.float32, device=device)
+            self.conv[layer] = torch.zeros(max_requests + 1, W - 1, C, dtype=conv_dtype, device=device)
         # written[layer][slot]: a state was written since allocation (else the layer reads as "start from zero")
         self.written = {layer: torch.zeros(max_requests, dtype=torch.bool) for layer in self.layers}
         self.free_slots = list(range(max_requests))[::-1]

@@ -1,20 +1,22 @@
-"""Drafting at inference: the drafter's context cache, the parallel block pass, and sequential Markov sampling.
+"""Drafting at inference: the drafter's context rows, the parallel block pass, and sequential Markov sampling.
 
 Per request the drafter keeps the rows of its context (one row per target position and draft layer: [k | v] for the
 qwen3 backbone, the MLA latent [kv_c | k_pe] for k3) in the target's paged cache, written right after each target
-forward from its aux features. A draft step runs the block
-[anchor, mask x (N-1)] at positions p0.. (p0 = target cache length) against them, then samples left to right:
+forward from its aux features. A draft step runs the block [anchor, mask x (N-1)] at positions p0.. (p0 = the
+target cache length) against them, then samples left to right:
 logits_j = U_j + markov(prev), prev_0 = anchor, prev_j = draft_{j-1}.
+Everything here is device ops only (no host reads), so the runner captures it inside its CUDA graph.
 """
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from dspark.kernels import use_triton
+from dspark.kernels.markov_sample import markov_sample
 from dspark.models.drafter import DSparkDrafter
-from dspark.spec.verify import process_logits
+from dspark.spec.sampling import RowSampling, process_logits, sample_from
 
 
 @dataclass
@@ -24,41 +26,40 @@ class Proposal:
     confidence: torch.Tensor | None  # [B, D] conditional acceptance probabilities, or None
 
 
-def sample_markov(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor,
-                  sample: bool, top_k: int = 0, generators=None) -> Proposal:
-    """h: [B, D, H] post-norm hidden states of the sampled queries; anchors: [B]; temperature: [B].
-    Greedy rows (temperature 0) or sample=False take the argmax. top_k > 0 evaluates the Markov term only on the
-    top-k base candidates per position (vLLM's dspark_draft_topk); the rest are -inf."""
-    B, D, _ = h.shape
+def sample_markov(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor, sampling: RowSampling | None = None,
+                  u: torch.Tensor | None = None, draft_top_k: int = 0) -> Proposal:
+    """h: [B, D, H] post-norm hidden states of the sampled queries; anchors: [B]. sampling None: argmax drafts;
+    else each row samples from process_logits under its own parameters with the uniforms u [B, D] (temperature-0
+    rows still take the argmax). draft_top_k > 0 evaluates the Markov term only on the top-k base candidates per
+    position (vLLM's dspark_draft_topk); the rest are -inf."""
+    D = h.shape[1]
     U = drafter.base_logits(h)  # [B, D, V] fp32, the parallel part
-    if top_k:
-        kth = U.topk(top_k, dim=-1).values[..., -1:]
+    if draft_top_k:
+        kth = U.topk(draft_top_k, dim=-1).values[..., -1:]
         U = U.masked_fill(U < kth, float("-inf"))
     prev, ids, probs, conf = anchors, [], [], []
     for j in range(D):  # the sequential part: one tiny matvec per position
         bias, m = drafter.markov(prev)
         logits = U[:, j] + bias  # [B, V]
         c = drafter.confidence(h[:, j], m)
-        if sample:
-            p = process_logits(logits, temperature)
-            pc = p.cpu()  # per-request CPU generators (seeded sampling)
-            x = torch.stack([torch.multinomial(pc[b], 1, generator=None if generators is None else generators[b])[0]
-                             for b in range(B)]).to(p.device)
+        if sampling is not None:
+            p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            x = sample_from(p, u[:, j])
             probs.append(p)
         else:
             x = logits.argmax(-1)
         ids.append(x)
         conf.append(None if c is None else torch.sigmoid(c))
         prev = x
-    return Proposal(torch.stack(ids, 1), torch.stack(probs, 1) if sample else None,
+    return Proposal(torch.stack(ids, 1), torch.stack(probs, 1) if sampling is not None else None,
                     None if conf[0] is None else torch.stack(conf, 1))
 
 
 def draft_hidden(drafter: DSparkDrafter, anchors: torch.Tensor, p0: torch.Tensor, ctx_rows: list[torch.Tensor]
                  ) -> torch.Tensor:
-    """The parallel pass (device ops only): the block [anchor, mask x (N-1)] at positions p0.. against each draft
-    layer's context rows [B, L, C] (keys < p0 visible, the block non-causal) -> the post-norm hidden states of the
-    sampled queries [B, D, H]. anchors, p0: [B] on the drafter's device."""
+    """The parallel pass: the block [anchor, mask x (N-1)] at positions p0.. against each draft layer's context rows
+    [B, L, C] (keys < p0 visible, the block non-causal) -> the post-norm hidden states of the sampled queries
+    [B, D, H]. anchors, p0: [B] on the drafter's device."""
     B, N, L, dev = anchors.shape[0], drafter.config.block_size, ctx_rows[0].shape[1], anchors.device
     ctx_vis = (torch.arange(L, device=dev)[None] < p0[:, None])[:, None, :].expand(B, N, L)
     mask = torch.cat([ctx_vis, torch.ones(B, N, N, dtype=torch.bool, device=dev)], dim=-1)[:, None]
@@ -70,8 +71,8 @@ class DraftRunner:
     """The drafter's side of the engine. Its context K/V rows live in the target's paged cache as extra attention
     layers (ids offset past the target's), so they share block tables, prefix caching and export/import."""
 
-    def __init__(self, drafter: DSparkDrafter, layer_offset: int):
-        self.drafter = drafter
+    def __init__(self, drafter: DSparkDrafter, layer_offset: int, draft_top_k: int = 0):
+        self.drafter, self.draft_top_k = drafter, draft_top_k
         cfg = drafter.config
         self.layers = [layer_offset + i for i in range(cfg.num_hidden_layers)]
         self.row_width = drafter.row_width  # qwen3: 2*n_kv*head_dim ([k | v]); k3: kv_lora+rope (MLA latent)
@@ -85,16 +86,22 @@ class DraftRunner:
         d = self.drafter
         rows = d.context_rows(d.context(aux), batch.positions(aux.shape[1]).to(aux.device))
         for layer, r in zip(self.layers, rows):
-            batch.cache.attn_append(layer, r)
+            batch.cache.attn_write(layer, r)
 
     @torch.no_grad()
-    def propose(self, cache, rids: Sequence[Hashable], anchors: torch.Tensor, temperature: torch.Tensor,
-                sample: bool = False, top_k: int = 0, generators=None) -> Proposal:
-        """anchors [B]: each request's last committed token, at position p0 = its cache length."""
-        d, B = self.drafter, len(rids)
-        fb = cache.batch(rids, 0)  # a read-only view: no new tokens
-        empty = torch.zeros(B, 0, self.row_width, dtype=d.param_dtype, device=anchors.device)
-        ctx_rows = [fb.cache.attn_append(layer, empty) for layer in self.layers]
-        cache.commit()
-        h = draft_hidden(d, anchors, fb.num_cached.to(anchors.device), ctx_rows)
-        return sample_markov(d, h, anchors, temperature, sample, top_k, generators)
+    def propose(self, view, anchors: torch.Tensor, k: int, sampling: RowSampling | None = None,
+                u: torch.Tensor | None = None, confidence: bool = False) -> Proposal:
+        """k drafts per row for anchors [B] (each row's last emitted token, at position p0 = view.num_cached),
+        against the context rows the view sees. sampling / u as in sample_markov. Greedy drafting with a Markov
+        head on CUDA runs the one-launch Markov kernel (dspark/kernels/markov_sample.py), which computes no
+        confidences: confidence=True keeps the torch loop."""
+        d = self.drafter
+        ctx_rows = [view.attn_rows(layer) for layer in self.layers]
+        h = draft_hidden(d, anchors, view.num_cached, ctx_rows)[:, :k]  # [B, k, H]
+        if sampling is None and d.markov_head is not None and not confidence and not self.draft_top_k \
+                and use_triton(h):
+            w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
+            scale = d.config.logit_scale
+            ids = markov_sample(d.base_logits(h), w1, w2 if scale == 1.0 else w2 * scale, anchors)[0]
+            return Proposal(ids, None, None)
+        return sample_markov(d, h, anchors, sampling, u, self.draft_top_k)

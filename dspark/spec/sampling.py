@@ -11,6 +11,7 @@ a step never reuses a number (num_tokens grows by at least one per step).
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 
 import torch
 
@@ -127,3 +128,12 @@ def sample_rows(logits: torch.Tensor, temperature, top_k, top_p, u: torch.Tensor
     probs = process_logits(logits, temperature, top_k, top_p)
     greedy = _per_row(temperature, logits, torch.float32)[..., 0] <= 0
     return torch.where(greedy, logits.argmax(-1), sample_from(probs, u)), probs
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling parameters of a batch, on the device: temperature [B] fp32 (0 = greedy); top_k [B] long
+    and top_p [B] fp32, or None where no row filters (process_logits then skips the sort)."""
+    temperature: torch.Tensor
+    top_k: torch.Tensor | int = 0
+    top_p: torch.Tensor | float = 1.0

@@ -55,10 +55,7 @@ def _q_at(q: torch.Tensor, idx: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 
 def _uniforms(u, B: int, k: int, device) -> torch.Tensor:
-    """u [B, k+1] checked. A torch.Generator (or None) in place of u draws them on the host with torch.rand: the
-    form the eager engine still uses with its per-request CPU generators; device-side callers pass a tensor."""
-    if u is None or isinstance(u, torch.Generator):
-        return torch.rand(B, k + 1, generator=u, device=device)
+    """u [B, k+1] checked."""
     if tuple(u.shape) != (B, k + 1):
         raise ValueError(f"u: expected uniforms [B, k+1] = [{B}, {k + 1}], got {list(u.shape)}")
     return u
@@ -80,7 +77,7 @@ def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor, num_draf
     return acc, top.gather(1, acc[:, None])[:, 0]
 
 
-def verify_rejection(draft_ids, draft_probs, target_probs, num_drafts, u: torch.Tensor | torch.Generator | None):
+def verify_rejection(draft_ids, draft_probs, target_probs, num_drafts, u: torch.Tensor):
     """Leviathan et al.: accept d_i when u_i · q(d_i) < p(d_i) (probability min(1, p/q)) until the first
     rejection, which resamples from norm(max(p − q, 0)); if every draft is accepted, the bonus comes from p at
     position n. u [B, k+1]: u[:, i] decides slot i, u[:, k] draws the next token."""
@@ -98,7 +95,7 @@ def verify_rejection(draft_ids, draft_probs, target_probs, num_drafts, u: torch.
     return acc, _sample((p_a - _q_at(q, acc, n)).clamp(min=0), p_a, u[:, k])
 
 
-def verify_block(draft_ids, draft_probs, target_probs, num_drafts, u: torch.Tensor | torch.Generator | None):
+def verify_block(draft_ids, draft_probs, target_probs, num_drafts, u: torch.Tensor):
     """Block verification (Sun et al. 2024, Alg. 2), per row with block length γ = n:
       p_0 = 1;  p_i = min(1, p_{i−1} · p(d_i)/q(d_i))                      (clipped running joint ratio)
       ρ_i = Σ_x max(p_i · p(x | d≤i) − q(x | d≤i), 0)                       (residual mass at the next position)

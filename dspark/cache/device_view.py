@@ -1,0 +1,96 @@
+"""DeviceView: the CacheView of a decode / verify step over the paged pool, built from device tensors only.
+
+A step of B rows (a batch-size bucket: rows past the live ones are padding) and T new tokens per row reads
+    num_cached [B]  tokens already in the cache (the first new token's position)
+    num_new    [B]  valid new tokens (the rest of the row is padding: no recurrent-state change)
+    table      [B, W] block ids (W = L / block_size; entries past a row's blocks and padding rows -> the scratch block)
+    slots      [B]  KDA state slots (padding rows -> the scratch slot)
+and sees the first L positions of every row (L: a static context bucket >= max(num_cached) + T). Rows are written
+in place (index_copy_ into the pool at the block-table slots) and read with one fixed-size gather [B, L, C] per
+layer under the key mask; KDA state is read and written through the slot indices. No host reads and no
+data-dependent shapes, so one CUDA graph captures a whole step; on CPU the same code runs eagerly.
+"""
+from __future__ import annotations
+
+import torch
+
+from dspark.cache.state import committed_kda_state
+
+
+class DeviceView:
+    def __init__(self, kv: dict[int, torch.Tensor], kda_S: dict[int, torch.Tensor], kda_conv: dict[int, torch.Tensor],
+                 block_size: int, num_cached: torch.Tensor, num_new: torch.Tensor, table: torch.Tensor,
+                 slots: torch.Tensor, T: int, record: bool):
+        self.kv, self.S, self.conv = kv, kda_S, kda_conv
+        self.bs, self.T, self.record = block_size, T, record
+        self.num_cached, self.num_new, self.table, self.slots = num_cached, num_new, table, slots
+        self.L = table.shape[1] * block_size
+        self.cache = self  # a ForwardBatch whose cache is itself
+        self.device = table.device
+        dev = self.device
+        self._pos = num_cached[:, None] + torch.arange(T, device=dev)  # [B, T]
+        keys = torch.arange(self.L, device=dev)
+        self._valid = torch.arange(T, device=dev)[None] < num_new[:, None]  # [B, T]
+        self._mask = (keys[None, None, :] <= self._pos[:, :, None])[:, None]  # [B, 1, T, L]
+        self._dest = self._rows(self._pos).flatten()  # [B*T] flat pool rows of the new tokens
+        self._gather = self._rows(keys[None].expand(table.shape[0], -1))  # [B, L] flat pool rows of positions 0..L-1
+        self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _rows(self, pos: torch.Tensor) -> torch.Tensor:  # pos [B, *] -> flat rows of the pool
+        blk = (pos // self.bs).clamp(max=self.table.shape[1] - 1)
+        return self.table.gather(1, blk) * self.bs + pos % self.bs
+
+    # --- the ForwardBatch side ---
+    def positions(self, T: int) -> torch.Tensor:
+        self._check(T)
+        return self._pos
+
+    def valid(self, T: int) -> torch.Tensor:
+        self._check(T)
+        return self._valid
+
+    def key_mask(self, T: int, L: int) -> torch.Tensor:
+        self._check(T)
+        if L != self.L:
+            raise ValueError(f"key_mask: the step sees L={self.L} positions, got {L}")
+        return self._mask
+
+    def _check(self, T: int) -> None:
+        if T != self.T:
+            raise ValueError(f"DeviceView: planned for T={self.T} new tokens, the forward has T={T}")
+
+    # --- the CacheView side ---
+    def attn_write(self, layer: int, new: torch.Tensor) -> None:
+        """new [B, T, C]: every row (valid or padding) goes to its slot; padding lands past the committed length
+        (overwritten later) or in the scratch block."""
+        flat = self.kv[layer].view(-1, self.kv[layer].shape[-1])
+        flat.index_copy_(0, self._dest, new.reshape(-1, new.shape[-1]).to(flat.dtype))
+
+    def attn_rows(self, layer: int) -> torch.Tensor:
+        """-> [B, L, C]: positions 0..L-1 of every row (the key mask hides what lies past a query's position)."""
+        store = self.kv[layer]
+        return store.view(-1, store.shape[-1])[self._gather]
+
+    def attn_append(self, layer: int, new: torch.Tensor) -> torch.Tensor:
+        self.attn_write(layer, new)
+        return self.attn_rows(layer)
+
+    def kda_read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.S[layer].index_select(0, self.slots), self.conv[layer].index_select(0, self.slots)
+
+    def kda_write(self, layer: int, states: torch.Tensor, conv: torch.Tensor) -> None:
+        """record=False: final S [B, H, K, V] and window [B, W-1, C]; record=True: S after each position
+        [B, T, H, K, V] and the extended window [B, W-1+T, C], kept until commit."""
+        if self.record:
+            self._pending[layer] = (states, conv)
+        else:
+            self.S[layer].index_copy_(0, self.slots, states.float())
+            self.conv[layer].index_copy_(0, self.slots, conv.to(self.conv[layer].dtype))
+
+    def commit(self, n_keep: torch.Tensor) -> None:
+        """After a record=True forward: keep the recurrent state after n_keep [B] (device) new tokens per row."""
+        for layer, (states, ext) in self._pending.items():
+            S, win = committed_kda_state(states, ext, n_keep, self.S[layer].index_select(0, self.slots))
+            self.S[layer].index_copy_(0, self.slots, S)
+            self.conv[layer].index_copy_(0, self.slots, win.to(self.conv[layer].dtype))
+        self._pending.clear()

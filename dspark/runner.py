@@ -1,0 +1,214 @@
+"""The model runner: tensors in, one device step, one small tensor out (nano-vllm's model_runner).
+
+A decode step of B live rows runs in a batch-size bucket (1, 2, 4, ... up to max_batch_size) with static device
+buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). The step is device ops only:
+    draft k tokens (parallel block + Markov loop) -> target forward over [pending, d1..dk] (record=True) with the
+    drafter's context rows -> verify (greedy, or Leviathan / block rejection with per-row parameters and counter-based
+    uniforms) -> KDA commit of a + 1 tokens -> packed [a, n, emitted tokens]
+so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
+eagerly. k = 0 is plain decoding (the drafter's context rows are still written, so speculation can resume).
+Prefill stays eager (chunked, through the paged cache's PagedView), and samples its first token on the device too.
+
+Random numbers: a request's uniforms are a pure function of its seed and position (dspark.spec.sampling
+.counter_uniform), so seeded requests give the same tokens whatever batch they run in.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.cache.paged import PagedCache
+from dspark.models.k3.moe import LatentMoE, set_static_moe
+from dspark.spec.draft import DraftRunner
+from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
+from dspark.spec.verify import choose_verify_lengths_device, verify_block, verify_greedy, verify_rejection
+
+COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one
+MIN_CONTEXT = 128  # the smallest context bucket (positions a step sees)
+MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
+_I = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5}  # int columns, then the table
+
+
+def buckets(max_batch_size: int) -> list[int]:
+    out = [1]
+    while out[-1] < max_batch_size:
+        out.append(min(out[-1] * 2, max_batch_size))
+    return out
+
+
+def pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class StepKey:
+    rows: int  # batch bucket
+    k: int  # drafts per row (0: plain decoding)
+    width: int  # block-table width: the step sees width * block_size positions
+    mode: str  # one of MODES
+
+
+@dataclass
+class RowInput:
+    """One live row of a decode step (host values)."""
+    pending: int  # the last emitted token (position num_cached)
+    num_drafts: int  # drafts to verify, <= k
+    seed: int
+    temperature: float
+    top_k: int
+    top_p: float
+
+
+class _Step:
+    """The static buffers, the CUDA graph (if any) and the output of one StepKey."""
+
+    def __init__(self, key: StepKey, device):
+        self.key = key
+        self.ints = torch.zeros(key.rows, len(_I) + key.width, dtype=torch.long, device=device)
+        self.floats = torch.zeros(key.rows, 2, dtype=torch.float32, device=device)  # temperature, top_p
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self.ms: float | None = None  # replay time, measured at capture
+
+
+class ModelRunner:
+    def __init__(self, target, drafts: DraftRunner | None, cache: PagedCache, max_batch_size: int, max_k: int,
+                 rejection: str = "standard", draft_sample: bool = False, adaptive: bool = False,
+                 graphs: bool | None = None):
+        self.target, self.drafts, self.cache = target, drafts, cache
+        self.device = cache.device
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError("graphs: CUDA graphs need the model on a CUDA device")
+        self.buckets = buckets(max_batch_size)
+        self.rejection, self.draft_sample, self.adaptive = rejection, draft_sample, adaptive
+        self.aux_ids = list(drafts.drafter.config.target_layer_ids) if drafts is not None else None
+        self.steps: dict[StepKey, _Step] = {}
+        self.pool = None  # one memory pool for every graph (they never run concurrently)
+        # MoE forwards up to the largest step's size take the gathered, graph-safe expert path
+        set_static_moe(target, max_batch_size * (max_k + 1))
+        self._keep = [m._stacked for m in target.modules() if isinstance(m, LatentMoE)]
+        self._pin = self.device.type == "cuda"
+
+    # ------------------------------------------------------------------ forward pieces
+    def forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
+        """Target forward (+ the drafter's context rows of the same positions) -> logits [B, T, V]."""
+        if self.aux_ids is None:
+            return self.target(ids, batch=batch)
+        logits, aux = self.target(ids, batch=batch, aux_layer_ids=self.aux_ids)
+        self.drafts.write_context(batch, aux)
+        return logits
+
+    @staticmethod
+    def sample_first(logits: torch.Tensor, sampling: RowSampling, seed: torch.Tensor, position: torch.Tensor
+                     ) -> torch.Tensor:
+        """The token after a prefill: logits [B, V] -> [B] (greedy rows: the argmax)."""
+        u = counter_uniform(seed, position * COUNTER_STRIDE + COUNTER_STRIDE - 1, 1)[:, 0]
+        return sample_from(process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u)
+
+    # ------------------------------------------------------------------ the step (device ops only)
+    def _step_fn(self, st: _Step) -> torch.Tensor:
+        key, ints, k = st.key, st.ints, st.key.k
+        pending, num_cached, num_new = ints[:, _I["pending"]], ints[:, _I["num_cached"]], ints[:, _I["num_new"]]
+        view = self.cache.device_view(num_cached, num_new, ints[:, len(_I):], ints[:, _I["slot"]], k + 1, k > 0)
+        sampling = None
+        if key.mode != "greedy":
+            filt = key.mode == "filter"
+            sampling = RowSampling(st.floats[:, 0], ints[:, _I["top_k"]] if filt else 0,
+                                   st.floats[:, 1] if filt else 1.0)
+        u = None if sampling is None else counter_uniform(ints[:, _I["seed"]], num_cached * COUNTER_STRIDE, 2 * k + 1)
+        if k == 0:
+            logits = self.forward(pending[:, None], view)[:, 0]  # [B, V]
+            nxt = logits.argmax(-1) if sampling is None else sample_from(
+                process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u[:, 0])
+            return torch.stack([torch.zeros_like(nxt), torch.zeros_like(nxt), nxt], 1)
+        prop = self.drafts.propose(view, pending, k, sampling if self.draft_sample else None,
+                                   None if u is None else u[:, :k], confidence=self.adaptive)
+        n = num_new - 1  # drafts the host lets each row verify
+        if self.adaptive:
+            n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))
+        drafts = prop.draft_ids
+        logits = self.forward(torch.cat([pending[:, None], drafts], 1), view)  # [B, k+1, V]
+        a, nxt = verify_greedy(drafts, logits, n)
+        if sampling is not None:
+            p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+            verify = verify_block if self.rejection == "block" else verify_rejection
+            a_s, nxt_s = verify(drafts, prop.draft_probs, p, n, u[:, k:])
+            greedy = sampling.temperature == 0
+            a, nxt = torch.where(greedy, a, a_s), torch.where(greedy, nxt, nxt_s)
+        view.commit(a + 1)
+        slot = torch.arange(k + 1, device=a.device)[None]
+        toks = torch.where(slot < a[:, None], torch.cat([drafts, drafts[:, :1]], 1),
+                           torch.where(slot == a[:, None], nxt[:, None], torch.full_like(slot, -1)))
+        return torch.cat([a[:, None], n[:, None], toks], 1)
+
+    # ------------------------------------------------------------------ host side
+    def key_for(self, num_rows: int, k: int, max_len: int, mode: str) -> StepKey:
+        """The step key of num_rows rows whose longest sees max_len positions (cached + k + 1)."""
+        rows = next((b for b in self.buckets if b >= num_rows), None)
+        if rows is None:
+            raise ValueError(f"decode: {num_rows} rows exceed max_batch_size={self.buckets[-1]}")
+        bs = self.cache.block_size
+        return StepKey(rows, k, -(-pow2_at_least(max_len, max(MIN_CONTEXT, bs)) // bs), mode)
+
+    def _get(self, key: StepKey) -> _Step:
+        st = self.steps.get(key)
+        if st is None:
+            st = self.steps[key] = _Step(key, self.device)
+            if self.graphs:
+                self._capture(st)
+        return st
+
+    def _pad_row(self, width: int) -> list[int]:
+        """A padding row's ints: one valid token at position 0, writes to the scratch block and slot only."""
+        return [0, 0, 1, self.cache.scratch_slot, 0, 0] + [self.cache.scratch_block] * width
+
+    def _capture(self, st: _Step, warmup: int = 2, timed: int = 3) -> None:
+        st.ints.copy_(torch.tensor([self._pad_row(st.key.width)] * st.key.rows))
+        st.floats[:, 1] = 1.0
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(warmup):
+                self._step_fn(st)
+        torch.cuda.current_stream().wait_stream(side)
+        st.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(st.graph, pool=self.pool), torch.no_grad():
+            st.out = self._step_fn(st)
+        self.pool = st.graph.pool()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        best = float("inf")
+        for _ in range(timed):
+            start.record()
+            st.graph.replay()
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end))
+        st.ms = best
+
+    def step_ms(self, key: StepKey) -> float | None:
+        """The replay time of a key's graph (captured now if needed); None without graphs."""
+        return self._get(key).ms if self.graphs else None
+
+    @torch.no_grad()
+    def decode(self, rows: list[RowInput], tables: list[list[int]], num_cached: list[int], slots: list[int],
+               key: StepKey) -> list[list[int]]:
+        """One step for the live rows (tables already padded to key.width) -> per row [a, n, t_0 .. t_k]: a accepted
+        drafts, n verified, then the emitted tokens (a drafts and the next token; -1 after)."""
+        st = self._get(key)
+        B = len(rows)
+        ints = [[r.pending, c, r.num_drafts + 1, s, r.seed, r.top_k] + t
+                for r, t, c, s in zip(rows, tables, num_cached, slots)]
+        flo = [[r.temperature, r.top_p] for r in rows]
+        if B < key.rows:
+            ints += [self._pad_row(key.width)] * (key.rows - B)
+            flo += [[0.0, 1.0]] * (key.rows - B)
+        st.ints.copy_(torch.tensor(ints, dtype=torch.long, pin_memory=self._pin), non_blocking=True)
+        st.floats.copy_(torch.tensor(flo, dtype=torch.float32, pin_memory=self._pin), non_blocking=True)
+        if st.graph is not None:
+            st.graph.replay()
+            out = st.out
+        else:
+            out = self._step_fn(st)
+        return out[:B].tolist()  # the step's one host read
