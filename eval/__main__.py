@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from dspark.device import DTYPES, resolve_device, resolve_dtype
 from eval import entropy as ent
 from eval import measure as M
 from eval import report as R
@@ -48,10 +49,7 @@ def parse_args(argv):
     p.add_argument("--repeats", type=int, default=1, help="time each prompt this many times, keep the fastest")
     p.add_argument("--threads", type=int, help="torch CPU threads (1 is fastest for tiny models on a busy machine)")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu, cuda, cuda:N")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype")
-    p.add_argument("--engine", default="eager", choices=["eager", "static"],
-                   help="eager: dspark.Engine; static: the graph-safe bs=1 path (dspark/static_spec.py, CUDA graphs "
-                        "on a GPU; greedy only)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: bfloat16 on a GPU, float32 on CPU")
     p.add_argument("--server", help="measure a running OpenAI-compatible server instead of local engines")
     p.add_argument("--model", help="--server: model name (default: the first of /v1/models)")
     a = p.parse_args(argv)
@@ -60,8 +58,6 @@ def parse_args(argv):
                 "--repeats >= 1")
     if a.server is None and (a.target is None or not a.drafter):
         p.error("local mode needs --target DIR and at least one --drafter DIR (or use --server URL)")
-    if a.engine == "static" and a.temperature != 0:
-        p.error("--engine static: greedy only (--temperature 0)")
     if a.name and len(a.name) != max(len(a.drafter), 1):
         p.error(f"--name: give one per --drafter ({len(a.drafter)}), got {len(a.name)}")
     return a
@@ -112,8 +108,7 @@ def run_local(a, tasks: list[Task], names: list[str], log=print) -> dict:
     torch.manual_seed(a.seed)
     if a.threads:
         torch.set_num_threads(a.threads)
-    device = a.device if a.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    target = load_target(a.target, device=device, dtype=a.dtype)
+    target = load_target(a.target, device=a.device, dtype=a.dtype)
     tok = getattr(target, "tokenizer", None)
     if tok is None:
         raise ValueError(f"--target {a.target}: no tokenizer.json in the checkpoint; eval needs one for text prompts")
@@ -122,15 +117,9 @@ def run_local(a, tasks: list[Task], names: list[str], log=print) -> dict:
     prompts = {t.name: encode(t, tok, a.chat, a.max_prompt_tokens) for t in tasks}
     longest = max(len(p) for ps in prompts.values() for p in ps)
     mml = min(target.config.max_position_embeddings, longest + a.max_tokens + max(ks) + 1)
-    if a.engine == "static":
-        from dspark.static_spec import StaticEngine
-
-        graphs = torch.device(device).type == "cuda"
-        engines = [StaticEngine(target, d, k, max_len=mml, graphs=graphs) for d, k in [(None, None), *zip(drafters, ks)]]
-    else:
-        engines = [Engine(target, None, tokenizer=tok, max_batch_size=1, max_model_len=mml)]
-        engines += [Engine(target, d, num_speculative_tokens=k, tokenizer=tok, max_batch_size=1, max_model_len=mml)
-                    for d, k in zip(drafters, ks)]
+    engines = [Engine(target, None, tokenizer=tok, max_batch_size=1, max_model_len=mml)]
+    engines += [Engine(target, d, num_speculative_tokens=k, tokenizer=tok, max_batch_size=1, max_model_len=mml)
+                for d, k in zip(drafters, ks)]
     first = next(p for ps in prompts.values() for p in ps)
     for e in engines:  # warm up (lazy allocations, first-call overheads) outside the timed runs
         M.generate_timed(e, first, M.sampling(2, a.temperature, a.seed, 0))
@@ -238,18 +227,47 @@ def run_remote(a, tasks: list[Task], name: str, log=print) -> dict:
             "tasks": rep_tasks, "overall": overall, "entropy_bins": [], "spearman": {name: None}}
 
 
+def task_names(tasks: str | None) -> list[str] | None:
+    """--tasks as a list (None: the default tasks); an empty value or unknown names are errors naming them all."""
+    if tasks is None:
+        return None
+    names = [n.strip() for n in tasks.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--tasks: empty; give comma-separated task names from {','.join(TASKS)} (or leave the flag "
+                         "out for the default tasks)")
+    unknown = [n for n in names if n not in TASKS]
+    if unknown:
+        raise ValueError(f"--tasks: unknown task{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; valid: "
+                         f"{', '.join(TASKS)} (or add your own with --task-file)")
+    return names
+
+
+def check_out(out: str) -> None:
+    """--out must be a directory or creatable as one: no file at it or at any of its parents."""
+    p = Path(out)
+    for q in (p, *p.parents):
+        if q.exists():
+            if not q.is_dir():
+                raise ValueError(f"--out {out}: {q} is a file, not a directory")
+            return
+
+
 def main(argv=None, log=print) -> int:
     a = parse_args(argv)
     try:
         for path, what in [(a.target, "--target"), (a.corpus, "--corpus")] + [(d, "--drafter") for d in a.drafter]:
             if path is not None and not Path(path).is_dir():
                 raise FileNotFoundError(f"{what} {path}: no such directory")
+        check_out(a.out)
+        names_arg = task_names(a.tasks)
+        if a.server is None:
+            a.device = resolve_device(a.device)
+            a.dtype = resolve_dtype(a.dtype, a.device)
         corpus = None
         if a.corpus:
             from dspark.data.corpus import load_corpus
 
             corpus = load_corpus(a.corpus)
-        names_arg = [n.strip() for n in a.tasks.split(",") if n.strip()] if a.tasks else None
         tasks = resolve_tasks(names_arg, corpus, a.task_file, a.num_prompts or None)
         if a.server:
             result = run_remote(a, tasks, (a.name or ["server"])[0], log)

@@ -13,26 +13,48 @@ import threading
 import time
 from pathlib import Path
 
-from serve.app import ServerConfig, create_app
+from serve.app import ServerConfig, create_app, shutdown
 from serve.runner import EngineRunner
 
 
 def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *, num_speculative_tokens=None,
                 max_batch_size: int = 32, max_model_len: int | None = None, adaptive_verification: bool = False,
                 draft_top_k: int = 0, served_model_name: str | None = None, max_concurrent: int = 64,
-                device: str = "cpu", dtype: str = "float32"):
+                device: str = "auto", dtype: str = "auto", api_key: str | None = None,
+                max_prompt_bytes: int | None = None):
     """Load the models, start the engine thread and return the FastAPI app (app.state.runner holds the thread)."""
     from dspark.checkpoint import load_drafter, load_target
+    from dspark.device import resolve_device, resolve_dtype
     from dspark.engine import Engine
 
+    device = resolve_device(device, "device")
+    dtype = resolve_dtype(dtype, device, "dtype")
+    check_max_model_len(max_model_len, target_positions(target_dir))
     target = load_target(target_dir, device=device, dtype=dtype)
+    check_max_model_len(max_model_len, getattr(target.config, "max_position_embeddings", None))
     drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
     engine = Engine(target, drafter, num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
                     max_model_len=max_model_len, adaptive_verification=adaptive_verification,
                     draft_top_k=draft_top_k)
     runner = EngineRunner(engine).start()
     name = served_model_name or Path(target_dir).resolve().name
-    return create_app(runner, ServerConfig(name, max_concurrent=max_concurrent, root=str(target_dir)))
+    return create_app(runner, ServerConfig(name, max_concurrent=max_concurrent, api_key=api_key,
+                                           max_prompt_bytes=max_prompt_bytes))
+
+
+def check_max_model_len(max_model_len: int | None, positions: int | None, name: str = "max_model_len") -> None:
+    if max_model_len is not None and positions is not None and max_model_len > positions:
+        raise ValueError(f"{name}: {max_model_len} exceeds the target's max_position_embeddings {positions}")
+
+
+def target_positions(target_dir: str | Path) -> int | None:
+    """The target's max_position_embeddings from its config.json (K3's text_config too), without loading weights."""
+    from dspark.checkpoint import read_config
+
+    cfg = read_config(target_dir)
+    cfg = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    n = cfg.get("max_position_embeddings")
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -69,7 +91,8 @@ class ServerThread:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(self.timeout)
-        self.app.state.runner.stop()
+        shutdown(self.app)
 
 
-__all__ = ["load_server", "ServerThread", "ServerConfig", "EngineRunner", "create_app", "free_port"]
+__all__ = ["load_server", "ServerThread", "ServerConfig", "EngineRunner", "create_app", "shutdown", "free_port",
+           "target_positions"]

@@ -2,44 +2,70 @@
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (both with SSE streaming that ends with
 `data: [DONE]`), GET /health, GET /metrics (Prometheus text, vLLM's spec-decode counter names plus dspark: gauges).
-Errors are OpenAI-style JSON `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status.
+Errors are OpenAI-style JSON `{"error": {"message", "type", "param", "code"}}`: 4xx messages name the field and what
+was expected; 5xx messages are generic with a request id, the details go to the server log.
+With an API key, every /v1 route needs `Authorization: Bearer <key>` (as vLLM's --api-key); /health and /metrics stay
+open. Prompts are size-checked before tokenizing and tokenized in a thread pool, never on the engine thread.
 A client that disconnects (streaming or not) has its request aborted, which frees its cache at once.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
+import logging
+import os
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.request import SamplingParams
-from serve.runner import EngineRunner, Event
+from serve.protocol import (
+    PROMPT_BYTES_PER_TOKEN,
+    ApiError,
+    Body,
+    ChatBody,
+    CompletionBody,
+    chat_prompt_ids,
+    check_prompt_size,
+    message_texts,
+    sampling_params,
+    validation_message,
+)
+from serve.runner import EngineDead, EngineRunner, Event
 
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+log = logging.getLogger("serve.app")
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "service_unavailable"}
+TOKENIZER_NICE = 10  # tokenizer threads run this much nicer than the engine thread
+JSON_BYTES_PER_PROMPT_BYTE = 6  # the worst JSON escaping: "\u0001" for one byte
 
 
 @dataclass
 class ServerConfig:
     served_model_name: str
     max_concurrent: int = 64
-    root: str = ""  # the target dir, shown in /v1/models
     default_max_tokens: int = 16  # /v1/completions without max_tokens (OpenAI's default)
     disconnect_poll_s: float = 0.5  # non-streaming requests check for a gone client this often
+    api_key: str | None = None  # None: no authentication
+    max_prompt_bytes: int | None = None  # None: max_model_len * PROMPT_BYTES_PER_TOKEN
+    tokenizer_threads: int = 2
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+def _lower_priority() -> None:
+    """Tokenizer threads yield the CPU to the engine thread and the event loop (Linux: nice is per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), TOKENIZER_NICE)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at normal priority
+        pass
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -48,83 +74,36 @@ def error_response(status: int, message: str, param: str | None = None, code: st
     return JSONResponse(body, status_code=status)
 
 
-# ---------------------------------------------------------------------------- request bodies
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")  # unknown OpenAI fields (user, logit_bias=None, ...) are ignored
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM's): 0 or -1 = off
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    n: int = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    ignore_eos: bool = False  # extension (vLLM's)
+def internal_error(rid: str) -> ApiError:
+    return ApiError(500, f"internal server error (request id {rid}); the details are in the server log")
 
 
-class CompletionBody(_Body):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+class _Gate:
+    """ASGI middleware: the API key on /v1 routes, and a body-size limit read from Content-Length before any JSON
+    parsing (a prompt of max_prompt_bytes, fully escaped, plus room for the other fields)."""
 
+    def __init__(self, app, cfg: ServerConfig):
+        self.app, self.cfg = app, cfg
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            resp = self.check(scope)
+            if resp is not None:
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
 
-
-class ChatBody(_Body):
-    messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-
-
-def sampling_params(b: _Body, max_tokens: int | None) -> SamplingParams:
-    if b.n != 1:
-        raise ApiError(400, f"n: only n=1 is supported, got {b.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(b, name):
-            raise ApiError(400, f"{name}: not supported (must be 0 or absent)", name)
-    if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens: expected an integer >= 1, got {max_tokens}", "max_tokens")
-    t = 1.0 if b.temperature is None else b.temperature
-    if not 0 <= t <= 2:
-        raise ApiError(400, f"temperature: expected a number in [0, 2], got {t}", "temperature")
-    top_p = 1.0 if b.top_p is None else b.top_p
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"top_p: expected a number in (0, 1], got {top_p}", "top_p")
-    top_k = 0 if b.top_k in (None, -1) else b.top_k
-    if top_k < 0:
-        raise ApiError(400, f"top_k: expected -1, 0 (off) or a positive integer, got {b.top_k}", "top_k")
-    stop = [b.stop] if isinstance(b.stop, str) else list(b.stop or [])
-    if any(s == "" for s in stop):
-        raise ApiError(400, "stop: empty strings are not allowed", "stop")
-    return SamplingParams(max_tokens=max_tokens, temperature=t, top_p=top_p, top_k=top_k, seed=b.seed, stop=stop,
-                          ignore_eos=b.ignore_eos)
-
-
-def _chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise ApiError(400, "messages: this model has no chat template; use /v1/completions", "messages")
-    msgs = []
-    for m in messages:
-        c = m.content
-        if isinstance(c, list):  # content parts: only text is supported
-            if any(p.get("type") != "text" for p in c):
-                raise ApiError(400, "messages: only text content parts are supported", "messages")
-            c = "".join(p.get("text", "") for p in c)
-        msgs.append({"role": m.role, "content": c or ""})
-    try:
-        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    except Exception as e:  # noqa: BLE001 - a template error is the caller's message structure
-        raise ApiError(400, f"messages: chat template failed: {e}", "messages") from None
+    def check(self, scope) -> JSONResponse | None:
+        headers = dict(scope.get("headers") or ())
+        if self.cfg.api_key is not None and scope["path"].startswith("/v1"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), f"Bearer {self.cfg.api_key}".encode()):
+                return error_response(401, "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+        limit = JSON_BYTES_PER_PROMPT_BYTE * self.cfg.max_prompt_bytes + (1 << 20)
+        size = headers.get(b"content-length", b"")
+        if size.isdigit() and int(size) > limit:
+            return error_response(413, f"body: {int(size)} bytes exceed this server's limit of {limit} bytes (set by "
+                                  f"--max-prompt-bytes {self.cfg.max_prompt_bytes})", "body")
+        return None
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -178,10 +157,16 @@ def _sse(obj) -> str:
 
 
 def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
-    app = FastAPI(title="DSpark OpenAI-compatible server")
-    app.state.runner, app.state.cfg = runner, cfg
-    active = {"n": 0}
     engine = runner.engine
+    if cfg.max_prompt_bytes is None:
+        cfg.max_prompt_bytes = engine.max_model_len * PROMPT_BYTES_PER_TOKEN
+    app = FastAPI(title="DSpark OpenAI-compatible server")
+    app.add_middleware(_Gate, cfg=cfg)
+    app.state.runner, app.state.cfg = runner, cfg
+    app.state.tokenize_pool = pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="dspark-tokenize",
+                                                        initializer=_lower_priority)
+    active = {"n": 0}
+    vocab = engine.target.config.vocab_size
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
@@ -191,20 +176,20 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
     async def _invalid(_, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
-        loc = [x for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             return error_response(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}")
-        param = str(loc[0]) if loc else None  # the top-level field (a union's member names are noise)
-        where = ".".join(str(x) for x in loc) or "body"
-        return error_response(400, f"{where}: {first.get('msg', 'invalid request')}", param)
+        return error_response(400, *validation_message(first))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
         return error_response(e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+    async def _internal(http: Request, e: Exception):
+        rid = f"err-{uuid.uuid4().hex}"
+        log.error("request %s (%s %s) failed", rid, http.method, http.url.path, exc_info=e)
+        err = internal_error(rid)
+        return error_response(err.status, err.message)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != cfg.served_model_name:
@@ -214,13 +199,13 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         if not runner.alive:
-            return error_response(503, runner.error or "engine thread is not running")
+            return error_response(503, "the engine thread is not running; see the server log")
         return JSONResponse({})
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0,
-                                            "owned_by": "dspark", "root": cfg.root, "parent": None,
+                                            "owned_by": "dspark", "root": cfg.served_model_name, "parent": None,
                                             "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics")
@@ -228,10 +213,23 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
         return PlainTextResponse(metrics_text(runner, cfg.served_model_name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    async def generate(http: Request, chat: bool, prompt, params: SamplingParams, body: _Body,
+    def fit(ids: list[int], params: SamplingParams, explicit: bool, default_max_tokens: int | None) -> None:
+        """The token-count check, before the request reaches the engine thread; sets max_tokens when not given."""
+        room = engine.max_model_len - len(ids) - engine.k - 1
+        if explicit and params.max_tokens > room:
+            raise ApiError(400, f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} exceed the context "
+                           f"length {engine.max_model_len}", "prompt")
+        if room < 1:
+            raise ApiError(400, f"prompt: {len(ids)} tokens leave no room to generate within the context length "
+                           f"{engine.max_model_len}", "prompt")
+        if not explicit:
+            params.max_tokens = min(room, default_max_tokens or room)
+
+    async def generate(http: Request, chat: bool, tokenize, params: SamplingParams, explicit: bool, body: Body,
                        default_max_tokens: int | None):
+        """tokenize: a function returning the prompt's ids, run in the tokenizer pool."""
         if not runner.alive:
-            raise ApiError(503, runner.error or "engine thread is not running")
+            raise ApiError(503, "the engine thread is not running; see the server log")
         if active["n"] >= cfg.max_concurrent:
             raise ApiError(429, f"too many concurrent requests: the server admits at most {cfg.max_concurrent} "
                            "(--max-concurrent); retry later", code="too_many_requests")
@@ -248,11 +246,27 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
                 active["n"] -= 1
 
         try:
-            req, events = await runner.submit(prompt, params, rid, default_max_tokens)
-        except ValueError as e:
+            ids = await asyncio.get_running_loop().run_in_executor(pool, tokenize)
+            fit(ids, params, explicit, default_max_tokens)
+            req, events = await runner.submit(ids, params, rid)
+        except ApiError:
             state["done"] = True
             release()
-            raise ApiError(400, str(e), "prompt" if str(e).startswith("prompt") else None) from None
+            raise
+        except ValueError as e:  # the engine rejected the request
+            state["done"] = True
+            release()
+            msg = str(e)
+            raise ApiError(400, msg, msg.split(":", 1)[0] if msg.split(":", 1)[0].isidentifier() else None) from None
+        except EngineDead:
+            state["done"] = True
+            release()
+            raise ApiError(503, "the engine thread is not running; see the server log") from None
+        except Exception:
+            state["done"] = True
+            release()
+            log.exception("request %s failed before it started", rid)
+            raise internal_error(rid) from None
         except BaseException:
             release()
             raise
@@ -263,6 +277,10 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
         def usage(ev: Event) -> dict:
             return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
                     "total_tokens": ev.prompt_tokens + ev.completion_tokens}
+
+        def failed(ev: Event) -> ApiError:
+            log.error("request %s failed: %s", rid, ev.error)
+            return internal_error(rid)
 
         if body.stream:
             include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -280,7 +298,8 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
                     ev: Event = await events.get()
                     if ev.error is not None:
                         state["done"] = True
-                        yield _sse({"error": {"message": ev.error, "type": "server_error", "param": None,
+                        err = failed(ev)
+                        yield _sse({"error": {"message": err.message, "type": "server_error", "param": None,
                                               "code": 500}})
                         break
                     if ev.text or ev.finish_reason:
@@ -314,7 +333,7 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
                 text.append(ev.text)
                 if ev.error is not None:
                     state["done"] = True
-                    raise ApiError(500, ev.error)
+                    raise failed(ev)
                 if ev.finish_reason is not None:
                     state["done"] = True
                     break
@@ -331,39 +350,46 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
         check_model(body.model)
-        if body.echo:
-            raise ApiError(400, "echo: not supported", "echo")
-        for name in ("logprobs", "suffix"):
-            if getattr(body, name) is not None:
-                raise ApiError(400, f"{name}: not supported", name)
-        if body.best_of not in (None, 1):
-            raise ApiError(400, "best_of: only 1 is supported", "best_of")
+        params, explicit = sampling_params(body, body.max_tokens)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             if len(prompt) != 1:
                 raise ApiError(400, f"prompt: one prompt per request is supported, got {len(prompt)}", "prompt")
             prompt = prompt[0]
-        if isinstance(prompt, (str, list)) and len(prompt) == 0:
+        if len(prompt) == 0:
             raise ApiError(400, "prompt: empty", "prompt")
-        params = sampling_params(body, body.max_tokens)
-        default = None
-        if body.max_tokens is None:
-            params.max_tokens, default = None, cfg.default_max_tokens
-        return await generate(http, False, prompt, params, body, default)
+        check_prompt_size(prompt, cfg.max_prompt_bytes, engine.max_model_len, vocab)
+        if isinstance(prompt, str):
+            tok = engine.tokenizer
+            if tok is None:
+                raise ApiError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
+            tokenize = lambda: tok.encode(prompt, add_special_tokens=False)  # noqa: E731
+        else:
+            tokenize = lambda: list(prompt)  # noqa: E731
+        return await generate(http, False, tokenize, params, explicit, body, cfg.default_max_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
         check_model(body.model)
-        if body.logprobs:
-            raise ApiError(400, "logprobs: not supported", "logprobs")
         if not body.messages:
             raise ApiError(400, "messages: expected at least one message", "messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        params = sampling_params(body, max_tokens)
-        prompt = _chat_prompt(engine.tokenizer, body.messages)
-        end_of_turn = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        if isinstance(end_of_turn, int) and end_of_turn != engine.tokenizer.unk_token_id:
+        params, explicit = sampling_params(body, max_tokens)
+        msgs = message_texts(body.messages)
+        size = sum(len(m["content"].encode("utf-8")) for m in msgs)
+        if size > cfg.max_prompt_bytes:
+            raise ApiError(400, f"messages: {size} bytes of content exceed this server's limit of "
+                           f"{cfg.max_prompt_bytes} bytes (--max-prompt-bytes)", "messages")
+        tok = engine.tokenizer
+        end_of_turn = tok.convert_tokens_to_ids("<|im_end|>") if tok is not None else None
+        if isinstance(end_of_turn, int) and end_of_turn != tok.unk_token_id:
             params.stop_token_ids.append(end_of_turn)  # a chat turn ends at <|im_end|>
-        return await generate(http, True, prompt, params, body, None)  # no max_tokens: the rest of the context
+        return await generate(http, True, lambda: chat_prompt_ids(tok, msgs), params, explicit, body, None)
 
     return app
+
+
+def shutdown(app: FastAPI) -> None:
+    """Stop the engine thread and the tokenizer pool."""
+    app.state.runner.stop()
+    app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)

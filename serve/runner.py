@@ -1,10 +1,11 @@
 """The engine thread: one background thread owns the (not thread-safe) Engine.
 
-The asyncio side calls `submit()` / `abort()`; both only put commands on a thread-safe queue. The thread admits new
-requests between steps (continuous batching is the engine's: a request joins the running batch at the next step),
-calls `engine.step()` while there is work, and pushes `Event`s onto each request's asyncio queue through
-`loop.call_soon_threadsafe`. Text deltas are held back while they could still change: a trailing partial UTF-8
-character ('\\ufffd') and the last len(stop)-1 characters that a stop string could still cut.
+The asyncio side tokenizes and checks a request, then calls `submit()` / `abort()`; both only put commands on a
+thread-safe queue, so the engine thread never tokenizes. The thread admits new requests between steps (continuous
+batching is the engine's: a request joins the running batch at the next step), calls `engine.step()` while there is
+work, and pushes `Event`s onto each request's asyncio queue through `loop.call_soon_threadsafe`. Text deltas are held
+back while they could still change: a trailing partial UTF-8 character ('\\ufffd') and the last len(stop)-1
+characters that a stop string could still cut.
 """
 from __future__ import annotations
 
@@ -54,12 +55,15 @@ class _Stream:
 
 @dataclass
 class _Add:
-    prompt: str | list[int]
+    prompt_ids: list[int]
     params: SamplingParams
     request_id: str
     loop: asyncio.AbstractEventLoop
     future: concurrent.futures.Future
-    default_max_tokens: int | None  # params.max_tokens is None: use min(this, what the context allows)
+
+
+class EngineDead(RuntimeError):
+    """The engine thread is not running (it died, or the server is stopping)."""
 
 
 class EngineRunner:
@@ -68,6 +72,7 @@ class EngineRunner:
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
+        self._exited = threading.Event()  # set when _run ends, before it answers what is still queued
         self.recent: collections.deque[RequestOutput] = collections.deque(maxlen=recent)  # finished outputs
         self.error: str | None = None  # set if the thread died
         self.snapshot = self._snap()
@@ -85,13 +90,18 @@ class EngineRunner:
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
+        return self._thread.is_alive() and not self._exited.is_set() and self.error is None
 
-    async def submit(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                     default_max_tokens: int | None = None) -> tuple[Request, asyncio.Queue]:
-        """Validate and enqueue a request (in the engine thread); raises ValueError for bad parameters."""
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str
+                     ) -> tuple[Request, asyncio.Queue]:
+        """Enqueue a tokenized request; the engine thread adds it between steps. Raises ValueError for a request the
+        engine rejects, EngineDead when the thread is not running."""
+        if not self.alive:
+            raise EngineDead("engine thread is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(_Add(prompt, params, request_id, asyncio.get_running_loop(), fut, default_max_tokens))
+        self._cmds.put(_Add(prompt_ids, params, request_id, asyncio.get_running_loop(), fut))
+        if self._exited.is_set():  # it ended between the check and the put: nobody else will answer
+            self._drain()
         return await asyncio.wrap_future(fut)
 
     def abort(self, request_id: str) -> None:
@@ -121,15 +131,32 @@ class EngineRunner:
             log.exception("engine thread died")
             for rid in list(self._streams):
                 self._finish(rid, "error", self.error)
+        finally:
+            self._exited.set()
+            self._drain()
+
+    def _drain(self) -> None:
+        """Answer every request still queued once the thread is gone (their submit() would wait forever)."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(EngineDead("engine thread is not running"))
 
     def _handle(self, cmd) -> None:
         if isinstance(cmd, _Add):
             if not cmd.future.set_running_or_notify_cancel():
                 return  # the client went away before admission
             try:
-                req = self._add(cmd)
-            except (ValueError, TypeError) as e:
-                cmd.future.set_exception(ValueError(str(e)))
+                req = self.engine.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id)
+            except ValueError as e:  # the request's fault: a 400
+                cmd.future.set_exception(e)
+                return
+            except Exception as e:  # noqa: BLE001 - fails this request only, never the thread
+                log.exception("adding request %s failed", cmd.request_id)
+                cmd.future.set_exception(e)
                 return
             s = _Stream(req, cmd.loop, asyncio.Queue(), holdback=max((len(x) for x in req.params.stop), default=1) - 1)
             self._streams[req.id] = s
@@ -139,25 +166,6 @@ class EngineRunner:
             if rid in self._streams:
                 self.engine.abort(rid)
                 self._finish(rid, "abort")
-
-    def _add(self, cmd: _Add) -> Request:
-        e = self.engine
-        ids = cmd.prompt
-        if isinstance(ids, str):
-            if e.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; send token ids")
-            ids = e.tokenizer.encode(ids, add_special_tokens=False)
-        vocab = e.target.config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
-        p = cmd.params
-        if p.max_tokens is None:
-            room = e.max_model_len - len(ids) - e.k - 1
-            if room < 1:
-                raise ValueError(f"prompt: {len(ids)} tokens leave no room to generate within the context length "
-                                 f"{e.max_model_len}")
-            p.max_tokens = min(room, cmd.default_max_tokens or room)
-        return e.add_request(list(ids), p, request_id=cmd.request_id)
 
     def _step(self) -> None:
         try:

@@ -289,28 +289,6 @@ def test_cli_end_to_end(tiny_models, tmp_path, capsys):
     assert capsys.readouterr().out.strip().splitlines()[0] == md[0]  # the table is printed
 
 
-def test_static_engine_gives_the_eager_engine_report(tiny_models, tmp_path):
-    """--engine static (the graph-safe bs=1 path; CUDA graphs on a GPU) measures the same tokens and acceptance as the
-    eager engine, EOS included (no --ignore-eos here)."""
-    root = tiny_models
-    reps = []
-    for engine in ("eager", "static"):
-        out = tmp_path / engine
-        assert main(["--target", str(root / "target"), "--drafter", str(root / "dspark"), "--out", str(out),
-                     "--tasks", "humaneval,qa", "--num-prompts", "2", "--max-tokens", "12", "--max-prompt-tokens", "32",
-                     "--threads", "1", "--engine", engine, "--device", "cpu"]) == 0
-        reps.append(json.loads((out / "report.json").read_text()))
-    for task in ("humaneval", "qa"):
-        e, s = reps[0]["tasks"][task], reps[1]["tasks"][task]
-        assert e["num_tokens"] == s["num_tokens"] and e["entropy"] == pytest.approx(s["entropy"])
-        de, ds = e["drafters"]["dspark"], s["drafters"]["dspark"]
-        assert ds["identical_to_ar"] == 2 and ds["tau"] == pytest.approx(de["tau"])
-        assert ds["per_position"] == de["per_position"]
-    with pytest.raises(SystemExit):
-        main(["--target", str(root / "target"), "--drafter", str(root / "dspark"), "--out", str(tmp_path),
-              "--engine", "static", "--temperature", "0.7"])
-
-
 def test_cli_errors(tiny_models, tmp_path, capsys):
     rc = main(["--target", str(tmp_path / "missing"), "--drafter", str(tiny_models / "dspark"), "--out", str(tmp_path)])
     err = capsys.readouterr().err.strip()
@@ -319,3 +297,34 @@ def test_cli_errors(tiny_models, tmp_path, capsys):
                "--out", str(tmp_path), "--tasks", "humaneval,bogus"])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and "'bogus'" in err and "humaneval" in err and "prose_holdout" in err
+
+
+def test_cli_rejects_bad_options_before_loading(tiny_models, tmp_path, capsys, monkeypatch):
+    import eval.__main__ as cli
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the options were checked")
+
+    monkeypatch.setattr(cli, "run_local", no_load)
+    base = ["--target", str(tiny_models / "target"), "--drafter", str(tiny_models / "dspark")]
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("x")
+    cases = [(["--out", str(tmp_path / "r"), "--tasks", ""], ["--tasks", "empty"]),
+             (["--out", str(tmp_path / "r"), "--tasks", " , "], ["--tasks", "empty"]),
+             (["--out", str(a_file)], ["--out", "is a file"]),
+             (["--out", str(a_file / "sub")], ["--out", "is a file"]),
+             (["--out", str(tmp_path / "r"), "--tasks", "humaneval,bogus,nope"], ["'bogus'", "'nope'", "humaneval"])]
+    if not torch.cuda.is_available():
+        cases.append((["--out", str(tmp_path / "r"), "--device", "cuda"], ["--device cuda", "no CUDA device"]))
+    for extra, needles in cases:
+        assert main(base + extra) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and all(n in err for n in needles), (extra, err)
+    assert not (tmp_path / "r").exists()
+    for bad in (["--engine", "static"], ["--dtype", "float8"]):  # --engine is gone; dtype has choices
+        with pytest.raises(SystemExit) as e:
+            main(base + ["--out", str(tmp_path / "r")] + bad)
+        assert e.value.code == 2
+    a = cli.parse_args(base + ["--out", str(tmp_path)])
+    assert (a.device, a.dtype) == ("auto", "auto")
+

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from serve import ServerThread, load_server
+from serve import ServerThread, free_port, load_server
 from serve.__main__ import main as serve_main
 
 MAX_LEN = 256
@@ -131,8 +131,9 @@ def test_stream_equals_nonstream(server, client):
     assert parts[0].choices[0].delta.role == "assistant"
     assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
     # raw SSE framing: data lines only, ending with [DONE]
-    with httpx.stream("POST", server.url + "/v1/completions", json={**kw, "stream": True, "temperature": 0,
-                                                                   "extra_body": None, "ignore_eos": True}) as resp:
+    with httpx.stream("POST", server.url + "/v1/completions", json={"model": "tiny-target", "prompt": kw["prompt"],
+                                                                   "max_tokens": 30, "stream": True, "temperature": 0,
+                                                                   "ignore_eos": True}) as resp:
         assert resp.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in resp.iter_lines() if ln]
     assert all(ln.startswith("data: ") for ln in lines) and lines[-1] == "data: [DONE]"
@@ -240,7 +241,7 @@ def test_seeded_sampling_is_reproducible(client):
     assert len(others | {a}) > 1  # the seed matters
 
 
-def test_engine_error_is_500_and_server_survives(server, client, monkeypatch):
+def test_engine_error_is_500_and_server_survives(server, client, monkeypatch, caplog):
     eng = server.app.state.runner.engine
     decode, calls = eng._decode, []
 
@@ -251,9 +252,12 @@ def test_engine_error_is_500_and_server_survives(server, client, monkeypatch):
         return decode(reqs)
 
     monkeypatch.setattr(eng, "_decode", broken)
-    with pytest.raises(openai.InternalServerError) as e:
+    with caplog.at_level("ERROR", logger="serve"), pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model="tiny-target", prompt="def f():", max_tokens=8, temperature=0)
-    assert "boom in decode" in e.value.body["message"]
+    msg = e.value.body["message"]
+    rid = re.search(r"request id (cmpl-[0-9a-f]+)", msg).group(1)
+    assert "boom" not in msg and "RuntimeError" not in msg  # the details go to the server log only
+    assert any(rid in r.getMessage() and "boom in decode" in r.getMessage() for r in caplog.records)
     wait_idle(server)
     assert client.completions.create(model="tiny-target", prompt="def f():", max_tokens=8,
                                      **GREEDY).usage.completion_tokens == 8
@@ -289,6 +293,57 @@ def test_cli_bad_dirs(tmp_path, capsys, models):
     assert err.startswith("error: --target") and "\n" not in err
     assert serve_main(["--target", str(models[0]), "--drafter", str(tmp_path)]) == 2
     assert "config.json" in capsys.readouterr().err
-    assert serve_main(["--target", str(models[0]), "--drafter", str(models[1]), "--dry-run",
+    assert serve_main(["--target", str(models[0]), "--drafter", str(models[1]), "--dry-run", "--port", str(free_port()),
                        "--max-model-len", str(MAX_LEN), "--num-speculative-tokens", "9"]) == 2
     assert "num_speculative_tokens" in capsys.readouterr().err
+
+
+def test_cli_checks_every_option_before_loading(tmp_path, capsys, models, monkeypatch):
+    import socket
+
+    import serve.__main__ as cli
+
+    def no_load(*a, **k):
+        raise AssertionError("the models were loaded before the options were checked")
+
+    monkeypatch.setattr(cli, "load_server", no_load)
+    base = ["--target", str(models[0]), "--drafter", str(models[1]), "--dry-run"]
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    cases = [(["--dtype", "float8"], ["--dtype", "float8"]), (["--device", "tpu"], ["--device", "cuda:N"]),
+             (["--port", "99999"], ["--port", "1..65535"]), (["--port", str(busy.getsockname()[1])], ["in use"]),
+             (["--max-model-len", "100000"], ["--max-model-len", f"max_position_embeddings {MAX_LEN}"]),
+             (["--max-concurrent", "0"], ["--max-concurrent", ">= 1"]), (["--max-batch-size", "0"], ["--max-batch-size"]),
+             (["--max-prompt-bytes", "0"], ["--max-prompt-bytes"]), (["--num-speculative-tokens", "0"], ["--num-spec"]),
+             (["--api-key", " "], ["--api-key"]), (["--max-batch-size", "x"], ["--max-batch-size"])]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], ["--device cuda", "no CUDA device"]))
+    try:
+        for extra, needles in cases:
+            assert serve_main(base + extra) == 2, extra
+            err = capsys.readouterr().err.strip()
+            assert len(err.splitlines()) == 1 and err.startswith("error: ") and all(n in err for n in needles), err
+    finally:
+        busy.close()
+
+
+def test_cli_defaults_and_host_warning(models, capsys, caplog):
+    from dspark.device import resolve_dtype
+    from serve.__main__ import parse_args
+
+    a = parse_args(["--target", str(models[0])])
+    assert (a.device, a.dtype) == ("auto", "auto")
+    assert resolve_dtype("auto", "cuda") == "bfloat16" and resolve_dtype("auto", "cpu") == "float32"
+    base = ["--target", str(models[0]), "--drafter", str(models[1]), "--dry-run", "--max-model-len", str(MAX_LEN)]
+    with caplog.at_level("WARNING", logger="serve"):
+        assert serve_main(base + ["--host", "0.0.0.0", "--port", "0"]) == 2  # port 0 is not a port to serve on
+        assert serve_main(base + ["--host", "0.0.0.0", "--port", str(free_port())]) == 0
+    assert [r.getMessage() for r in caplog.records if "without --api-key" in r.getMessage()]
+    want = "(cuda, bfloat16," if torch.cuda.is_available() else "(cpu, float32,"
+    assert want in capsys.readouterr().out
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="serve"):
+        assert serve_main(base + ["--host", "0.0.0.0", "--port", str(free_port()), "--api-key", "k"]) == 0
+        assert serve_main(base + ["--host", "127.0.0.1", "--port", str(free_port())]) == 0
+    assert not [r for r in caplog.records if "without --api-key" in r.getMessage()]
