@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import interpreting, next_pow2, tl, triton, use_triton
-from dspark.models.layers import apply_rope_neox, rms_norm, rope_cos_sin
+from dspark.kernels.rms_norm import rms_norm
+from dspark.kernels.rope import apply_rope_neox, rope_cos_sin
 
 
 def rope_inv_freq(dim: int, theta: float, device=None) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import AUTOTUNE_CACHE, HAS_TRITON, interpreting, tl, triton, use_triton
-from dspark.models.layers import rms_norm
+from dspark.kernels.rms_norm import rms_norm
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
 

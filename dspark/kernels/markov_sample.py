@@ -14,13 +14,9 @@ assumption; also what the interpreter runs with several programs, since it execu
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
-import torch.nn.functional as F
 
 from dspark.kernels import interpreting, next_pow2, tl, triton, use_triton
-from dspark.spec.draft import sample_markov
 
 
 def markov_sample_ref(U, w1, w2, anchors, temperature=None, noise=None):
@@ -39,16 +35,6 @@ def markov_sample_ref(U, w1, w2, anchors, temperature=None, noise=None):
         lg.append(logits.gather(1, x[:, None])[:, 0])
         prev = x
     return torch.stack(ids, 1), torch.stack(lg, 1)
-
-
-def markov_sample_model(U, w1, w2, anchors):
-    """Greedy ids through dspark.spec.draft.sample_markov itself (a drafter shim around U, w1, w2): for tests."""
-    def markov(prev):
-        m = F.embedding(prev, w1)
-        return F.linear(m, w2).float(), m
-    shim = SimpleNamespace(base_logits=lambda h: U, markov=markov, confidence=lambda h, m: None)
-    B, D, _ = U.shape
-    return sample_markov(shim, U.new_zeros(B, D, 1), anchors, U.new_zeros(B), sample=False).draft_ids
 
 
 @triton.jit
