@@ -9,7 +9,7 @@ one CUDA graph (GPU time per call, as inside the decode graphs; without it the h
 picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as column slices of one fused projection
 (as the model passes them since the KDA input GEMMs were fused).
 `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
-against the loop path, N tokens. Prints only (bench/RESULTS.md is the lead's).
+against the loop path, N tokens. Prints only; bench/RESULTS.md keeps the figures with their commands.
 Exits with code 2 and a message without CUDA or triton.
 """
 from __future__ import annotations

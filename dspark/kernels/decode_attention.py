@@ -1,4 +1,4 @@
-"""One Qwen3 attention decode step after the fused [q|k|v] projection, in one launch (issue 8):
+"""One Qwen3 attention decode step after the fused [q|k|v] projection, in one launch:
 per-head q/k RMSNorm, NeoX RoPE at the row's position, the new [k|v] row written into the static cache, and
 softmax attention of each query head over keys 0..pos (GQA).
 

@@ -1,4 +1,4 @@
-"""Decode matvec with a decoder layer's glue fused in: the weight-streaming half of a bs=1 decode step (issue 8).
+"""Decode matvec with a decoder layer's glue fused in: the weight-streaming half of a bs=1 decode step.
 
     y[M, N] = prologue(x)[M, K] @ W[N, K]^T (+ residual[M, N])          one launch, W read once per row of x
       prologue "none"      x

@@ -1,4 +1,5 @@
-"""The sequential Markov-head sampling loop of one DSpark draft step in one launch (contract §4.5).
+"""The sequential Markov-head sampling loop of one DSpark draft step in one launch (docs/vllm-contract.md, "Markov
+head").
 
 Shapes: B rows, D draft positions, V vocab (K3: 163840), r Markov rank (64).
   U [B, D, V] fp32 base logits;  w1 [V, r] (markov_w1.weight);  w2 [V, r] (markov_w2.weight);  anchors [B]
