@@ -116,8 +116,8 @@ def bench_mxfp4(iters):
         mxfp4_grouped_matmul_triton,
         mxfp4_matmul_ref,
         mxfp4_matmul_triton,
+        quantize_mxfp4,
     )
-    from dspark.models.k3.mxfp4 import quantize_mxfp4
     for N, K in ((3072, 3584), (3584, 3072)):
         p, s = quantize_mxfp4(torch.randn(N, K, device="cuda") * .02)
         for M in (1, 16, 64):

@@ -45,8 +45,8 @@ def _interp_checks() -> dict:
         mxfp4_grouped_matmul_triton,
         mxfp4_matmul_ref,
         mxfp4_matmul_triton,
+        quantize_mxfp4,
     )
-    from dspark.models.k3.mxfp4 import quantize_mxfp4
 
     assert interpreting()
     res = {}
@@ -379,8 +379,8 @@ def test_cuda_mxfp4(M):
         mxfp4_grouped_matmul_triton,
         mxfp4_matmul_ref,
         mxfp4_matmul_triton,
+        quantize_mxfp4,
     )
-    from dspark.models.k3.mxfp4 import quantize_mxfp4
 
     for N, K in ((3072, 3584), (3584, 3072)):
         p, s = quantize_mxfp4(torch.randn(N, K, device="cuda") * 0.02)
