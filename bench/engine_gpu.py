@@ -1,6 +1,5 @@
 """The engine as it is (eager PyTorch, no CUDA graphs) on a GPU: where a bs=1 speculative step spends its time, and
-throughput against batch size with and without speculation. The baseline issue 8's CUDA-graph work is measured
-against.
+throughput against batch size with and without speculation: the baseline for the CUDA-graph paths.
 
     python3 bench/engine_gpu.py --target runs/k3-mini/final --drafter runs/k3-mini-drafter-2gpu/final [--append]
 

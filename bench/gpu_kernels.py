@@ -9,7 +9,7 @@ one CUDA graph (GPU time per call, as inside the decode graphs; without it the h
 picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as column slices of one fused projection
 (as the model passes them since the KDA input GEMMs were fused).
 `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
-against the loop path, N tokens. Prints only (bench/RESULTS.md is the lead's).
+against the loop path, N tokens. Prints only; bench/RESULTS.md keeps the figures with their commands.
 Exits with code 2 and a message without CUDA or triton.
 """
 from __future__ import annotations
@@ -116,8 +116,8 @@ def bench_mxfp4(iters):
         mxfp4_grouped_matmul_triton,
         mxfp4_matmul_ref,
         mxfp4_matmul_triton,
+        quantize_mxfp4,
     )
-    from dspark.models.k3.mxfp4 import quantize_mxfp4
     for N, K in ((3072, 3584), (3584, 3072)):
         p, s = quantize_mxfp4(torch.randn(N, K, device="cuda") * .02)
         for M in (1, 16, 64):

@@ -1,5 +1,5 @@
-"""Autoregressive bs=1 decode of a K3-shape hybrid (random bf16 weights) against the HBM floor (issue 8, "AR
-efficiency": the K3 companion of bench/ar_floor.py).
+"""Autoregressive bs=1 decode of a K3-shape hybrid (random bf16 weights) against the HBM floor (the K3 companion of
+bench/ar_floor.py).
 
 Usage:  python3 bench/k3_floor.py [--append [FILE]]   H200, about 2 minutes
         python bench/k3_floor.py --tiny               CPU check of this script (tiny fp32 model, no claims)

@@ -3,7 +3,7 @@
     python bench/vllm_cpu.py --target runs/quickstart/target/final --drafter runs/quickstart/dflash/final \
         --method dflash --num-prompts 8 --max-tokens 64 [--json out.json]
 
-vLLM runs in THIS interpreter (a venv with vllm-cpu 0.32.0, see ../shared/reference/vllm-cpu-run.md); our engine runs
+vLLM runs in THIS interpreter (a venv with vllm-cpu 0.32.0); our engine runs
 in `--ours-python` (the project venv) as a subprocess, so neither stack has to import the other's dependencies.
 Also `--check-config DRAFTER`: only let vLLM's own config classes parse a (dspark-layout) drafter config.
 """

@@ -113,14 +113,15 @@ def load_target(path: str | Path, device="cpu", dtype="float32"):
 DSPARK_ARCHS = ("Qwen3DSparkModel", "DSparkDraftModel")
 DFLASH_ARCHS = ("DFlashDraftModel",)
 K3_DSPARK_ARCHS = ("K3DSparkModel",)
-K3_DEFAULT_ROPE_THETA = 50000.0  # K3DSparkConfig's default (contract §4.4)
+K3_DEFAULT_ROPE_THETA = 50000.0  # K3DSparkConfig's default (docs/vllm-contract.md, "The query block")
 K3_REJECTED = ("mla_use_nope", "mla_use_output_gate", "mla_use_qk_norm", "dspark_bonus_anchor")  # must be false
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def k3_drafter_export_config(cfg) -> dict:
-    """config.json of a `K3DSparkModel` (contract §4.7). K3DSparkConfig has no defaults at init, so every field is
-    explicit; num_target_layers is the number of aux layers, the MLA is RoPE'd and ungated, the MLP dense."""
+    """config.json of a `K3DSparkModel` (docs/vllm-contract.md, "Checkpoint layouts"). K3DSparkConfig has no
+    defaults at init, so every field is explicit; num_target_layers is the number of aux layers, the MLA is RoPE'd and
+    ungated, the MLP dense."""
     return {
         "architectures": ["K3DSparkModel"], "model_type": "k3_dspark",
         "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
@@ -232,7 +233,8 @@ def drafter_config_from_json(cfg: dict, where: str):
 
 
 def k3_drafter_config_from_json(cfg: dict, where: str):
-    """A `K3DSparkModel` config.json (contract §4.7) -> DrafterConfig(backbone="k3"); strict on required fields."""
+    """A `K3DSparkModel` config.json (docs/vllm-contract.md) -> DrafterConfig(backbone="k3"); strict on required
+    fields."""
     from dspark.models.drafter import DrafterConfig
 
     if cfg.get("model_type", "k3_dspark") != "k3_dspark":

@@ -1,4 +1,4 @@
-"""The target's per-token entropy on generated text, teacher-forced (eval-and-offline-data.md §A.3).
+"""The target's per-token entropy on generated text, teacher-forced.
 
 For a prompt p and a generated continuation g, one full causal forward of the target over p + g gives, at every
 generated position t, the distribution that produced g_t: softmax(logits[len(p) + t - 1]). Its entropy

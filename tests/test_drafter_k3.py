@@ -1,5 +1,5 @@
-"""The k3 (MLA, `K3DSparkModel`) drafter backbone: the §4.3 context rows, training pass == inference pass, the
-§4.7 export layout, load round trip, mismatch errors, train-side config and lossless engine decoding."""
+"""The k3 (MLA, `K3DSparkModel`) drafter backbone: the context rows, training pass == inference pass, the export
+layout (docs/vllm-contract.md), load round trip, mismatch errors, train-side config and lossless engine decoding."""
 import json
 
 import pytest
@@ -44,8 +44,9 @@ def _rms(x, w, eps):
 
 
 def test_context_rows_follow_the_contract_equations(target):
-    """§4.3: ctx = RMSNorm(context_proj(aux); context_norm); row = [RMSNorm(kv_c; kv_a_layernorm) | RoPE(k_pe)],
-    RoPE on interleaved pairs (x_2i, x_2i+1) rotated by pos * theta^(-2i/rope). Recomputed here by hand."""
+    """docs/vllm-contract.md, "Context rows": ctx = RMSNorm(context_proj(aux); context_norm);
+    row = [RMSNorm(kv_c; kv_a_layernorm) | RoPE(k_pe)], RoPE on interleaved pairs (x_2i, x_2i+1) rotated by
+    pos * theta^(-2i/rope). Recomputed here by hand."""
     d = make_k3_drafter(target)
     cfg = d.config
     assert d.row_width == cfg.kv_lora_rank + cfg.qk_rope_head_dim

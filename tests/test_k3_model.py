@@ -96,7 +96,8 @@ def test_verify_commit_rolls_kda_state_back_exactly():
 
 
 def _contract_attn_res(prefix, delta, blocks, res_norm, res_proj, out_norm, n, write_idx):
-    """The contract §1.5 primitive, written literally over a [B, T, nB, d] blocks tensor."""
+    """The AttnRes mix with its block bookkeeping (docs/k3-model.md), written literally over a [B, T, nB, d] blocks
+    tensor."""
     if delta is not None:
         prefix = prefix + delta
     if write_idx >= 0:

@@ -3,9 +3,10 @@ import json
 
 import torch
 
+from dspark.kernels.mxfp4_matmul import FP4_E2M1_LUT
 from dspark.models.k3 import K3ForCausalLM, convert_to_mxfp4, dequantize_mxfp4, quantize_mxfp4
 from dspark.models.k3.config import k3_tiny_config
-from dspark.models.k3.mxfp4 import FP4_E2M1_LUT, MXFP4Linear
+from dspark.models.k3.mxfp4 import MXFP4Linear
 
 
 def _random_mx(out_f=16, in_f=128, seed=0):

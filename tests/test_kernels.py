@@ -45,8 +45,8 @@ def _interp_checks() -> dict:
         mxfp4_grouped_matmul_triton,
         mxfp4_matmul_ref,
         mxfp4_matmul_triton,
+        quantize_mxfp4,
     )
-    from dspark.models.k3.mxfp4 import quantize_mxfp4
 
     assert interpreting()
     res = {}
@@ -272,7 +272,7 @@ def test_kda_kernel_reads_column_slices_in_place():
 
 
 def test_kda_reference_and_fallback_equal_the_layer():
-    from dspark.kernels.kda_decode import conv_weight, kda_decode
+    from dspark.kernels.kda_decode import kda_decode
     from dspark.models.k3.kda import KimiDeltaAttention
 
     torch.manual_seed(0)
@@ -282,7 +282,7 @@ def test_kda_reference_and_fallback_equal_the_layer():
         x = torch.randn(2, 5, 24)
         qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1)
         out, S, ext = kda_decode(qkv, layer.f_b_proj(layer.f_a_proj(x)), layer.b_proj(x), layer.g_proj(x),
-                                 conv_weight(layer), qkv.new_zeros(2, 3, 48), layer.A_log, layer.dt_bias,
+                                 layer.conv_weight(), qkv.new_zeros(2, 3, 48), layer.A_log, layer.dt_bias,
                                  layer.o_norm.weight, None, -5.0)
         assert _err(layer.o_proj(out), layer(x)) <= 1e-5
         assert S.shape == (2, 2, 8, 8) and ext.shape == (2, 8, 48)
@@ -316,15 +316,17 @@ def test_mxfp4_reference_and_fallback_equal_mxfp4_linear():
     assert _err(yg, lin(x)) <= 1e-5  # row subsets: BLAS summation order
 
 
-def markov_sample_model(U, w1, w2, anchors):
+def _sample_markov_greedy(U, w1, w2, anchors):
     """Greedy ids through dspark.spec.draft.sample_markov itself (a drafter shim around U, w1, w2)."""
     from types import SimpleNamespace
+
+    import torch.nn.functional as F
 
     from dspark.spec.draft import sample_markov
 
     def markov(prev):
-        m = torch.nn.functional.embedding(prev, w1)
-        return torch.nn.functional.linear(m, w2).float(), m
+        m = F.embedding(prev, w1)
+        return F.linear(m, w2).float(), m
     shim = SimpleNamespace(base_logits=lambda h: U, markov=markov, confidence=lambda h, m: None)
     B, D, _ = U.shape
     return sample_markov(shim, U.new_zeros(B, D, 1), anchors).draft_ids
@@ -336,7 +338,7 @@ def test_markov_reference_and_fallback_equal_sample_markov():
     torch.manual_seed(0)
     U, w1, w2, anc = torch.randn(4, 6, 500), torch.randn(500, 8), torch.randn(500, 8), torch.randint(0, 500, (4,))
     ids, lg = markov_sample(U, w1, w2, anc)
-    assert torch.equal(ids, markov_sample_model(U, w1, w2, anc))
+    assert torch.equal(ids, _sample_markov_greedy(U, w1, w2, anc))
     assert _err(lg, (U + 0).gather(2, ids[..., None])[..., 0] + (w1[torch.cat([anc[:, None], ids[:, :-1]], 1)]
                                                                  * w2[ids]).sum(-1)) <= 1e-5
 
@@ -377,8 +379,8 @@ def test_cuda_mxfp4(M):
         mxfp4_grouped_matmul_triton,
         mxfp4_matmul_ref,
         mxfp4_matmul_triton,
+        quantize_mxfp4,
     )
-    from dspark.models.k3.mxfp4 import quantize_mxfp4
 
     for N, K in ((3072, 3584), (3584, 3072)):
         p, s = quantize_mxfp4(torch.randn(N, K, device="cuda") * 0.02)

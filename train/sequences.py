@@ -3,13 +3,18 @@ target. Each sequence has a loss mask (True where a token is something the draft
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from train.data import save_atomic
+from dspark.data.tokenizer import pack_tokens
+from train.data import prepare_corpus, save_atomic
+
+# (target, tokenizer, prompts, new_tokens, temperature, batch_size, seeds) -> prompt + continuation per prompt
+Regenerate = Callable[..., list[list[int]]]
 
 log = logging.getLogger(__name__)
 
@@ -106,9 +111,6 @@ def _from_corpus(recipe, tok) -> dict[str, _Rows]:
     if _file_digest(Path(cfg.tokenizer_dir) / "tokenizer.json") == _file_digest(Path(recipe.target) / "tokenizer.json"):
         data = prepare_tokens(cfg)
         return {"train": _Rows(data.train), "holdout": _Rows(data.holdout)}
-    from dspark.data.tokenizer import pack_tokens
-    from train.data import prepare_corpus
-
     corpus, _ = prepare_corpus(cfg)
     return {split: _Rows(pack_tokens(corpus[split]["text"], tok, recipe.data.seq_len))
             for split in ("train", "holdout")}
@@ -177,11 +179,10 @@ def _train_prompts(recipe, items, points, n: int, lens: list[int], g: torch.Gene
     return [prompts[i] for i in torch.randperm(len(prompts), generator=gc).tolist()]
 
 
-def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str, acc) -> list[list[int]]:
+def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str, acc,
+                       regenerate: Regenerate) -> list[list[int]]:
     """regenerate() over the data-parallel processes: process r continues prompts[r::world] and saves them; after a
     barrier every process reads all parts back in the prompts' order (so each holds the same sequences)."""
-    from train.drafter import regenerate
-
     d = recipe.data.regenerate
     rank, world = (acc.process_index, acc.num_processes) if acc is not None else (0, 1)
     seeds = [recipe.seed + i for i in range(rank, len(prompts), world)]  # per prompt: the same for any world size
@@ -203,9 +204,11 @@ def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str
     return out
 
 
-def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
-    """The sequences of `recipe.data` (`<output_dir>/sequences.pt` when resuming and present). accelerator: with
-    several processes, rank 0 prepares the corpus first, and regeneration is split over all of them."""
+def load_sequences(recipe, target, tok, regenerate: Regenerate, accelerator=None) -> Sequences:
+    """The sequences of `recipe.data` (`<output_dir>/sequences.pt` when resuming and present). regenerate: how the
+    target continues the prompts when data.regenerate is enabled (train.drafter.regenerate; the caller owns the
+    decoding). accelerator: with several processes, rank 0 prepares the corpus first, and regeneration is split over
+    all of them."""
     out = Path(recipe.output_dir)
     cache = out / "sequences.pt"
     if recipe.resume and cache.is_file():
@@ -236,7 +239,7 @@ def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
                                        passes=d.dataset is None)
             log.info("regenerate: the target continues %d %s prompts by %d tokens", len(prompts), split,
                      d.regenerate.new_tokens)
-            rows = _regenerate_shared(recipe, target, tok, prompts, split, accelerator)
+            rows = _regenerate_shared(recipe, target, tok, prompts, split, accelerator, regenerate)
             # the prompt's last token anchors the first block of the response
             masks = [[False] * len(p) + [True] * (len(s) - len(p)) for p, s in zip(prompts, rows)]
         else:

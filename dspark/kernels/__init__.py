@@ -1,14 +1,19 @@
-"""Triton kernels for the K3 / DSpark hot paths, each beside its torch reference (fla style, STYLE.md).
+"""Triton kernels for the K3 / DSpark hot paths, each beside its torch reference (as flash-linear-attention keeps
+`naive.py` beside each op's kernels).
 
-Every module holds `<op>_ref` (pure torch, calling the model code), `_<op>_kernel` (Triton), `<op>_triton` (the
-launcher) and `<op>` (the dispatcher: Triton for CUDA tensors, or for any tensor under TRITON_INTERPRET=1; else the
-reference). Modules:
-  kda_decode     fused KDA decode / verify step (conv + SiLU + L2 norm + gate + delta rule; then the gated RMSNorm)
+Every kernel module holds `<op>_ref` (pure torch), `_<op>_kernel` (Triton), `<op>_triton` (the launcher) and `<op>`
+(the dispatcher: Triton for CUDA tensors, or for any tensor under TRITON_INTERPRET=1; else the reference). The torch
+definitions the models are built from live here too, beside the kernel that reproduces them, so imports run one way:
+models import kernels, kernels never import models. Modules:
+  kda_decode     fused KDA decode / verify step (conv + SiLU + L2 norm + gate + delta rule; then the gated RMSNorm);
+                 also the KDA definitions: l2norm, kda_gate, causal_conv_silu, kda_recurrent (the token loop)
   attn_res       Attention-Residuals depth mix (+ optional output RMSNorm)
-  mxfp4_matmul   y = x @ dequant(W)^T with MXFP4 weights dequantised in registers (single or grouped experts)
+  mxfp4_matmul   y = x @ dequant(W)^T with MXFP4 weights dequantised in registers (single or grouped experts);
+                 also the MXFP4 codec: quantize_mxfp4, dequantize_mxfp4
   markov_sample  the sequential Markov-head draft sampling loop of one draft step, one launch
   decode_gemv    bs=1 decode matvec with the RMSNorm / silu*mul prologue and the residual add fused in (Qwen3)
   decode_attention  one Qwen3 attention decode step: q/k norm + RoPE + cache write + GQA attention, one launch
+  rms_norm, rope    torch definitions several kernels fuse (no kernel of their own)
 Where they run: FusedQwen3 (static_decode.py) uses decode_gemv / decode_attention for one-token steps on CUDA; the K3
 layers dispatch kda_decode (cached steps of <= 17 tokens), attn_res (inference) and static_spec.propose_static the
 Markov loop, on CUDA without autograd. DSPARK_KERNELS=0 turns all of them off (the torch modules run instead).
@@ -42,8 +47,8 @@ except Exception:  # noqa: BLE001 - no triton: every op runs its torch reference
     triton = tl = _Stub()
 
 
-# autotune picks persist in Triton's cache dir where this triton can (as fla's do): a carried cache (bench/h200_run.sh
-# save_autotune) spares a fresh machine the timing of every config
+# autotune picks persist in Triton's cache dir where this triton can (as fla's do): a carried cache (bench/run_gpu.sh
+# restores .cache/triton-autotune.tgz and saves a new one) spares a fresh machine the timing of every config
 AUTOTUNE_CACHE = ({"cache_results": True} if HAS_TRITON and "cache_results" in
                   inspect.signature(triton.autotune).parameters else {})
 

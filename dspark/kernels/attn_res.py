@@ -1,4 +1,4 @@
-"""Attention-Residuals depth mix in one pass per token (contract §1.5, k3-architecture §2).
+"""Attention-Residuals depth mix in one pass per token (docs/k3-model.md, "Attention Residuals").
 
 Shapes: N tokens, S candidate sources (S <= 9 for K3: 8 sealed blocks + the live prefix), d hidden.
   sources  [N, S, d]   any strides for N and S (e.g. a view of the [T, nB, d] block cache), d contiguous
@@ -11,23 +11,23 @@ Kernel: one program per token; pass 1 streams d in chunks for sum(v^2) and <v, n
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
 
 from dspark.kernels import next_pow2, tl, triton, use_triton
-from dspark.models.k3.attn_res import attn_res
-from dspark.models.layers import RMSNorm
+from dspark.kernels.rms_norm import rms_norm
 
 
 def attn_res_mix_ref(sources, norm_w, query, eps=1e-5, out_w=None, out_eps=1e-5, prefix=None):
-    """-> [N, d] in the sources' dtype (prefix's dtype when given), via dspark.models.k3.attn_res.attn_res."""
-    srcs = [sources[:, j][None] for j in range(sources.shape[1])] if sources is not None else []
-    if prefix is not None:
-        srcs.append(prefix[None])
-    mix = attn_res(srcs, SimpleNamespace(weight=norm_w, eps=eps), SimpleNamespace(weight=query.reshape(1, -1)))[0]
+    """-> [N, d] in the sources' dtype (prefix's dtype when given). Pure torch, differentiable: the K3 model's
+    training and CPU path (dspark.models.k3.attn_res.attn_res) and the kernel's reference."""
+    base = prefix if prefix is not None else sources
+    parts = ([sources] if sources is not None else []) + ([prefix[:, None]] if prefix is not None else [])
+    v = (torch.cat(parts, 1) if len(parts) > 1 else parts[0]).float()  # [N, S', d]
+    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+    alpha = torch.softmax(normed @ query.float().reshape(-1), dim=-1)  # [N, S']
+    mix = (alpha[..., None] * v).sum(1).to(base.dtype)
     if out_w is not None:
-        mix = RMSNorm.forward(SimpleNamespace(weight=out_w, eps=out_eps), mix).to(mix.dtype)
+        mix = rms_norm(mix, out_w, out_eps).to(mix.dtype)
     return mix
 
 

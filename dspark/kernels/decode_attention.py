@@ -1,4 +1,4 @@
-"""One Qwen3 attention decode step after the fused [q|k|v] projection, in one launch (issue 8):
+"""One Qwen3 attention decode step after the fused [q|k|v] projection, in one launch:
 per-head q/k RMSNorm, NeoX RoPE at the row's position, the new [k|v] row written into the static cache, and
 softmax attention of each query head over keys 0..pos (GQA).
 
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import interpreting, next_pow2, tl, triton, use_triton
-from dspark.models.layers import apply_rope_neox, rms_norm, rope_cos_sin
+from dspark.kernels.rms_norm import rms_norm
+from dspark.kernels.rope import apply_rope_neox, rope_cos_sin
 
 
 def rope_inv_freq(dim: int, theta: float, device=None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Decode matvec with a decoder layer's glue fused in: the weight-streaming half of a bs=1 decode step (issue 8).
+"""Decode matvec with a decoder layer's glue fused in: the weight-streaming half of a bs=1 decode step.
 
     y[M, N] = prologue(x)[M, K] @ W[N, K]^T (+ residual[M, N])          one launch, W read once per row of x
       prologue "none"      x
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import AUTOTUNE_CACHE, HAS_TRITON, interpreting, tl, triton, use_triton
-from dspark.models.layers import rms_norm
+from dspark.kernels.rms_norm import rms_norm
 
 PROLOGUES = {"none": 0, "rmsnorm": 1, "silu_mul": 2}
 

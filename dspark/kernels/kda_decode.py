@@ -1,4 +1,4 @@
-"""Fused KDA decode / verify step: T (1..17) new tokens per request, two launches (contract §1.3, k3-architecture §1).
+"""Fused KDA decode / verify step: T (1..17) new tokens per request, two launches (docs/k3-model.md, "KDA").
 
 Shapes: B requests, T new tokens, H heads, D = K = V head dim, P = H*D, W conv width.
   qkv    [B, T, 3P]  raw q|k|v projections (pre-conv)          f     [B, T, P]  f_b_proj output (gate pre-activation)
@@ -19,31 +19,74 @@ loop (see _kda_decode_kernel). A second launch applies the gated per-head RMSNor
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import torch
+import torch.nn.functional as F
 
 from dspark.kernels import AUTOTUNE_CACHE, HAS_TRITON, interpreting, next_pow2, tl, triton, use_triton
-from dspark.models.k3.kda import KimiDeltaAttention, kda_gate, kda_recurrent, l2norm
-from dspark.models.layers import RMSNorm
+from dspark.kernels.rms_norm import rms_norm
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reference: the layer's own math (KimiDeltaAttention.short_conv, l2norm, kda_gate, kda_recurrent, RMSNorm)
+# the definitions (pure torch): the K3 KDA layer (dspark/models/k3/kda.py) is built from them, and kda_decode_ref,
+# the kernel's reference, is that layer's cached step written with them
 # ---------------------------------------------------------------------------------------------------------------
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """Log-space per-channel decay. f: [B, T, H, D] raw f_b_proj output; A_log [H]; dt_bias [H*D] -> g [B,T,H,D] fp32.
+    softplus form: g = -exp(A_log) * softplus(f + dt_bias);  safe gate: g = lb * sigmoid(exp(A_log) * (f + dt_bias))."""
+    H, D = f.shape[-2:]
+    z = f.float() + dt_bias.float().view(H, D)
+    a = A_log.float().exp().view(H, 1)
+    if lower_bound is None:
+        return -a * F.softplus(z)  # threshold 20 as torch's default
+    return lower_bound * torch.sigmoid(a * z)
+
+
+def causal_conv_silu(window: torch.Tensor, raw: torch.Tensor, weight: torch.Tensor):
+    """SiLU of the depthwise causal conv. window [B, W-1, C] previous raw inputs, raw [B, T, C], weight [C, W]
+    -> (out [B, T, C], ext = cat(window, raw) [B, W-1+T, C])."""
+    ext = torch.cat([window.to(raw.dtype), raw], 1)
+    out = F.conv1d(ext.transpose(1, 2), weight.to(raw.dtype).unsqueeze(1), groups=weight.shape[0])  # [B, C, T]
+    return F.silu(out.transpose(1, 2)), ext
+
+
+def kda_recurrent(q, k, v, g, beta, initial_state=None, return_all_states: bool = False, scale: float | None = None):
+    """The delta rule token by token (the definition). q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]
+    (post-sigmoid); initial_state [B, H, K, V] or None.
+    -> (o [B, T, H, V] in v.dtype, S_final [B, H, K, V] fp32, or all states [B, T, H, K, V] if return_all_states)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = K ** -0.5 if scale is None else scale
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
+    outs, states = [], []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]  # decay along K
+        u = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])  # prediction error on the decayed state
+        S = S + beta[:, t, :, None, None] * k[:, t, :, :, None] * u[:, :, None, :]
+        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))
+        if return_all_states:
+            states.append(S)
+    o = torch.stack(outs, 1) if T else v.new_zeros(B, 0, H, V).float()
+    if return_all_states:
+        return o, (torch.stack(states, 1) if T else S.new_zeros(B, 0, H, K, V))
+    return o, S
+
+
 def kda_decode_ref(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
                    eps=1e-5, return_all_states=False, lengths=None):
     B, T, P3 = qkv.shape
-    P, W = P3 // 3, conv_w.shape[1]
+    P = P3 // 3
     D = o_norm_w.shape[0]
     H = P // D
     if lengths is not None:  # as KimiDeltaAttention.forward with batch.valid(T)
         valid = torch.arange(T, device=qkv.device)[None] < lengths.to(qkv.device)[:, None]  # [B, T]
         qkv = qkv * valid[..., None].to(qkv.dtype)
-    wq, wk, wv = conv_w.view(3, P, 1, W).unbind(0)
-    conv = SimpleNamespace(q_conv1d=SimpleNamespace(weight=wq), k_conv1d=SimpleNamespace(weight=wk),
-                           v_conv1d=SimpleNamespace(weight=wv))
-    c, ext = KimiDeltaAttention.short_conv(conv, window, qkv)
+    c, ext = causal_conv_silu(window, qkv, conv_w)
     q, k, v = (t.reshape(B, T, H, D) for t in c.chunk(3, -1))
     q, k = l2norm(q.float()), l2norm(k.float())
     g = kda_gate(f.reshape(B, T, H, D), A_log, dt_bias, lower_bound)
@@ -51,8 +94,7 @@ def kda_decode_ref(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w,
     if lengths is not None:
         g, b = g * valid[..., None, None], b * valid[..., None]
     o, S = kda_recurrent(q, k, v, g, b, state, return_all_states=return_all_states)
-    norm = SimpleNamespace(weight=o_norm_w, eps=eps)
-    out = RMSNorm.forward(norm, o.to(qkv.dtype)) * torch.sigmoid(gate.reshape(B, T, H, D))
+    out = rms_norm(o.to(qkv.dtype), o_norm_w, eps) * torch.sigmoid(gate.reshape(B, T, H, D))
     return out.reshape(B, T, P).to(qkv.dtype), S, ext
 
 
@@ -214,8 +256,8 @@ def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, SG, eps, D: tl
 # (BV value columns per program, warps): autotuned per (T, B*H, D, all states) on CUDA at first use. Small grids
 # (bs=1: 6..96 heads) want narrow slices, so that the serial delta rule runs on many SMs (H200, T = 9 with all
 # states, 6 heads: 28.9 us at BV 16 / 4 warps, against 87 us for one program per head); large grids want wide ones.
-# A chunk form of the verify (u and o by matmuls, then an element-wise state loop) took 41 us per launch in the
-# k3-mini DSpark step against 28 us for this loop (session 7, bench/RESULTS.md) and was removed.
+# A chunk form of the verify (u and o by matmuls, then an element-wise state loop) was slower than this loop in the
+# k3-mini DSpark step (41 against 28 us per launch) and was removed.
 _CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8))  # x MERGED 0 / 1
 _DEFAULT_BV = 16  # the interpreter's (and block_v=None without autotuning) value slice
 
@@ -281,8 +323,3 @@ def kda_decode(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, sta
     return fn(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state, lower_bound, eps,
               return_all_states, lengths)
 
-
-def conv_weight(layer: KimiDeltaAttention) -> torch.Tensor:
-    """The layer's three depthwise convs as one [3P, W] fp32 weight (q | k | v), for kda_decode."""
-    w = torch.cat([layer.q_conv1d.weight, layer.k_conv1d.weight, layer.v_conv1d.weight], 0)
-    return w.squeeze(1).float().contiguous()

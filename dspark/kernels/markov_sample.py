@@ -1,4 +1,5 @@
-"""The sequential Markov-head sampling loop of one DSpark draft step in one launch (contract §4.5).
+"""The sequential Markov-head sampling loop of one DSpark draft step in one launch (docs/vllm-contract.md, "Markov
+head").
 
 Shapes: B rows, D draft positions, V vocab (K3: 163840), r Markov rank (64).
   U [B, D, V] fp32 base logits;  w1 [V, r] (markov_w1.weight);  w2 [V, r] (markov_w2.weight);  anchors [B]
@@ -15,7 +16,6 @@ assumption; also what the interpreter runs with several programs, since it execu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from dspark.kernels import interpreting, next_pow2, tl, triton, use_triton
 

@@ -1,8 +1,11 @@
-"""y = x @ dequant(W)^T with MXFP4 weights dequantised in registers (k3-architecture §4; LatentMoE expert GEMMs).
+"""y = x @ dequant(W)^T with MXFP4 weights dequantised in registers (LatentMoE expert GEMMs; docs/k3-model.md, "MXFP4").
 
-Storage (dspark.models.k3.mxfp4): packed uint8 [N, K/2] (low nibble = even k), scale uint8 E8M0 [N, K/32]
+MXFP4 (OCP Microscaling v1.0): FP4 E2M1 elements, one E8M0 scale per 32 values along the input dim. Storage as in K3 /
+compressed-tensors "mxfp4-pack-quantized" (`weight_packed`, `weight_scale` of dspark.models.k3.mxfp4.MXFP4Linear):
+packed uint8 [N, K/2] (low nibble = even k, high nibble = odd k, nibble bit 3 = sign), scale uint8 E8M0 [N, K/32]
 (w = e2m1(code) * 2^(s-127)); grouped: packed [E, N, K/2], scale [E, N, K/32], x [M, K] sorted by expert with
 offsets [E+1] (rows offsets[e]:offsets[e+1] use expert e). x bf16/fp16/fp32, fp32 accumulate, y [M, N] in x's dtype.
+Quantisation (OCP): shared_exp = floor(log2(amax_block)) - 2, P_i = RNE_saturate(x_i / 2^shared_exp) to +-6.
 K3 expert shapes: w1/w3 N x K = 3072 x 3584, w2 3584 x 3072.
 Kernel ("swap AB" for decode): a program owns BN weight rows x BM tokens; per BK step it loads BN x BK/2 packed bytes
 and BN x BK/32 scales, builds the fp32 E2M1 values from the nibble bits (the 16-entry LUT
@@ -18,7 +21,56 @@ import torch
 import torch.nn.functional as F
 
 from dspark.kernels import interpreting, next_pow2, tl, triton, use_triton
-from dspark.models.k3.mxfp4 import dequantize_mxfp4
+
+# ---------------------------------------------------------------------------------------------------------------
+# the format and its codec (pure torch): what the kernel decodes in registers, and what MXFP4Linear stores
+# ---------------------------------------------------------------------------------------------------------------
+BLOCK = 32
+E2M1_EMAX = 2
+# code -> value; codes 0..7 positive magnitudes, 8..15 the same negated
+FP4_E2M1_LUT = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                             -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """x fp32 (already divided by the block scale) -> uint8 codes 0..15, round-to-nearest-even, saturating at 6."""
+    grid = FP4_E2M1_LUT[:8].to(x.device)  # [8]
+    mag = x.abs().clamp(max=6.0)
+    dist = (mag[..., None] - grid).abs()  # [..., 8]
+    is_min = dist == dist.min(-1, keepdim=True).values
+    even = (torch.arange(8, device=x.device) % 2 == 0)
+    # ties go to the even code (mantissa bit 0): rank 0 = even nearest, 1 = odd nearest, 2 = not nearest
+    rank = torch.where(is_min & even, 0, torch.where(is_min, 1, 2))
+    code = rank.argmin(-1).to(torch.uint8)
+    sign = ((x < 0) & (code > 0)).to(torch.uint8) << 3  # no -0 codes
+    return code | sign
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [out, in] (in % 32 == 0) -> (packed uint8 [out, in/2], scale uint8 [out, in/32])."""
+    out_f, in_f = w.shape
+    if in_f % BLOCK:
+        raise ValueError(f"quantize_mxfp4: input dim {in_f} is not a multiple of {BLOCK}")
+    blocks = w.detach().float().reshape(out_f, in_f // BLOCK, BLOCK)
+    amax = blocks.abs().amax(-1)  # [out, G]
+    shared_exp = torch.where(amax > 0, torch.floor(torch.log2(amax)) - E2M1_EMAX, torch.full_like(amax, -127.0))
+    shared_exp = shared_exp.clamp(-127, 127)
+    codes = round_to_e2m1(blocks / torch.exp2(shared_exp)[..., None]).reshape(out_f, in_f)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scale = (shared_exp + 127).to(torch.uint8)
+    return packed.contiguous(), scale.contiguous()
+
+
+def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """(packed uint8 [out, in/2], scale uint8 [out, in/32]) -> w [out, in] in dtype."""
+    lut = FP4_E2M1_LUT.to(packed.device)
+    out_f, half = packed.shape
+    vals = torch.empty(out_f, half * 2, device=packed.device)
+    vals[:, 0::2] = lut[(packed & 0x0F).long()]
+    vals[:, 1::2] = lut[(packed >> 4).long()]
+    exp = scale.long() - 127  # [out, G]
+    vals = torch.ldexp(vals.view(out_f, -1, BLOCK), exp[..., None].float()).reshape(out_f, half * 2)
+    return vals.to(dtype)
 
 
 def mxfp4_matmul_ref(x, packed, scale):

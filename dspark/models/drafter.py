@@ -5,11 +5,11 @@ context; every draft layer turns the context into its own cache rows and the que
 non-causally, to itself. Two backbones (drafter_backbones.py), picked by `DrafterConfig.backbone`:
 - qwen3 (`Qwen3DSparkModel` / `DFlashDraftModel`): ctx = hidden_norm(fc(aux)); rows = [k_norm(k_proj(ctx)) + RoPE
   | v_proj(ctx)]; Qwen3 decoder layers; final `norm`.
-- k3 (`K3DSparkModel`, contract §4.3/§4.4): ctx = context_norm(context_proj(aux)); rows = the MLA latent
-  [kv_a_layernorm(kv_c) | RoPE(k_pe)] of kv_a_proj_with_mqa(ctx); MLA (interleaved RoPE, no output gate) +
-  dense gate/up/down MLP layers; `final_norm`; logits x logit_scale.
+- k3 (`K3DSparkModel`; docs/vllm-contract.md, "Context rows"): ctx = context_norm(context_proj(aux)); rows = the
+  MLA latent [kv_a_layernorm(kv_c) | RoPE(k_pe)] of kv_a_proj_with_mqa(ctx); MLA (interleaved RoPE, no output gate)
+  + dense gate/up/down MLP layers; `final_norm`; logits x logit_scale.
 
-Query layouts (vLLM §4.2):
+Query layouts (docs/vllm-contract.md, "Query layouts and positions"):
 - dspark (anchor-as-first, `sample_from_anchor`): N queries [anchor, mask x (N-1)] at positions p0..p0+N-1;
   query j predicts the token at p0+j+1, so a block gives N drafts.
 - dflash (1+N fill-in): the same block, but query j >= 1 predicts the token at its own position p0+j, so a block
@@ -55,7 +55,7 @@ class DrafterConfig:
     hidden_act: str = "silu"  # silu | situ (SiTU-GLU with beta = 1)
     attention_bias: bool = False  # qwen3 only
     backbone: str = "qwen3"  # qwen3 (GQA, fc + hidden_norm) | k3 (MLA, context_proj + context_norm)
-    # MLA dims, k3 only (contract §1.4); q_lora_rank is required there
+    # MLA dims, k3 only (docs/k3-model.md, "MLA"); q_lora_rank is required there
     q_lora_rank: int | None = None
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -91,7 +91,8 @@ class DrafterConfig:
             raise ValueError(f"mask_token_id: {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
 
     def _validate_k3(self) -> None:
-        """K3DSparkModel (contract §4.7): dspark layout only, q_lora_rank required, num_target_layers = #aux."""
+        """K3DSparkModel (docs/vllm-contract.md, "Checkpoint layouts"): dspark layout only, q_lora_rank required,
+        num_target_layers = #aux."""
         if self.mode != "dspark":
             raise ValueError("mode: the k3 backbone has only the dspark layout (K3DSparkModel); dflash is not "
                              "defined for K3")

@@ -2,7 +2,7 @@
 
 - `Qwen3DSparkDrafter` (backbone "qwen3", vLLM `Qwen3DSparkModel` / `DFlashDraftModel`): fc + hidden_norm, Qwen3
   decoder layers whose context rows are [k_norm(k_proj(ctx)) + NeoX RoPE | v_proj(ctx)], final `norm`.
-- `K3DSparkDrafter` (backbone "k3", vLLM `K3DSparkModel`, contract §4.3/§4.4): context_proj + context_norm, MLA
+- `K3DSparkDrafter` (backbone "k3", vLLM `K3DSparkModel`, docs/vllm-contract.md): context_proj + context_norm, MLA
   layers (interleaved RoPE on q_pe/k_pe, no output gate, non-causal) + dense gate/up/down MLP, `final_norm`.
   A context row is the MLA latent [kv_a_layernorm(kv_c) | RoPE(k_pe)] of kv_a_proj_with_mqa(ctx), i.e. the
   compressed cache vLLM stores: row_width = kv_lora_rank + qk_rope_head_dim.

@@ -1,9 +1,16 @@
-"""Small building blocks shared by every model in the project (targets and drafters)."""
+"""Small building blocks shared by every model in the project (targets and drafters). The functional ops (rms_norm,
+RoPE) live with the kernels that fuse them (dspark/kernels/rms_norm.py, rope.py) and are re-exported here."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dspark.kernels.rms_norm import rms_norm
+from dspark.kernels.rope import apply_rope_interleaved, apply_rope_neox, rope_cos_sin
+
+__all__ = ["RMSNorm", "GatedMLP", "attention", "glu", "flex_kernel_options", "rms_norm", "rope_cos_sin",
+           "apply_rope_neox", "apply_rope_interleaved"]
 
 _compiled_flex = None
 # Flex tiles for wide heads (MLA: qk 192 = nope 128 + rope 64) or fp32: the default tiles stage a head dim padded
@@ -35,12 +42,6 @@ def attention(q, k, v, mask=None, scale=None, enable_gqa=False, is_causal=False)
                                           is_causal=is_causal and mask is None)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm as HF Qwen3/DeepSeek compute it: normalise in fp32, cast back, scale."""
-    xf = x.float()
-    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class RMSNorm(nn.Module):
     """RMSNorm as HF Qwen3/DeepSeek compute it (rms_norm)."""
 
@@ -51,35 +52,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
-
-
-def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32):
-    """cos/sin tables for rotary embeddings. positions: [..., T] -> cos, sin: [..., T, dim]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    freqs = positions.float()[..., None] * inv_freq  # [..., T, dim/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX-style (rotate-half) RoPE. x: [B, H, T, D]; cos/sin: [B, T, D] or [T, D]."""
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rot * sin
-
-
-def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """GPT-J-style (interleaved pairs, is_neox_style=False) RoPE, as DeepSeek MLA uses.
-    x: [B, H, T, D]; cos/sin as from rope_cos_sin (the first D/2 columns are used)."""
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    c, s = cos[..., :half], sin[..., :half]
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-    return out.flatten(-2)
 
 
 class GatedMLP(nn.Module):

@@ -1,4 +1,4 @@
-"""Block Attention Residuals (contract §1.5, k3-architecture.md §2).
+"""Block Attention Residuals (docs/k3-model.md, "Attention Residuals").
 
 The residual stream is replaced by a per-token softmax over depth: sources are the sealed blocks
 (blocks[0] = embedding, blocks[k] = sum of the sublayer outputs of layers (k-1)B .. kB-1) plus the live `prefix`
@@ -14,26 +14,22 @@ import torch
 from torch import nn
 
 from dspark.kernels import use_triton
+from dspark.kernels.attn_res import attn_res_mix, attn_res_mix_ref
 from dspark.models.layers import RMSNorm
 
 
 def attn_res(sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear) -> torch.Tensor:
     """sources: n+1 tensors [B, T, d] (completed blocks then the live prefix) -> mix [B, T, d] in the sources' dtype.
-    Inference on CUDA: one kernel per read site (dspark/kernels/attn_res.py, tested against this function)."""
+    Inference on CUDA: one kernel per read site; else its torch reference (dspark/kernels/attn_res.py)."""
     if len(sources) == 1:
         return sources[0]
+    B, T, d = sources[-1].shape
     if not torch.is_grad_enabled() and use_triton(sources[-1]):
-        from dspark.kernels.attn_res import attn_res_mix  # the kernel module imports this one
-
-        B, T, d = sources[-1].shape
         blocks = torch.stack(sources[:-1], 2).view(B * T, len(sources) - 1, d)
         return attn_res_mix(blocks, res_norm.weight, res_proj.weight, res_norm.eps,
                             prefix=sources[-1].reshape(B * T, d)).view(B, T, d)
-    v = torch.stack(sources, 0).float()  # [n+1, B, T, d]
-    normed = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + res_norm.eps) * res_norm.weight.float()
-    logits = normed @ res_proj.weight.float().squeeze(0)  # [n+1, B, T]
-    alpha = torch.softmax(logits, dim=0)
-    return (alpha[..., None] * v).sum(0).to(sources[-1].dtype)
+    v = torch.stack(sources, 2).view(B * T, len(sources), d)
+    return attn_res_mix_ref(v, res_norm.weight, res_proj.weight, res_norm.eps).view(B, T, d)
 
 
 def attn_res_naive(sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear) -> torch.Tensor:

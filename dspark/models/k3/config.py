@@ -1,7 +1,7 @@
 """K3TextConfig: the `KimiLinearConfig` schema (model_type `kimi_linear`), optionally wrapped in a `kimi_k3` config.
 
-Field names and defaults follow the HF/vLLM `KimiLinearConfig` (contract §0.2). Layer ids in `linear_attn_config`
-are 1-based; layer i (0-based) is KDA iff (i+1) in kda_layers, otherwise NoPE MLA.
+Field names and defaults follow the HF/vLLM `KimiLinearConfig` (docs/k3-model.md, "Config"). Layer ids in
+`linear_attn_config` are 1-based; layer i (0-based) is KDA iff (i+1) in kda_layers, otherwise NoPE MLA.
 """
 from __future__ import annotations
 

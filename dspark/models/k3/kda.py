@@ -1,9 +1,12 @@
-"""Kimi Delta Attention (KDA): the gated delta rule with per-channel decay (k3-architecture.md §1, contract §1.3).
+"""Kimi Delta Attention (KDA): the gated delta rule with per-channel decay (docs/k3-model.md, "KDA").
 
 Shapes: B batch, T tokens, H heads, K = V = D head dim, P = H*D, W conv width.
 State layout inside this module: S [B, H, K, V] fp32 (fla's `state_v_first=True` is [.., V, K]; transposed at the
 boundary). Per token (g = log decay, [K]):   S <- S * exp(g)[:, None];  u = v - S^T k;  S <- S + beta k u^T;
 o = S^T (q * scale).
+The definitions the layer is built from (l2norm, kda_gate, causal_conv_silu, the token loop kda_recurrent) live beside
+the fused decode kernel that reproduces them, dspark/kernels/kda_decode.py; here are the layer, the chunkwise form
+for long inputs and fla's kernels for the GPU.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from torch import nn
 
 from dspark.cache.state import kept_conv_window
 from dspark.kernels import use_triton
+from dspark.kernels.kda_decode import causal_conv_silu, kda_decode, kda_gate, kda_recurrent, l2norm
 from dspark.models.layers import RMSNorm
 
 try:  # GPU fast path; never used on CPU
@@ -25,47 +29,9 @@ RECURRENT_MAX_T = 16  # new-token counts up to this run the token loop (decode /
 FUSED_MAX_T = 17  # cached inference steps up to this (decode, verify of k+1 <= 17) use dspark.kernels.kda_decode on CUDA
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim."""
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
-
-
-def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
-    """Log-space per-channel decay. f: [B, T, H, D] raw f_b_proj output; A_log [H]; dt_bias [H*D] -> g [B,T,H,D] fp32.
-    softplus form: g = -exp(A_log) * softplus(f + dt_bias);  safe gate: g = lb * sigmoid(exp(A_log) * (f + dt_bias))."""
-    H, D = f.shape[-2:]
-    z = f.float() + dt_bias.float().view(H, D)
-    a = A_log.float().exp().view(H, 1)
-    if lower_bound is None:
-        return -a * F.softplus(z)  # threshold 20 as torch's default
-    return lower_bound * torch.sigmoid(a * z)
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# the delta rule: naive token loop (the definition) and the chunkwise WY/UT form (fast pure torch)
+# the delta rule in chunkwise WY/UT form (fast pure torch; the token loop, kda_recurrent, is the definition)
 # ---------------------------------------------------------------------------------------------------------------
-def kda_recurrent(q, k, v, g, beta, initial_state=None, return_all_states: bool = False, scale: float | None = None):
-    """q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (post-sigmoid); initial_state [B, H, K, V] or None.
-    -> (o [B, T, H, V] in v.dtype, S_final [B, H, K, V] fp32, or all states [B, T, H, K, V] if return_all_states)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.float().clone()
-    outs, states = [], []
-    for t in range(T):
-        S = S * g[:, t].exp()[..., None]  # decay along K
-        u = v[:, t] - torch.einsum("bhkv,bhk->bhv", S, k[:, t])  # prediction error on the decayed state
-        S = S + beta[:, t, :, None, None] * k[:, t, :, :, None] * u[:, :, None, :]
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, q[:, t] * scale))
-        if return_all_states:
-            states.append(S)
-    o = torch.stack(outs, 1) if T else v.new_zeros(B, 0, H, V).float()
-    if return_all_states:
-        return o, (torch.stack(states, 1) if T else S.new_zeros(B, 0, H, K, V))
-    return o, S
-
-
 def unit_lower_inverse(A: torch.Tensor, eye: torch.Tensor) -> torch.Tensor:
     """(I + A)^-1 for strictly lower-triangular A [..., C, C]: A is nilpotent (A^C = 0), so
     (I + A)^-1 = (I - A)(I + A^2)(I + A^4)... with log2(C) factors. Exact in exact arithmetic and, unlike batched
@@ -139,7 +105,7 @@ def kda_fla(q, k, v, g, beta, initial_state=None, decode: bool = False):
 # the layer
 # ---------------------------------------------------------------------------------------------------------------
 class KimiDeltaAttention(nn.Module):
-    """K3 KDA layer (`self_attn.` of a KDA layer). Checkpoint names as in contract §1.7."""
+    """K3 KDA layer (`self_attn.` of a KDA layer). Checkpoint names as in docs/k3-model.md, "Checkpoint names"."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4,
                  gate_lower_bound: float | None = None, use_full_rank_gate: bool = True, layer_idx: int = 0):
@@ -174,12 +140,13 @@ class KimiDeltaAttention(nn.Module):
     def output_gate(self, x: torch.Tensor) -> torch.Tensor:
         return self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
 
+    def conv_weight(self) -> torch.Tensor:
+        """The three depthwise convs as one [3P, W] weight (q | k | v)."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
+
     def short_conv(self, window: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """window [B, W-1, 3P] previous raw inputs, raw [B, T, 3P] -> (SiLU(conv) [B, T, 3P], ext [B, W-1+T, 3P])."""
-        ext = torch.cat([window.to(raw.dtype), raw], 1)
-        weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0)  # [3P,1,W]
-        out = F.conv1d(ext.transpose(1, 2), weight.to(raw.dtype), groups=weight.shape[0])  # [B,3P,T]
-        return F.silu(out.transpose(1, 2)), ext
+        return causal_conv_silu(window, raw, self.conv_weight())
 
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]. With a ForwardBatch, state and conv window go through batch.cache."""
@@ -241,7 +208,7 @@ class KimiDeltaAttention(nn.Module):
     def fused_in_weight(self) -> torch.Tensor:
         """[q | k | v | gate (g_proj, or g_a_proj) | f_a | b | zero rows to a multiple of 8] as one weight: a cached
         step's input projections in one GEMM instead of six. Alone, b_proj's H outputs made cuBLAS run an
-        alignment-2 fallback kernel at 9 tokens (50 us of the k3-mini verify step, session 6). A copy: the layer's
+        alignment-2 fallback kernel at 9 tokens (50 us of the k3-mini verify step). A copy: the layer's
         input projections are held twice once a cached step has run (the modules keep theirs for training)."""
         w = torch.cat([m.weight.detach() for m in self._in_proj_modules()], 0)
         return F.pad(w, (0, 0, 0, -w.shape[0] % 8))
@@ -251,10 +218,8 @@ class KimiDeltaAttention(nn.Module):
         whose column slices go to the two kernel launches as they are (conv + SiLU + L2 norm + gate + delta rule, then
         output norm and gate; dspark/kernels/kda_decode.py, tested against this layer's math). Padding rows
         (t >= num_new) leave the state untouched, as in forward."""
-        from dspark.kernels.kda_decode import conv_weight, kda_decode  # the kernel module imports this one
-
         conv_w = self._derived("_conv_w", (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
-                               lambda: conv_weight(self))  # the fused [3P, W] copy
+                               lambda: self.conv_weight().float().contiguous())  # the fused [3P, W] fp32 copy
         mods = self._in_proj_modules()
         y = F.linear(x, self._derived("_in_w", [m.weight for m in mods], self.fused_in_weight))  # [B, T, >= 3P+G+D+H]
         widths = [m.out_features for m in mods]

@@ -1,4 +1,4 @@
-"""Multi-head Latent Attention (k3-architecture.md §5, contract §1.4).
+"""Multi-head Latent Attention (docs/k3-model.md, "MLA").
 
 The K3 target uses NoPE MLA (no rotary at all; k_pe is still computed, cached and used unrotated) with a sigmoid
 output gate. The DSpark drafter reuses this module with interleaved RoPE (`rope_theta`) and its own masks through

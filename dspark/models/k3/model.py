@@ -1,7 +1,8 @@
 """K3ForCausalLM: the Kimi K3 / Kimi Linear text model (KDA + NoPE MLA, AttnRes, LatentMoE/MXFP4) in plain torch.
 
 forward(input_ids [B, T], batch=None, aux_layer_ids=None) -> logits [B, T, V], or (logits, aux [B, T, n*hidden]).
-Checkpoints use the exact HF names (contract §1.7); a kimi_k3-wrapped config puts them under `language_model.`.
+Checkpoints use the exact HF names (docs/k3-model.md, "Checkpoint names"); a kimi_k3-wrapped config puts them
+under `language_model.`.
 """
 from __future__ import annotations
 

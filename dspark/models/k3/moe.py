@@ -1,4 +1,4 @@
-"""Stable LatentMoE with a sigmoid noaux_tc router and Quantile Balancing (k3-architecture.md §3, contract §1.6).
+"""Stable LatentMoE with a sigmoid noaux_tc router and Quantile Balancing (docs/k3-model.md, "LatentMoE").
 
     (idx, p) = Router(x)                                      # full-width x, fp32
     u = sum_{e in TopK} p_e * E_e(W_down x)                   # experts run in the latent width R

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# GPU runs, named by what they do. From the repository root of a CUDA machine:
+#
+#   bash bench/run_gpu.sh TARGET [ARGS ...]
+#
+#   kernels        the CUDA kernel tests (tests/test_kernels.py, tests/test_k3_kda.py), then the kernel timings:
+#                  every Triton kernel against its torch reference (bench/gpu_kernels.py, graph-timed), the KDA
+#                  verify under every autotune config (kda_sweep), fla's KDA kernels against ours (gpu_k3_kernels.py)
+#   tests-cuda     the test suite on the GPU: DSPARK_TEST_DEVICE=cuda python3 -m pytest tests/
+#   train-target   the k3-mini target (recipes/targets/k3-mini.yaml) -> runs/k3-mini/final
+#   train-drafter  the k3-mini DSpark drafter (recipes/k3-mini.yaml) on that target, data parallel over NGPU GPUs
+#                  (accelerate launch) -> runs/k3-mini-drafter/{final,best}
+#   ddp-compare    the drafter recipe on NGPU GPUs, then on one GPU from the same regenerated sequences and the same
+#                  global batch; bench/ddp_compare.py compares the two loss curves (NGPU >= 2)
+#   pair           AR vs DSpark on the k3-mini pair through the engine (bench/pair_decode.py): bs=1 per task,
+#                  compiled and in CUDA graphs
+#   floor          bs=1 AR decode against the HBM floor: the Qwen3-8B shape (bench/ar_floor.py), the K3 shape
+#                  (bench/k3_floor.py); random weights, nothing to train first
+#   serve          the server under load (bench/serve_bench.py): concurrency 1, 4, 16, 64 on code and prose prompts,
+#                  greedy and at temperature 0.7 -> $OUT/serve.json
+#   flex           the drafter's flex-attention block mask against the dense mask (bench/check_flex_cuda.py --diagnose)
+#   exec CMD ...   any command in this environment (the carried wheels, multicast off, the autotune cache)
+#
+# ARGS go to the command the target runs: recipe overrides for train-* and ddp-compare (`max_minutes=5.5`), flags for
+# pair and serve (`--batches 1,4,16,64 --profile`). pair, serve and train-drafter take the pair from TARGET_DIR
+# (default runs/k3-mini/final) and DRAFTER_DIR (default runs/k3-mini-drafter/best, else .../final).
+#
+# Environment: NGPU (GPUs to use; default: every visible one), OUT (where logs and results go; default runs/gpu).
+# Carried inputs, when present: .whl/*.whl (fla-core and other wheels the machine cannot download; installed into
+# .cache/gpu-site, which goes first on PYTHONPATH: without fla-core the KDA layers train on the torch fallback, several
+# times slower), .cache/triton-autotune.tgz (Triton autotune picks from an earlier run on the same GPU / triton / fla:
+# a fresh machine then compiles only the picked configs). Every target saves the picks it has to
+# $OUT/triton-autotune.tgz, to carry as .cache/triton-autotune.tgz next time.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+target=${1:-}
+[ $# -gt 0 ] && shift
+case "$target" in
+  kernels|tests-cuda|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|exec) ;;
+  -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
+esac
+OUT=${OUT:-runs/gpu}
+mkdir -p "$OUT"
+NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+[ "$NGPU" -ge 1 ] 2>/dev/null || { echo "run_gpu.sh: no GPU visible (nvidia-smi -L) and NGPU not set" >&2; exit 2; }
+TARGET_DIR=${TARGET_DIR:-runs/k3-mini/final}
+DRAFTER_DIR=${DRAFTER_DIR:-$(ls -d runs/k3-mini-drafter/best 2>/dev/null || echo runs/k3-mini-drafter/final)}
+
+SITE=.cache/gpu-site
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  export PYTHONPATH=$PWD/$SITE:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# NVLink multicast stays off, for this shell and every process it starts (accelerate's workers included)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+# Triton autotune picks (fla's and ours) persist in Triton's cache as *.autotune.json
+TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
+if [ -f .cache/triton-autotune.tgz ]; then
+  mkdir -p "$TRITON_CACHE" && tar -xzf .cache/triton-autotune.tgz -C "$TRITON_CACHE" \
+    && echo "triton autotune picks restored: $(tar -tzf .cache/triton-autotune.tgz | grep -c autotune.json)"
+fi
+save_autotune() {
+  (cd "$TRITON_CACHE" 2>/dev/null && find . -name "*.autotune.json" | tar -czf "$OUT/triton-autotune.tgz" -T -) \
+    && echo "saved $(tar -tzf "$OUT/triton-autotune.tgz" | wc -l) autotune picks to $OUT/triton-autotune.tgz"
+}
+
+# log NAME CMD...: run CMD, its output (without tqdm's progress lines) also appended to $OUT/NAME.txt
+log() {
+  local name=$1; shift
+  echo "+ $*" | tee -a "$OUT/$name.txt"
+  "$@" 2>&1 | grep --line-buffered -v "it/s\]" | tee -a "$OUT/$name.txt"
+  return "${PIPESTATUS[0]}"
+}
+
+train_cmd() {  # python3 -m train, or accelerate launch over NGPU processes
+  if [ "$NGPU" -ge 2 ]; then
+    echo python3 -m accelerate.commands.launch --multi_gpu --num_processes "$NGPU" --num_machines 1 \
+      --mixed_precision bf16 --dynamo_backend no -m train
+  else
+    echo python3 -m train
+  fi
+}
+
+# the drafter recipe's function-body prompts come from the carried tokenizer dir (built where the corpus is);
+# without them this machine would need the corpus texts and `datasets`
+code_prompts() {
+  ls .cache/tokenizer-mini-8192/code-prompts-*.pt >/dev/null 2>&1 || echo "data.regenerate.code_prompts=0"
+}
+
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+  torch.cuda.get_device_name(), 'x', torch.cuda.device_count())"
+python3 -c "import fla; print('fla', getattr(fla, '__version__', '?'))" 2>/dev/null || echo "fla: not installed"
+echo "NGPU=$NGPU OUT=$OUT"
+
+rc=0
+case "$target" in
+  kernels)
+    log kernels python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py -q -p no:cacheprovider -p no:warnings \
+      --durations=12 "$@" || rc=$?
+    log kernels python3 bench/gpu_kernels.py --graph --iters 30 || rc=$?
+    log kernels python3 bench/gpu_kernels.py --only kda_sweep --iters 30 || rc=$?
+    log kernels python3 bench/gpu_k3_kernels.py || rc=$?
+    ;;
+  tests-cuda)
+    DSPARK_TEST_DEVICE=cuda log tests-cuda python3 -m pytest tests/ -q -p no:cacheprovider -p no:warnings "$@" || rc=$?
+    ;;
+  train-target)
+    log train-target python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled "$@" || rc=$?
+    cp runs/k3-mini/final_metrics.json "$OUT/train-target-metrics.json" 2>/dev/null
+    ;;
+  train-drafter)
+    # shellcheck disable=SC2046 # train_cmd and code_prompts are word lists
+    log train-drafter $(train_cmd) recipes/k3-mini.yaml target="$TARGET_DIR" log.wandb_mode=disabled \
+      $(code_prompts) "$@" || rc=$?
+    cp runs/k3-mini-drafter/final_metrics.json "$OUT/train-drafter-metrics.json" 2>/dev/null
+    cp runs/k3-mini-drafter/profile.txt "$OUT/train-drafter-profile.txt" 2>/dev/null
+    ;;
+  ddp-compare)
+    [ "$NGPU" -ge 2 ] || { echo "run_gpu.sh ddp-compare: needs NGPU >= 2 (NGPU=$NGPU)" >&2; exit 2; }
+    many=runs/ddp-${NGPU}gpu one=runs/ddp-1gpu
+    rm -rf $many $one
+    # shellcheck disable=SC2046
+    log ddp-compare $(train_cmd) recipes/k3-mini.yaml target="$TARGET_DIR" output_dir=$many log.wandb_mode=disabled \
+      $(code_prompts) "$@" || exit 1
+    steps=$(tail -n 1 $many/train_log.jsonl | python3 -c "import json, sys; print(json.load(sys.stdin)['step'])")
+    mkdir -p $one && cp $many/sequences.pt $one/
+    # one GPU, the same global batch, the same regenerated sequences (resume=true without a checkpoint starts at
+    # step 0 and reads them) and as many steps as the NGPU run made, however long they take
+    # shellcheck disable=SC2046
+    CUDA_VISIBLE_DEVICES=0 log ddp-compare python3 -m train recipes/k3-mini.yaml target="$TARGET_DIR" \
+      output_dir=$one resume=true log.wandb_mode=disabled $(code_prompts) "$@" max_steps="$steps" max_minutes=null \
+      || rc=$?
+    log ddp-compare python3 bench/ddp_compare.py $one $many || rc=$?
+    cp $one/train_log.jsonl "$OUT/ddp-train-log-1gpu.jsonl"; cp $many/train_log.jsonl "$OUT/ddp-train-log-${NGPU}gpu.jsonl"
+    ;;
+  pair)
+    echo "target $TARGET_DIR, drafter $DRAFTER_DIR"
+    CUDA_VISIBLE_DEVICES=0 log pair python3 bench/pair_decode.py --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" \
+      --tasks humaneval,creative --prompts 16 --max-tokens 128 --compile "$@" || rc=$?
+    ;;
+  floor)
+    CUDA_VISIBLE_DEVICES=0 log floor python3 bench/ar_floor.py --no-compile "$@" || rc=$?
+    CUDA_VISIBLE_DEVICES=0 log floor python3 bench/k3_floor.py || rc=$?
+    ;;
+  serve)
+    echo "target $TARGET_DIR, drafter $DRAFTER_DIR"
+    CUDA_VISIBLE_DEVICES=0 log serve python3 bench/serve_bench.py --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" \
+      --concurrency 1,4,16,64 --tasks humaneval,creative --temperatures 0,0.7 --out "$OUT/serve.json" "$@" || rc=$?
+    ;;
+  flex)
+    log flex python3 bench/check_flex_cuda.py --diagnose "$@" || rc=$?
+    ;;
+  exec)
+    [ $# -gt 0 ] || { echo "run_gpu.sh exec: give the command to run" >&2; exit 2; }
+    "$@" || rc=$?
+    ;;
+esac
+save_autotune
+exit $rc

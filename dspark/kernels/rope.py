@@ -1,0 +1,34 @@
+"""Rotary position embeddings: the torch definitions the models use and decode_attention fuses. No kernel of its own.
+NeoX style (rotate-half; Qwen3 and the Qwen3 drafter) and GPT-J style (interleaved pairs; DeepSeek / K3 MLA)."""
+from __future__ import annotations
+
+import torch
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32):
+    """cos/sin tables for rotary embeddings. positions: [..., T] -> cos, sin: [..., T, dim]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
+    freqs = positions.float()[..., None] * inv_freq  # [..., T, dim/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style (rotate-half) RoPE. x: [B, H, T, D]; cos/sin: [B, T, D] or [T, D]."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """GPT-J-style (interleaved pairs, is_neox_style=False) RoPE, as DeepSeek MLA uses.
+    x: [B, H, T, D]; cos/sin as from rope_cos_sin (the first D/2 columns are used)."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    c, s = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    return out.flatten(-2)
