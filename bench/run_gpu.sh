@@ -7,22 +7,25 @@
 #                  every Triton kernel against its torch reference (bench/gpu_kernels.py, graph-timed), the KDA
 #                  verify under every autotune config (kda_sweep), fla's KDA kernels against ours (gpu_k3_kernels.py)
 #   tests-cuda     the test suite on the GPU: DSPARK_TEST_DEVICE=cuda python3 -m pytest tests/
+#   train-quickstart  the quickstart pair (recipes/targets/qwen3-tiny.yaml, recipes/quickstart.yaml) on one GPU ->
+#                  runs/quickstart/{target,drafter}/final (carry .cache/corpus-stdlib/card.json and
+#                  .cache/tokenizer-stdlib-4096 from `make data-sources` + one CPU target run: the packed tokens)
 #   train-target   the k3-mini target (recipes/targets/k3-mini.yaml) -> runs/k3-mini/final
 #   train-drafter  the k3-mini DSpark drafter (recipes/k3-mini.yaml) on that target, data parallel over NGPU GPUs
 #                  (accelerate launch) -> runs/k3-mini-drafter/{final,best}
 #   ddp-compare    the drafter recipe on NGPU GPUs, then on one GPU from the same regenerated sequences and the same
 #                  global batch; bench/ddp_compare.py compares the two loss curves (NGPU >= 2)
-#   pair           AR vs DSpark on the k3-mini pair through the engine (bench/pair_decode.py): bs=1 per task,
-#                  compiled and in CUDA graphs
-#   floor          bs=1 AR decode against the HBM floor: the Qwen3-8B shape (bench/ar_floor.py), the K3 shape
-#                  (bench/k3_floor.py); random weights, nothing to train first
+#   pair           AR vs DSpark through dspark.Engine (bench/pair_decode.py): bs=1 per task, then batches of
+#                  1, 4, 16, 64
+#   floor          bs=1 AR decode through the engine against the HBM floor (bench/floor.py): the Qwen3-8B shape and
+#                  the K3 shape; random weights, nothing to train first
 #   serve          the server under load (bench/serve_bench.py): concurrency 1, 4, 16, 64 on code and prose prompts,
 #                  greedy and at temperature 0.7 -> $OUT/serve.json
 #   flex           the drafter's flex-attention block mask against the dense mask (bench/check_flex_cuda.py --diagnose)
 #   exec CMD ...   any command in this environment (the carried wheels, multicast off, the autotune cache)
 #
 # ARGS go to the command the target runs: recipe overrides for train-* and ddp-compare (`max_minutes=5.5`), flags for
-# pair and serve (`--batches 1,4,16,64 --profile`). pair, serve and train-drafter take the pair from TARGET_DIR
+# pair and serve (`--prompts 8`). pair, serve and train-drafter take the pair from TARGET_DIR
 # (default runs/k3-mini/final) and DRAFTER_DIR (default runs/k3-mini-drafter/best, else .../final).
 #
 # Environment: NGPU (GPUs to use; default: every visible one), OUT (where logs and results go; default runs/gpu).
@@ -36,7 +39,7 @@ cd "$(dirname "$0")/.."
 target=${1:-}
 [ $# -gt 0 ] && shift
 case "$target" in
-  kernels|tests-cuda|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|exec) ;;
+  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
@@ -109,6 +112,12 @@ case "$target" in
   tests-cuda)
     DSPARK_TEST_DEVICE=cuda log tests-cuda python3 -m pytest tests/ -q -p no:cacheprovider -p no:warnings "$@" || rc=$?
     ;;
+  train-quickstart)
+    CUDA_VISIBLE_DEVICES=0 log train-quickstart python3 -m train recipes/targets/qwen3-tiny.yaml \
+      output_dir=runs/quickstart/target log.wandb_mode=disabled "$@" || rc=$?
+    CUDA_VISIBLE_DEVICES=0 log train-quickstart python3 -m train recipes/quickstart.yaml \
+      target=runs/quickstart/target/final output_dir=runs/quickstart/drafter log.wandb_mode=disabled || rc=$?
+    ;;
   train-target)
     log train-target python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled "$@" || rc=$?
     cp runs/k3-mini/final_metrics.json "$OUT/train-target-metrics.json" 2>/dev/null
@@ -141,11 +150,13 @@ case "$target" in
   pair)
     echo "target $TARGET_DIR, drafter $DRAFTER_DIR"
     CUDA_VISIBLE_DEVICES=0 log pair python3 bench/pair_decode.py --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" \
-      --tasks humaneval,creative --prompts 16 --max-tokens 128 --compile "$@" || rc=$?
+      --tasks humaneval,creative --prompts 16 --max-tokens 128 --batches 1,4,16,64 --out "$OUT/pair.json" "$@" \
+      || rc=$?
     ;;
   floor)
-    CUDA_VISIBLE_DEVICES=0 log floor python3 bench/ar_floor.py --no-compile "$@" || rc=$?
-    CUDA_VISIBLE_DEVICES=0 log floor python3 bench/k3_floor.py || rc=$?
+    CUDA_VISIBLE_DEVICES=0 log floor python3 bench/floor.py --shape qwen3-8b --hf --out "$OUT/floor-qwen3-8b.json" \
+      || rc=$?
+    CUDA_VISIBLE_DEVICES=0 log floor python3 bench/floor.py --shape k3 --out "$OUT/floor-k3.json" || rc=$?
     ;;
   serve)
     echo "target $TARGET_DIR, drafter $DRAFTER_DIR"

@@ -50,7 +50,7 @@ def main() -> None:
         lab = logits[0].argmax(-1)  # lab[p]: the target's token at p + 1
         anchors = torch.arange(P, T - D)
         h = d.train_forward(aux, x, anchors[None])[0]  # [A, D, H]
-        drafts = sample_markov(d, h, x[0, anchors], torch.zeros(len(anchors)), sample=False).draft_ids
+        drafts = sample_markov(d, h, x[0, anchors]).draft_ids
         acc = [int((drafts[i] == lab[p:p + D]).long().cumprod(0).sum()) for i, p in enumerate(anchors.tolist())]
         uniform += acc
         p = P

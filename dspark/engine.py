@@ -233,7 +233,7 @@ class Engine:
         before it). Without graphs (CPU): the whole block."""
         if self.drafts is None:
             return 0
-        if self.pinned_k is not None or not self.runner.graphs:
+        if self.pinned_k is not None:
             return self.k
         acc, reach = self.counters["num_accepted_tokens_per_pos"], self._reached
         alpha, last = [], 0.5
@@ -246,7 +246,10 @@ class Engine:
             for j in range(k):
                 surv *= alpha[j]
                 expected += surv
-            rate = expected / self.runner.step_ms(self.runner.key_for(num_rows, k, longest + k + 1, mode))
+            ms = self.runner.step_ms(self.runner.key_for(num_rows, k, longest + k + 1, mode))
+            if ms is None:  # no graphs, no step times: draft the whole block
+                return self.k
+            rate = expected / ms
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

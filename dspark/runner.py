@@ -14,6 +14,7 @@ Random numbers: a request's uniforms are a pure function of its seed and positio
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,7 @@ class ModelRunner:
         set_static_moe(target, max_batch_size * (max_k + 1))
         self._keep = [m._stacked for m in target.modules() if isinstance(m, LatentMoE)]
         self._pin = self.device.type == "cuda"
+        self.wait_s = 0.0  # host seconds spent waiting for the device in decode steps' reads (bench accounting)
 
     # ------------------------------------------------------------------ forward pieces
     def forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
@@ -150,7 +152,9 @@ class ModelRunner:
         if rows is None:
             raise ValueError(f"decode: {num_rows} rows exceed max_batch_size={self.buckets[-1]}")
         bs = self.cache.block_size
-        return StepKey(rows, k, -(-pow2_at_least(max_len, max(MIN_CONTEXT, bs)) // bs), mode)
+        if self.graphs:  # few context buckets: each is a graph to capture
+            max_len = pow2_at_least(max_len, max(MIN_CONTEXT, bs))
+        return StepKey(rows, k, -(-max_len // bs), mode)
 
     def _get(self, key: StepKey) -> _Step:
         st = self.steps.get(key)
@@ -211,4 +215,7 @@ class ModelRunner:
             out = st.out
         else:
             out = self._step_fn(st)
-        return out[:B].tolist()  # the step's one host read
+        t0 = time.perf_counter()
+        res = out[:B].tolist()  # the step's one host read
+        self.wait_s += time.perf_counter() - t0
+        return res

@@ -59,7 +59,8 @@ def write_tiny_target_and_data(root):
 
 def propose_after_prefix(drafter, aux, input_ids, anchor: int, layer_offset: int = 0):
     """Draft one block the way the engine does: the context rows of positions < anchor written into a fresh paged
-    cache through a DraftRunner, then the block [x_anchor, mask...] proposed greedily. Returns (runner, Proposal)."""
+    cache through a DraftRunner, then the block [x_anchor, mask...] proposed greedily through the device step's
+    view of the cache. Returns (runner, Proposal)."""
     from dspark.cache.paged import PagedCache
     from dspark.spec.draft import DraftRunner
 
@@ -68,5 +69,8 @@ def propose_after_prefix(drafter, aux, input_ids, anchor: int, layer_offset: int
     cache.add_request("r")
     runner.write_context(cache.batch(["r"], [anchor]), aux[:, :anchor])
     cache.commit()
+    num_cached, tables, slots = cache.step_rows(["r"], 1, width=8)
+    view = cache.device_view(torch.tensor(num_cached), torch.tensor([1]), torch.tensor(tables), torch.tensor(slots),
+                             1, record=False)
     anchor_tok = input_ids[0, anchor:anchor + 1]
-    return runner, runner.propose(cache, ["r"], anchor_tok, torch.zeros(1))
+    return runner, runner.propose(view, anchor_tok, drafter.config.num_drafts)

@@ -31,7 +31,7 @@ def test_block_sparse_training_pass_equals_inference_pass(target, mode):
         h_train = d.train_forward(aux, x, anchors)  # [1, 3, D, H]
         for i, a in enumerate(anchors[0].tolist()):
             _, prop = propose_after_prefix(d, aux, x, a)
-            ref = sample_markov(d, h_train[:, i], x[0, a:a + 1], torch.zeros(1), sample=False)
+            ref = sample_markov(d, h_train[:, i], x[0, a:a + 1])
             assert torch.equal(prop.draft_ids, ref.draft_ids)
             if mode == "dspark":
                 assert torch.allclose(prop.confidence, ref.confidence, atol=1e-5)

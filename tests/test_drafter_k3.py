@@ -92,7 +92,7 @@ def test_block_sparse_training_pass_equals_inference_pass(target, opts):
         for i, a in enumerate(anchors[0].tolist()):
             runner, prop = propose_after_prefix(d, aux, x, a, layer_offset=10)
             assert runner.cache_layout() == {10: 40, 11: 40}  # kv_lora 32 + rope 8 per token
-            ref = sample_markov(d, h_train[:, i], x[0, a:a + 1], torch.zeros(1), sample=False)
+            ref = sample_markov(d, h_train[:, i], x[0, a:a + 1])
             assert torch.allclose(seen[-1], h_train[:, i], atol=1e-5)
             assert torch.equal(prop.draft_ids, ref.draft_ids)
             assert torch.allclose(prop.confidence, ref.confidence, atol=1e-5)
@@ -148,7 +148,7 @@ def test_load_round_trip_reproduces_outputs(target, tmp_path):
         anchors = torch.tensor([[3, 9]])
         h, h2 = d.train_forward(aux, x, anchors), loaded.train_forward(aux, x, anchors)
         assert torch.equal(h, h2)
-        a, b = (sample_markov(m, hh[:, 1], x[0, 9:10], torch.zeros(1), sample=False) for m, hh in ((d, h), (loaded, h2)))
+        a, b = (sample_markov(m, hh[:, 1], x[0, 9:10]) for m, hh in ((d, h), (loaded, h2)))
         assert torch.equal(a.draft_ids, b.draft_ids) and torch.equal(a.confidence, b.confidence)
         # logit_scale scales the whole draft logits (base + Markov)
         assert torch.allclose(loaded.base_logits(h2), 0.5 * torch.nn.functional.linear(h2, target.lm_head.weight))

@@ -1,8 +1,10 @@
 """LatentMoE routing and Quantile Balancing."""
+import pytest
 import torch
 
 from dspark.models.k3.config import k3_tiny_config
-from dspark.models.k3.moe import LatentMoE
+from dspark.models.k3.moe import LatentMoE, set_static_moe
+from dspark.models.k3.mxfp4 import convert_to_mxfp4
 
 
 def _moe(seed=0, **overrides):
@@ -63,3 +65,35 @@ def test_quantile_balancing_flattens_a_skewed_router():
     assert ratios[-1] < 1.3 and ratios[-1] < ratios[1] < ratios[0] / 2
     assert abs(bias.mean().item()) < 1e-5 and bias[:3].max() < bias[3:].min()
     assert moe.update_bias() is None  # the records were consumed
+
+
+@pytest.mark.parametrize("mxfp4", [False, True])
+def test_gathered_moe_equals_loop(mxfp4):
+    torch.manual_seed(0)
+    moe = LatentMoE(k3_tiny_config()).eval()
+    if mxfp4:
+        convert_to_mxfp4(moe)
+    x = torch.randn(3, 5, 64)
+    with torch.no_grad():
+        moe.routed_expert_norm.weight.normal_()
+        loop = moe(x)
+        assert set_static_moe(moe, 15) == 0 and moe._stacked is not None
+        torch.testing.assert_close(moe(x), loop, atol=1e-6, rtol=1e-5)
+        called = []
+        moe._experts_loop = lambda *a: called.append(1) or LatentMoE._experts_loop(moe, *a)
+        moe(x[:, :4])  # 12 tokens <= 15: gathered
+        assert not called
+        moe(torch.cat([x, x], 1))  # 30 tokens > 15: the loop path
+        assert called
+        # both graph-safe forms: per-pair gathered weights (N*k < E) and every expert on every token (N*k >= E)
+        E, k = moe.num_experts, moe.top_k
+        dense = []
+        moe._experts_dense = lambda *a: dense.append(1) or LatentMoE._experts_dense(moe, *a)
+        for n in (max(1, (E - 1) // k), E):
+            dense.clear()
+            xs = x.reshape(-1, 64)[:n][None]
+            torch.testing.assert_close(moe(xs), loop.reshape(-1, 64)[:n][None], atol=1e-6, rtol=1e-5)
+            assert bool(dense) == (n * k >= E)
+        stacked = moe._stacked
+        assert set_static_moe(moe, 0) == 15 and moe.static_tokens == 0
+        assert set_static_moe(moe, 4) == 0 and moe._stacked is stacked  # made once, kept (graphs point at it)

@@ -124,11 +124,9 @@ def _interp_checks() -> dict:
 
 def _decode_checks(g) -> dict:
     """The bs=1 decode kernels (fp32, interpreter): matvec prologues / in-place residual with ragged N and K,
-    the attention step (output and the cache row it writes), and whole FusedQwen3 decode steps vs full forwards."""
+    and the attention step (output and the cache row it writes)."""
     from dspark.kernels.decode_attention import decode_attention_ref, decode_attention_triton, rope_inv_freq
     from dspark.kernels.decode_gemv import decode_gemv_ref, decode_gemv_triton, grouped_gemv_ref, grouped_gemv_triton
-    from dspark.static_decode import StaticBatch, StaticCache, forward_static, fuse_projections
-    from tests.targets import make_target
 
     res = {}
     x, w, nw = torch.randn(2, 96, generator=g), torch.randn(40, 96, generator=g) * .1, torch.rand(96, generator=g) + .5
@@ -156,39 +154,23 @@ def _decode_checks(g) -> dict:
     o_ref = decode_attention_ref(qkv, s_ref, lengths, qw, kw, 1e4, H, Hkv, 1e-6)
     o_ker = decode_attention_triton(qkv, s_ker, lengths, qw, kw, rope_inv_freq(D, 1e4), H, Hkv, 1e-6)
     res["decode_attention"] = [max(_err(o_ref, o_ker), _err(s_ref, s_ker)), 1e-5]
-    model = make_target("qwen3")
-    fused = fuse_projections(model)
-    seq = torch.randint(2, 300, (1, 17), generator=g)
-    cache = StaticCache(model, 1, 64)
-    errs = []
-    with torch.no_grad():
-        forward_static(model, seq[:, :6], StaticBatch(cache, 1, 6))
-        cache.lengths += 6
-        full = model(seq)
-        for t in range(6, 12):  # five-launch layers (the interpreter dispatches the kernels on CPU tensors)
-            errs.append(_err(forward_static(fused, seq[:, t:t + 1], StaticBatch(cache, 1, 1))[0, 0], full[0, t]))
-            cache.lengths += 1
-        # a 5-token verify forward (the cuBLAS path of FusedQwen3, beside the kernel steps)
-        rows = forward_static(fused, seq[:, 12:17], StaticBatch(cache, 1, 5))[0]
-    res["fused_qwen3_decode_steps"] = [max(errs), 1e-4]
-    res["fused_qwen3_verify_rows"] = [_err(rows, full[0, 12:17]), 1e-4]
     res.update(_k3_pair_checks())
     return res
 
 
 def _k3_pair_checks() -> dict:
-    """The tiny K3 target + K3 drafter on the static speculative path with the kernels the model dispatches on CUDA
-    (KDA decode/verify, AttnRes mix, Markov loop, grouped expert matvec; here under the interpreter) vs
-    DSPARK_KERNELS=0 (the torch modules): same tokens, same accepted drafts per step, i.e. the kernel wiring in the
-    layers is right."""
+    """The tiny K3 target + K3 drafter through the engine with the kernels the model dispatches on CUDA (KDA
+    decode/verify, AttnRes mix, Markov loop, grouped expert matvec; here under the interpreter) vs DSPARK_KERNELS=0
+    (the torch modules): same tokens, same accepted drafts per step, i.e. the kernel wiring in the layers is right."""
     import dspark.kernels.attn_res as ar
     import dspark.kernels.decode_gemv as dg
     import dspark.kernels.kda_decode as kd
     import dspark.kernels.markov_sample as ms
-    from dspark.static_spec import StaticGenerator
+    from dspark.engine import Engine
+    from dspark.request import SamplingParams
     from tests.targets import make_target
     from tests.test_drafter_k3 import make_k3_drafter
-    from tests.test_static_spec import live_markov
+    from tests.test_runner import live_markov
 
     target = make_target("k3")
     drafter = live_markov(make_k3_drafter(target))
@@ -206,24 +188,21 @@ def _k3_pair_checks() -> dict:
                       (dg, "grouped_gemv_triton")):
         counted(mod, name)
     outs, ar_outs = {}, {}
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
     for flag in ("0", "1"):
         os.environ["DSPARK_KERNELS"] = flag
-        outs[flag] = StaticGenerator(target, drafter, max_len=48).generate(list(range(5, 16)), 8)
+        outs[flag] = Engine(target, drafter, max_batch_size=1).generate([list(range(5, 16))], params)[0]
         # AR steps: 1 token x top-2 of 8 experts < 8 pairs, the grouped matvec (the verify runs every expert once)
-        ar_outs[flag] = StaticGenerator(target, None, max_len=48).generate(list(range(5, 16)), 8).token_ids
+        ar_outs[flag] = Engine(target, None, max_batch_size=1).generate([list(range(5, 16))], params)[0].token_ids
         if flag == "0":
             assert not calls
     os.environ.pop("DSPARK_KERNELS")
-    # the same step through torch.compile (inductor, CPU here): the kernels are launched as they are, the rest fused
-    comp = StaticGenerator(target, drafter, max_len=48, compile=True).generate(list(range(5, 16)), 8)
     ref, ker = outs["0"], outs["1"]
-    assert sum(ref.accepted_per_step[0]) > 0  # drafts accepted: the per-position KDA states are used
+    assert sum(ref.accepted_per_step) > 0  # drafts accepted: the per-position KDA states are used
     assert len(calls) == 4, calls  # every kernel ran in the DSPARK_KERNELS=1 pass (grouped_gemv: the MoE experts)
-    return {"k3_static_pair_tokens": [float(sum(a != b for a, b in zip(ref.token_ids[0], ker.token_ids[0]))
+    return {"k3_engine_pair_tokens": [float(sum(a != b for a, b in zip(ref.token_ids, ker.token_ids))
                                             + (ar_outs["0"] != ar_outs["1"])), 0.0],
-            "k3_static_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0],
-            "k3_static_pair_compiled": [float(ref.token_ids != comp.token_ids
-                                              or ref.accepted_per_step != comp.accepted_per_step), 0.0]}
+            "k3_engine_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0]}
 
 
 @pytest.fixture(scope="module")
@@ -241,9 +220,7 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",
-                "decode_attention",
-                "fused_qwen3_decode_steps", "fused_qwen3_verify_rows",
-                "k3_static_pair_tokens", "k3_static_pair_accepted", "k3_static_pair_compiled"]
+                "decode_attention", "k3_engine_pair_tokens", "k3_engine_pair_accepted"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU box tests the compiled kernels (test_cuda_*); the "

@@ -193,58 +193,13 @@ def _flex_compiles(loss_fn, drafter, accelerator) -> bool:
     return ok == accelerator.num_processes
 
 
-MAX_STATIC_LENGTHS = 8  # distinct prompt lengths regenerated on the static path (one graph capture each)
-
-
 def regenerate(target, tokenizer, prompts: list[list[int]], new_tokens: int, temperature: float, batch_size: int,
                seeds: list[int]) -> list[list[int]]:
-    """The target continues every prompt (the field's standard recipe: learn from what the target says). Greedy on
-    CUDA with prompts of at most MAX_STATIC_LENGTHS lengths (corpus prompts are): the static path in CUDA graphs, one
-    generator per length, batch_size rows at a time (`regenerate_static`); else the engine. seeds: one per prompt
-    (sampling at temperature > 0)."""
-    dev = next(target.parameters()).device
-    if temperature == 0 and dev.type == "cuda" and len({len(p) for p in prompts}) <= MAX_STATIC_LENGTHS:
-        return regenerate_by_length(target, prompts, new_tokens, batch_size)
+    """The target continues every prompt (the field's standard recipe: learn from what the target says) through the
+    engine, batch_size rows at a time (CUDA graphs on a GPU). seeds: one per prompt (sampling at temperature > 0)."""
     engine = Engine(target, None, tokenizer=tokenizer, max_batch_size=batch_size,
                     max_model_len=max(len(p) for p in prompts) + new_tokens + 1)
     params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
                              seed=seed if temperature > 0 else None) for seed in seeds]
     outs = engine.generate(prompts, params, progress=True)
     return [p + o.token_ids for p, o in zip(prompts, outs)]
-
-
-def regenerate_by_length(target, prompts: list[list[int]], new_tokens: int, batch_size: int,
-                         graphs: bool | None = None) -> list[list[int]]:
-    """regenerate_static over prompts of several lengths: one generator (one graph capture) per length, the
-    continuations returned in the prompts' order."""
-    by_len: dict[int, list[int]] = {}
-    for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
-    out: list[list[int]] = [[] for _ in prompts]
-    for idx in by_len.values():
-        for i, seq in zip(idx, regenerate_static(target, [prompts[i] for i in idx], new_tokens, batch_size, graphs)):
-            out[i] = seq
-    return out
-
-
-@torch.no_grad()
-def regenerate_static(target, prompts: list[list[int]], new_tokens: int, batch_size: int,
-                      graphs: bool | None = None) -> list[list[int]]:
-    """Greedy continuations of equal-length prompts on the static decode path (dspark/static_spec.py; the same
-    tokens as the engine's greedy decode), batch_size rows per call of one reused generator; a short last chunk is
-    padded with copies of its first prompt. graphs: CUDA graphs (default: on CUDA)."""
-    from tqdm.auto import tqdm
-
-    from dspark.static_decode import _round_up
-    from dspark.static_spec import StaticGenerator
-
-    dev = next(target.parameters()).device
-    B = min(batch_size, len(prompts))
-    gen = StaticGenerator(target, None, max_len=_round_up(len(prompts[0]) + new_tokens + 1, 64), batch_size=B,
-                          graphs=dev.type == "cuda" if graphs is None else graphs)
-    out = []
-    for i in tqdm(range(0, len(prompts), B), desc="regenerate (static)", unit="batch"):
-        chunk = prompts[i:i + B]
-        rows = gen.generate(chunk + [chunk[0]] * (B - len(chunk)), new_tokens).token_ids
-        out += [p + r for p, r in zip(chunk, rows)]
-    return out

@@ -1,0 +1,151 @@
+"""The model runner's device step (dspark/runner.py) on CPU fp32, and with CUDA graphs where a GPU is present: no
+host reads inside a step (meta device), seeded sampling independent of the batch a request runs in, greedy rows
+unaffected by sampled neighbours, the per-step choice of k, graphs equal to the eager step, and the drafter
+trainer's regeneration through the engine."""
+import pytest
+import torch
+
+from dspark.engine import Engine
+from dspark.models.drafter import DrafterConfig, DSparkDrafter
+from dspark.models.k3.config import k3_tiny_config
+from dspark.models.k3.model import K3ForCausalLM
+from dspark.models.k3.moe import set_static_moe
+from dspark.request import SamplingParams
+from dspark.runner import MODES
+from tests.targets import make_target
+from tests.test_drafter_k3 import make_k3_drafter
+from tests.test_engine import make_drafter, reference_greedy
+
+V = 300
+N_NEW = 20
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+PAIRS = {"qwen3": ("qwen3", make_drafter), "k3": ("k3", make_k3_drafter), "k3+qwen3-drafter": ("k3", make_drafter)}
+
+
+def live_markov(drafter, seed=3):
+    """A Markov head that matters (the factory's markov_w2 starts at zero, i.e. no bias at all)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        w = drafter.markov_head.markov_w2.weight
+        w.copy_(torch.randn(w.shape, generator=g).to(w) * 2.0)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {kind: make_target(kind, vocab=V) for kind in ("qwen3", "k3")}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(2, V, (n,), generator=g).tolist() for n in (3, 11, 19)]
+
+
+def test_step_reads_no_tensor_values_on_the_host():
+    """On the meta device any .item() / .tolist() / bool(t) / data-dependent shape raises: the K3 + K3-drafter step
+    (draft, verify, accept, KDA commit) runs there for every sampling mode, speculative and plain; the MoE loop path
+    (host-side expert counts) is the control that does fail."""
+    with torch.device("meta"):
+        target = K3ForCausalLM(k3_tiny_config(vocab_size=V)).eval()
+        c = target.config
+        cfg = DrafterConfig(vocab_size=V, hidden_size=c.hidden_size, target_hidden_size=c.hidden_size,
+                            target_layer_ids=[1, 3], num_target_layers=2, mask_token_id=1, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=96, rope_theta=50000.0, markov_rank=8,
+                            backbone="k3", q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
+                            qk_nope_head_dim=c.qk_nope_head_dim, qk_rope_head_dim=c.qk_rope_head_dim,
+                            v_head_dim=c.v_head_dim)
+        drafter = DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight).eval()
+    for adaptive in (False, True):
+        engine = Engine(target, drafter, max_batch_size=4, max_model_len=256, adaptive_verification=adaptive)
+        runner = engine.runner
+        with torch.no_grad():
+            for mode in MODES:
+                for k in (0, 3):
+                    st = runner._get(runner.key_for(3, k, 40, mode))
+                    packed = runner._step_fn(st)
+                    assert packed.is_meta and packed.shape == (4, k + 3)
+    set_static_moe(target, 0)
+    with pytest.raises((NotImplementedError, RuntimeError)), torch.no_grad():
+        runner._step_fn(runner._get(runner.key_for(3, 3, 40, "greedy")))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "k3"])
+def test_seeded_sampling_does_not_depend_on_the_batch(targets, prompts, kind):
+    """A seeded request draws its random numbers from (seed, position) alone: the same tokens whether it runs alone
+    or beside other sampled and greedy requests, in a different row and batch bucket."""
+    target = targets[kind]
+    drafter = live_markov(make_drafter(target) if kind == "qwen3" else make_k3_drafter(target))
+    mine = SamplingParams(max_tokens=N_NEW, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
+    for draft_sample in (False, True):
+        alone = Engine(target, drafter, draft_sample=draft_sample).generate([prompts[1]], mine)[0]
+        others = [SamplingParams(max_tokens=N_NEW - 5, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=N_NEW, temperature=1.2, top_k=7, seed=5, ignore_eos=True), mine]
+        mixed = Engine(target, drafter, draft_sample=draft_sample).generate([prompts[0], prompts[2], prompts[1]],
+                                                                            others)
+        assert mixed[2].token_ids == alone.token_ids
+        assert mixed[0].token_ids == reference_greedy(target, prompts[0], N_NEW - 5)  # greedy beside sampled rows
+        assert mixed[1].token_ids != alone.token_ids
+
+
+def test_k_per_step_follows_measured_step_times(targets, prompts):
+    """num_speculative_tokens=None: the engine drafts the k with the most expected tokens per millisecond of its
+    graph. When drafting is free it drafts the whole block; when a draft costs more than any acceptance can
+    return it decodes plainly; a pinned k is kept whatever the times. The output stays the target's greedy."""
+    target = targets["qwen3"]
+    refs = [reference_greedy(target, p, N_NEW) for p in prompts]
+    for spec_cost, used in ((0.0, {4}), (40.0, {0})):  # step time with k drafts: 1 + spec_cost * k / 4 ms
+        engine = Engine(target, make_drafter(target))
+        # the policy reads graph replay times (None without graphs: the whole block); here they are given
+        engine.runner.step_ms = lambda key, c=spec_cost: 1.0 + c * key.k / 4
+        outs = engine.generate(prompts, SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+        assert [o.token_ids for o in outs] == refs
+        assert {key.k for key in engine.runner.steps} == used
+    pinned = Engine(target, make_drafter(target), num_speculative_tokens=2)
+    pinned.runner.step_ms = lambda key: 1.0 + 40.0 * key.k
+    pinned.generate(prompts[:1], SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+    assert {key.k for key in pinned.runner.steps} == {2}
+
+
+def test_regenerate_is_the_engines_greedy(targets):
+    """The drafter trainer's regeneration continues every prompt exactly as the engine's greedy decode does, in
+    the prompts' order, with prompts of mixed lengths."""
+    from train.drafter import regenerate
+
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in (5, 11, 5, 8, 11)]
+    got = regenerate(targets["k3"], None, prompts, 7, 0.0, batch_size=2, seeds=[0] * len(prompts))
+    assert got == [p + reference_greedy(targets["k3"], p, 7) for p in prompts]
+
+
+def test_errors(targets):
+    target = targets["k3"]
+    drafter = make_k3_drafter(target)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        Engine(target, drafter, num_speculative_tokens=9)
+    if not next(target.parameters()).is_cuda:
+        with pytest.raises(ValueError, match="CUDA"):
+            Engine(target, drafter, graphs=True)
+    engine = Engine(target, drafter, max_batch_size=2)
+    with pytest.raises(ValueError, match="max_batch_size=2"):
+        engine.runner.key_for(3, 4, 40, "greedy")
+
+
+@cuda
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_cuda_graph_step_equals_eager(prompts, pair):
+    """One CUDA graph per step key gives the eager step's tokens and accepted counts, greedy and seeded-sampled."""
+    kind, make = PAIRS[pair]
+    target = make_target(kind, vocab=V).cuda()
+    drafter = live_markov(make(target)).cuda()
+    params = [SamplingParams(max_tokens=N_NEW, ignore_eos=True),
+              SamplingParams(max_tokens=N_NEW, temperature=0.7, top_k=20, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=N_NEW, temperature=1.0, seed=4, ignore_eos=True)]
+    for d in (None, drafter):
+        k = None if d is None else 3
+        eager = Engine(target, d, num_speculative_tokens=k, graphs=False).generate(prompts, params)
+        engine = Engine(target, d, num_speculative_tokens=k, graphs=True)
+        graphed = engine.generate(prompts, params)
+        assert engine.runner.steps and all(st.graph is not None for st in engine.runner.steps.values())
+        assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
+        assert [o.accepted_per_step for o in graphed] == [o.accepted_per_step for o in eager]
