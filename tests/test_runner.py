@@ -19,7 +19,13 @@ from tests.test_engine import make_drafter, reference_greedy
 V = 300
 N_NEW = 20
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-PAIRS = {"qwen3": ("qwen3", make_drafter), "k3": ("k3", make_k3_drafter), "k3+qwen3-drafter": ("k3", make_drafter)}
+
+
+def k3_drafter(target):
+    return make_k3_drafter(target).to(next(target.parameters()).device)
+
+
+PAIRS = {"qwen3": ("qwen3", make_drafter), "k3": ("k3", k3_drafter), "k3+qwen3-drafter": ("k3", make_drafter)}
 
 
 def live_markov(drafter, seed=3):
@@ -75,7 +81,7 @@ def test_seeded_sampling_does_not_depend_on_the_batch(targets, prompts, kind):
     """A seeded request draws its random numbers from (seed, position) alone: the same tokens whether it runs alone
     or beside other sampled and greedy requests, in a different row and batch bucket."""
     target = targets[kind]
-    drafter = live_markov(make_drafter(target) if kind == "qwen3" else make_k3_drafter(target))
+    drafter = live_markov(make_drafter(target) if kind == "qwen3" else k3_drafter(target))
     mine = SamplingParams(max_tokens=N_NEW, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     for draft_sample in (False, True):
         alone = Engine(target, drafter, draft_sample=draft_sample).generate([prompts[1]], mine)[0]
@@ -120,7 +126,7 @@ def test_regenerate_is_the_engines_greedy(targets):
 
 def test_errors(targets):
     target = targets["k3"]
-    drafter = make_k3_drafter(target)
+    drafter = k3_drafter(target)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         Engine(target, drafter, num_speculative_tokens=9)
     if not next(target.parameters()).is_cuda:

@@ -43,7 +43,9 @@ def attention(q, k, v, mask=None, scale=None, enable_gqa=False, is_causal=False)
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm as HF Qwen3/DeepSeek compute it (rms_norm)."""
+    """RMSNorm (fp32 statistics). In inference with matching dtypes it is torch's fused rms_norm, one kernel where
+    the HF form (rms_norm) takes seven: the same value in fp32, and in bf16 the weight is applied before the one
+    rounding to bf16 instead of after (as vLLM's kernel does)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -51,6 +53,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype and not torch.is_grad_enabled():
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)
 
 
