@@ -1,0 +1,473 @@
+"""Serving benchmark of `python -m serve`: AR vs DSpark through OpenAI-compatible streaming clients.
+
+    python bench/serve_bench.py --target DIR --drafter DIR [--modes ar,dspark] [--tasks humaneval,creative]
+        [--temperatures 0,0.7] [--concurrency 1,4,16,64] [--requests-per-level N] [--max-tokens 128]
+        [--out FILE.json] [-- EXTRA SERVE FLAGS]          # e.g. -- --num-speculative-tokens 7 --dtype bfloat16
+
+Per mode (ar: no drafter; dspark: with --drafter) the server runs as a subprocess on 127.0.0.1 (`python -m serve`,
+device and dtype auto unless given after `--`; --max-batch-size defaults to the highest concurrency,
+--max-concurrent to twice it, --max-model-len to the prompt budget + max_tokens + 64), is polled on GET /health,
+measured, then terminated. Per (task, temperature, concurrency C) level: one untimed warm-up request, then C clients each send
+streaming /v1/completions requests back to back until N (--requests-per-level, default max(2C, 8)) have completed.
+Request i sends prompt i mod P of the task (text, built as `python -m eval` builds it: raw prefix or --chat template,
+the last --max-prompt-tokens tokens), `max_tokens` with `ignore_eos`, and seed --seed + i when T > 0.
+
+Metrics, as vLLM's benchmark_serving defines them (times in ms; p50/p99 are numpy's interpolated percentiles):
+- output tok/s = the requests' completion_tokens (from the usage chunk) / wall time of the level; req/s likewise.
+- TTFT: request sent -> first SSE event carrying text.
+- ITL: gaps between successive text-carrying SSE events of a request, pooled over the level. This is vLLM's per-chunk
+  convention: a DSpark verify step streams all its accepted tokens in one event (the wire format does not say how
+  many), so DSpark's ITL is the time per step; tokens/event is reported beside it.
+- TPOT = (latency - TTFT) / (completion_tokens - 1) per request, latency = request sent -> `data: [DONE]`.
+- tau = 1 + accepted / drafts (mean tokens per verify) from the deltas of vLLM's spec-decode counters on /metrics
+  over the level (read with the server idle before and after).
+- errors: HTTP errors, error events, streams without a finish_reason and [DONE], timeouts.
+The JSON (--out, written whole at the end, also after a failure; the servers' output beside it as FILE.serve-MODE.log)
+holds every request's times and text, the commands and torch/GPU info; greedy DSpark texts are compared with greedy
+AR texts request by request. Bounded: each request by --request-timeout, each server start by --startup-timeout, the
+whole run by --time-limit. Exit status 1 when a request failed, a server did not come up or the time limit cut the
+run; 2 for a bad option.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from eval.__main__ import encode, versions  # noqa: E402
+from eval.measure import counters_delta, parse_prometheus, spec_decode_counters, stats_from_counters  # noqa: E402
+from eval.tasks import TASKS, build_task, select  # noqa: E402
+from serve import free_port, target_positions  # noqa: E402
+
+MODES = ("ar", "dspark")
+SET_HERE = ("--target", "--drafter", "--host", "--port", "--engine", "--dry-run")  # not allowed after `--`
+LEN_MARGIN = 64  # max_model_len room beyond prompt + max_tokens: the draft block and re-tokenized prompts
+
+
+class BenchError(RuntimeError):
+    """A server that did not come up or a run cut short: reported, the JSON still written, exit status 1."""
+
+
+def _list(text: str, conv, flag: str, ok, expected: str) -> list:
+    try:
+        vals = [conv(x.strip()) for x in text.split(",") if x.strip()]
+    except ValueError:
+        vals = []
+    if not vals or not all(ok(v) for v in vals):
+        raise ValueError(f"{flag}: expected comma-separated {expected}, got {text!r}")
+    return vals
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # a ValueError (one line from main), not argparse's usage + exit
+        raise ValueError(message)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(options, extra serve flags: everything after `--`); a bad option is a ValueError naming it."""
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    p = _Parser(prog="bench/serve_bench.py", description=__doc__.split("\n")[0])
+    p.add_argument("--target", required=True)
+    p.add_argument("--drafter")
+    p.add_argument("--modes", default="ar,dspark")
+    p.add_argument("--tasks", default="humaneval,creative")
+    p.add_argument("--temperatures", default="0,0.7")
+    p.add_argument("--concurrency", default="1,4,16,64")
+    p.add_argument("--requests-per-level", type=int, default=0, help="default max(2 x concurrency, 8)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=0, help="prompts per task, evenly spread (0: all)")
+    p.add_argument("--max-prompt-tokens", type=int, default=512, help="keep the last N prompt tokens")
+    p.add_argument("--chat", action="store_true", help="wrap chat tasks' prompts in the chat template")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=0, help="0: prompt budget + max_tokens + 64")
+    p.add_argument("--port", type=int, default=0, help="0: a free port")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
+    p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run")
+    p.add_argument("--out", help="JSON file for every number")
+    a = p.parse_args(argv)
+    a.modes = _list(a.modes, str, "--modes", lambda m: m in MODES, "modes from ar,dspark")
+    a.tasks = _list(a.tasks, str, "--tasks", lambda t: t in TASKS, f"tasks from {','.join(TASKS)}")
+    a.temperatures = _list(a.temperatures, float, "--temperatures", lambda t: 0 <= t <= 2, "numbers in [0, 2]")
+    a.concurrency = _list(a.concurrency, int, "--concurrency", lambda c: c >= 1, "integers >= 1")
+    for flag, v, lo in [("--requests-per-level", a.requests_per_level, 0), ("--max-tokens", a.max_tokens, 1),
+                        ("--num-prompts", a.num_prompts, 0), ("--max-prompt-tokens", a.max_prompt_tokens, 1),
+                        ("--max-model-len", a.max_model_len, 0), ("--port", a.port, 0)]:
+        if v < lo:
+            raise ValueError(f"{flag}: expected an integer >= {lo}, got {v}")
+    for flag, v in [("--request-timeout", a.request_timeout), ("--startup-timeout", a.startup_timeout),
+                    ("--time-limit", a.time_limit)]:
+        if not v > 0:
+            raise ValueError(f"{flag}: expected seconds > 0, got {v}")
+    if "dspark" in a.modes and not a.drafter:
+        raise ValueError("--drafter: required for mode dspark (or pass --modes ar)")
+    for flag, d in [("--target", a.target), ("--drafter", a.drafter)]:
+        if d is not None and not (Path(d) / "config.json").is_file():
+            raise ValueError(f"{flag} {d}: not a checkpoint dir (no config.json)")
+    taken = [x for x in extra if x.split("=")[0] in SET_HERE]
+    if taken:
+        raise ValueError(f"{taken[0]}: set by this script; give it before `--`, not among the serve flags")
+    if not a.max_model_len:
+        a.max_model_len = a.max_prompt_tokens + a.max_tokens + LEN_MARGIN
+        positions = target_positions(a.target)
+        a.max_model_len = min(a.max_model_len, positions or a.max_model_len)
+    return a, extra
+
+
+def load_prompts(a) -> dict[str, list[str]]:
+    """Per task, the prompt texts: eval's encoding (raw prefix or chat template, last max_prompt_tokens), decoded."""
+    from transformers import AutoTokenizer
+
+    if not (Path(a.target) / "tokenizer.json").is_file():
+        raise ValueError(f"--target {a.target}: no tokenizer.json; the benchmark sends text prompts")
+    tok = AutoTokenizer.from_pretrained(a.target)
+    out = {}
+    for name in a.tasks:
+        task = build_task(name)
+        task.prompts = select(task.prompts, a.num_prompts or None)
+        out[name] = [tok.decode(ids) for ids in encode(task, tok, a.chat, a.max_prompt_tokens)]
+    return out
+
+
+# ---------------------------------------------------------------------------- the server subprocess
+def _has(extra: list[str], flag: str) -> bool:
+    return any(x == flag or x.startswith(flag + "=") for x in extra)
+
+
+def serve_command(a, mode: str, port: int, extra: list[str]) -> list[str]:
+    cmd = [sys.executable, "-m", "serve", "--target", a.target, "--host", "127.0.0.1", "--port", str(port)]
+    if mode == "dspark":
+        cmd += ["--drafter", a.drafter]
+    c = max(a.concurrency)
+    # --max-concurrent with room: a client may send its next request before the server has released the last one
+    for flag, v in [("--max-batch-size", c), ("--max-concurrent", 2 * c), ("--max-model-len", a.max_model_len)]:
+        if not _has(extra, flag):
+            cmd += [flag, str(v)]
+    return cmd + extra
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log: Path, limit: float) -> None:
+    t0 = time.monotonic()
+    with httpx.Client(base_url=url, timeout=5.0) as c:
+        while True:
+            if proc.poll() is not None:
+                raise BenchError(f"the server exited with status {proc.returncode} before /health answered; its "
+                                 f"output ({log}) ends:\n{_tail(log)}")
+            try:
+                if c.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() - t0 > limit:
+                raise BenchError(f"the server did not answer /health within {limit:.0f} s; its output ({log}) ends:\n"
+                                 f"{_tail(log)}")
+            time.sleep(0.25)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+# ---------------------------------------------------------------------------- the clients
+@dataclass
+class Req:
+    index: int
+    prompt: int
+    seed: int | None
+    ok: bool = False
+    error: str = ""
+    text: str = ""
+    completion_tokens: int = 0
+    events: int = 0  # text-carrying SSE events
+    ttft: float = 0.0  # s
+    latency: float = 0.0  # s, to [DONE]
+    itl: list[float] = field(default_factory=list)  # s, gaps between text-carrying events
+
+
+async def one(client: httpx.AsyncClient, a, prompt: str, temperature: float, r: Req) -> None:
+    """One streaming completion, timed per SSE event (the time its network chunk arrived)."""
+    body = {"prompt": prompt, "max_tokens": a.max_tokens, "temperature": temperature, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if r.seed is not None:
+        body["seed"] = r.seed
+    parts, last, done, finish = [], None, False, None
+    t0 = time.perf_counter()
+    try:
+        async with asyncio.timeout(a.request_timeout), client.stream("POST", "/v1/completions", json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
+                return
+            buf = b""
+            async for chunk in resp.aiter_bytes():
+                now = time.perf_counter()
+                *events, buf = (buf + chunk).split(b"\n\n")
+                for ev in events:
+                    data = ev.strip()[6:] if ev.strip().startswith(b"data: ") else None
+                    if data is None:
+                        continue
+                    if data == b"[DONE]":
+                        done = True
+                        continue
+                    obj = json.loads(data)
+                    if "error" in obj:
+                        r.error = f"error event: {obj['error'].get('message')}"
+                        return
+                    if obj.get("usage"):
+                        r.completion_tokens = obj["usage"]["completion_tokens"]
+                    for ch in obj.get("choices") or ():
+                        if ch.get("text"):
+                            if last is None:
+                                r.ttft = now - t0
+                            else:
+                                r.itl.append(now - last)
+                            last = now
+                            r.events += 1
+                            parts.append(ch["text"])
+                        finish = ch.get("finish_reason") or finish
+        r.latency, r.text = time.perf_counter() - t0, "".join(parts)
+        if not (done and finish):
+            r.error = "the stream ended without a finish_reason and data: [DONE]"
+        elif not r.completion_tokens or not r.events:
+            r.error = "no usage chunk or no text in the stream"
+        else:
+            r.ok = True
+    except TimeoutError:
+        r.error = f"timed out after {a.request_timeout:.0f} s (--request-timeout)"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+
+
+async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
+    """vLLM's spec-decode counters + generation_tokens, read once the server is idle (its snapshot is per step)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            text = (await client.get("/metrics", timeout=10.0)).raise_for_status().text
+        except httpx.HTTPError as e:
+            raise BenchError(f"GET /metrics failed ({type(e).__name__}: {e}); see the server's output") from None
+        vals: dict[str, float] = {}
+        for name, _, v in parse_prometheus(text):
+            vals[name] = vals.get(name, 0.0) + v
+        busy = vals.get("vllm:num_requests_running", 0) + vals.get("vllm:num_requests_waiting", 0)
+        if not busy or time.monotonic() - t0 > timeout:
+            return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
+                    "idle": not busy}
+        await asyncio.sleep(0.05)
+
+
+def pcts(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": None, "p50": None, "p99": None}
+    ms = np.asarray(xs) * 1e3
+    return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
+
+
+async def run_level(url: str, a, prompts: list[str], temperature: float, conc: int, deadline: float) -> dict:
+    n = a.requests_per_level or max(2 * conc, 8)
+    seed = (lambda i: a.seed + i) if temperature > 0 else (lambda i: None)
+    reqs = [Req(i, i % len(prompts), seed(i)) for i in range(n)]
+    limits = httpx.Limits(max_connections=conc + 2, max_keepalive_connections=conc + 2)
+    async with httpx.AsyncClient(base_url=url, timeout=a.request_timeout, limits=limits) as client:
+        warm = Req(-1, 0, seed(0))
+        await one(client, a, prompts[0], temperature, warm)
+        c0 = await counters(client)
+        todo = iter(reqs)
+
+        async def worker():
+            for r in todo:  # one shared iterator: each request is taken by exactly one client
+                await one(client, a, prompts[r.prompt], temperature, r)
+
+        cpu0, t0, cut = time.process_time(), time.perf_counter(), False
+        try:
+            await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(conc))), max(deadline - time.monotonic(), 0))
+        except TimeoutError:
+            cut = True
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        c1 = await counters(client)
+    for r in reqs:
+        if not r.ok and not r.error:
+            r.error = "not finished when the time limit (--time-limit) was reached"
+    ok = [r for r in reqs if r.ok]
+    toks = sum(r.completion_tokens for r in ok)
+    spec = stats_from_counters(counters_delta(c0, c1))
+    return {
+        "requests": n, "completed": len(ok), "errors": n - len(ok), "cut_by_time_limit": cut,
+        "error_messages": sorted({r.error for r in reqs if r.error})[:5], "warmup_error": warm.error or None,
+        "wall_s": wall, "output_tokens": toks, "output_tok_s": toks / wall, "request_s": len(ok) / wall,
+        "ttft_ms": pcts([r.ttft for r in ok]), "itl_ms": pcts([x for r in ok for x in r.itl]),
+        "tpot_ms": pcts([(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]),
+        "tokens_per_event": toks / max(sum(r.events for r in ok), 1), "tau": spec["tau"], "spec_decode": spec,
+        "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
+        "server_idle_at_reads": c0["idle"] and c1["idle"], "client_cpu_fraction": cpu / wall,
+        "per_request": [asdict(r) for r in reqs]}
+
+
+# ---------------------------------------------------------------------------- report
+def rows(levels: list[dict]) -> list[dict]:
+    """One row per (task, temperature, concurrency) with both modes side by side and the greedy text check."""
+    keyed = {(lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]): lv for lv in levels}
+    out = []
+    for key in dict.fromkeys((lv["task"], lv["temperature"], lv["concurrency"]) for lv in levels):
+        ar, ds = keyed.get(("ar", *key)), keyed.get(("dspark", *key))
+        row = {"task": key[0], "temperature": key[1], "concurrency": key[2], "ar": ar and _brief(ar),
+               "dspark": ds and _brief(ds), "speedup": None, "greedy_equal": None, "greedy_compared": None}
+        if ar and ds and ar["output_tok_s"]:
+            row["speedup"] = ds["output_tok_s"] / ar["output_tok_s"]
+        if ar and ds and key[1] == 0:
+            pairs = [(x, y) for x, y in zip(ar["per_request"], ds["per_request"]) if x["ok"] and y["ok"]]
+            row["greedy_compared"] = len(pairs)
+            row["greedy_equal"] = sum(x["text"] == y["text"] for x, y in pairs)
+        out.append(row)
+    return out
+
+
+def _brief(lv: dict) -> dict:
+    return {k: lv[k] for k in ("output_tok_s", "request_s", "tau", "errors", "tokens_per_event")} | {
+        "ttft_p50_ms": lv["ttft_ms"]["p50"], "itl_p50_ms": lv["itl_ms"]["p50"], "itl_p99_ms": lv["itl_ms"]["p99"],
+        "tpot_p50_ms": lv["tpot_ms"]["p50"]}
+
+
+def table(rs: list[dict]) -> str:
+    def f(x, d=1):
+        return "—" if x is None else f"{x:.{d}f}"
+
+    def both(r, k, d=2):
+        return " / ".join(f((r[m] or {}).get(k), d) for m in MODES)
+
+    lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | τ | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
+             "| TPOT p50 ms | errors | greedy = AR |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rs:
+        ar, ds = r["ar"] or {}, r["dspark"] or {}
+        greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
+        lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
+                     f"{f(ds.get('output_tok_s'))} | {f(r['speedup'], 2) + '×' * (r['speedup'] is not None)} | {f(ds.get('tau'), 2)} | "
+                     f"{both(r, 'ttft_p50_ms')} | {both(r, 'itl_p50_ms')} | {both(r, 'itl_p99_ms')} | "
+                     f"{both(r, 'tpot_p50_ms')} | {' / '.join(str((r[m] or {}).get('errors', '—')) for m in MODES)} "
+                     f"| {greedy} |")
+    return "\n".join(lines) + "\n\nTwo figures per cell: AR / DSpark. ITL is per SSE event (a DSpark event carries a " \
+                              "whole verify step's tokens); TPOT is per token.\n"
+
+
+def environment() -> dict:
+    import torch
+
+    info = {**versions(), "torch_cuda": torch.version.cuda, "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "gpus": []}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        info["gpus"] = [x.strip() for x in smi.stdout.splitlines() if x.strip()]
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return info
+
+
+def write_json(path: str, report: dict) -> None:
+    """Whole or not at all: a temp file beside it, then renamed."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=1, ensure_ascii=False))
+    tmp.replace(out)
+
+
+# ---------------------------------------------------------------------------- main
+def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -> None:
+    deadline = time.monotonic() + a.time_limit
+    for mode in a.modes:
+        port = a.port or free_port()
+        cmd = serve_command(a, mode, port, extra)
+        if a.out:
+            logfile = Path(a.out).with_suffix(f".serve-{mode}.log")
+            logfile.parent.mkdir(parents=True, exist_ok=True)
+        else:
+            fd, name = tempfile.mkstemp(prefix=f"serve-bench-{mode}-", suffix=".log")
+            os.close(fd)
+            logfile = Path(name)
+        srv = {"command": shlex.join(cmd), "log": str(logfile)}
+        report["servers"][mode] = srv
+        log(f"[serve_bench] {mode}: {srv['command']}")
+        t0 = time.monotonic()
+        with open(logfile, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            wait_healthy(proc, f"http://127.0.0.1:{port}", logfile, min(a.startup_timeout, deadline - t0))
+            srv["startup_s"] = time.monotonic() - t0
+            srv["banner"] = next((x for x in logfile.read_text(errors="replace").splitlines()
+                                  if x.startswith("serving ")), None)
+            for task, temp, conc in [(t, T, c) for t in a.tasks for T in a.temperatures for c in a.concurrency]:
+                if time.monotonic() >= deadline:
+                    raise BenchError(f"the time limit (--time-limit {a.time_limit:.0f} s) was reached before {mode} "
+                                     f"{task} T={temp:g} C={conc}")
+                lv = asyncio.run(run_level(f"http://127.0.0.1:{port}", a, prompts[task], temp, conc, deadline))
+                report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
+                log(f"[serve_bench] {mode} {task} T={temp:g} C={conc}: {lv['output_tok_s']:.1f} tok/s, "
+                    f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}")
+                if lv["cut_by_time_limit"]:
+                    raise BenchError(f"the time limit (--time-limit {a.time_limit:.0f} s) cut {mode} {task} "
+                                     f"T={temp:g} C={conc}")
+        finally:
+            stop(proc)
+
+
+def main(argv: list[str] | None = None, log=print) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    err = lambda *x: log(*x, file=sys.stderr)  # noqa: E731
+    try:
+        a, extra = parse_args(argv)
+        prompts = load_prompts(a)
+    except (ValueError, FileNotFoundError) as e:
+        err(f"error: {e}")
+        return 2
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the server subprocess is stopped too
+    report = {"command": shlex.join(["python", "bench/serve_bench.py", *argv]),
+              "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "config": {**vars(a), "serve_flags": extra},
+              "prompts": {t: len(p) for t, p in prompts.items()}, "servers": {}, "levels": [], "status": "complete"}
+    try:
+        run(a, extra, prompts, report, err)
+    except BenchError as e:
+        report["status"] = f"failed: {e}"
+        err(f"error: {e}")
+    finally:
+        report["rows"] = rows(report["levels"])
+        report["environment"] = environment()
+        if a.out:
+            write_json(a.out, report)
+    log(table(report["rows"]), end="")
+    if a.out:
+        err(f"[serve_bench] wrote {a.out}")
+    failed = report["status"] != "complete" or any(lv["errors"] for lv in report["levels"])
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

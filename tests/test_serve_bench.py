@@ -1,0 +1,85 @@
+"""bench/serve_bench.py end to end on CPU: two `python -m serve` subprocesses (AR, then DSpark) over a tiny random
+Qwen3 target with a real BPE tokenizer and a random DSpark drafter, driven by the script's streaming clients."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.test_serve import build_tiny_models
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS, TEMPS, CONC = ("humaneval", "creative"), (0.0, 0.7), (1, 2)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return build_tiny_models(tmp_path_factory.mktemp("serve_bench"))
+
+
+def test_serve_bench_end_to_end(models, tmp_path):
+    target, drafter = models
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "bench/serve_bench.py", "--target", str(target), "--drafter", str(drafter),
+           "--tasks", ",".join(TASKS), "--temperatures", "0,0.7", "--concurrency", "1,2", "--requests-per-level", "2",
+           "--max-tokens", "8", "--max-prompt-tokens", "48", "--num-prompts", "4", "--startup-timeout", "120",
+           "--time-limit", "240", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode == 0, res.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["status"] == "complete"
+    assert set(rep["servers"]) == {"ar", "dspark"} and "--drafter" in rep["servers"]["dspark"]["command"]
+    assert "--drafter" not in rep["servers"]["ar"]["command"]
+
+    levels = {(lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]): lv for lv in rep["levels"]}
+    assert len(levels) == len(rep["levels"]) == 2 * 2 * 2 * 2
+    for (mode, _, temp, _), lv in levels.items():
+        assert lv["errors"] == 0 and lv["completed"] == 2, lv["error_messages"]
+        assert lv["output_tok_s"] > 0 and lv["request_s"] > 0 and lv["output_tokens"] == 2 * 8
+        assert lv["server_generation_tokens"] == 16  # the timed requests only: the warm-up is outside the deltas
+        assert lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0
+        for r in lv["per_request"]:
+            assert r["completion_tokens"] == 8 and r["text"] and len(r["itl"]) == r["events"] - 1
+            assert r["seed"] == (r["index"] if temp > 0 else None)
+        if mode == "dspark":
+            assert lv["tau"] >= 1 and lv["spec_decode"]["num_steps"] > 0
+        else:
+            assert lv["tau"] is None and lv["spec_decode"]["num_steps"] == 0
+
+    rows = {(r["task"], r["temperature"], r["concurrency"]): r for r in rep["rows"]}
+    assert set(rows) == {(t, T, c) for t in TASKS for T in TEMPS for c in CONC}
+    for (task, temp, conc), row in rows.items():
+        ar, ds = levels[("ar", task, temp, conc)], levels[("dspark", task, temp, conc)]
+        assert row["speedup"] == ds["output_tok_s"] / ar["output_tok_s"]
+        if temp == 0:  # lossless: greedy DSpark text == greedy AR text, request by request (same prompts)
+            assert row["greedy_equal"] == row["greedy_compared"] == 2
+            assert [r["text"] for r in ds["per_request"]] == [r["text"] for r in ar["per_request"]]
+        else:
+            assert row["greedy_compared"] is None
+    assert rep["environment"]["torch"] and "gpus" in rep["environment"]
+    lines = [x for x in res.stdout.splitlines() if x.startswith("| ")]  # the markdown table: header + one per row
+    assert len(lines) == len(rows) + 1 and all(x.split(" | ")[0][2:] in TASKS for x in lines[1:])
+
+
+def test_serve_bench_bad_options(models, capsys):
+    """Bad options are one line on stderr and exit status 2, before any server starts."""
+    spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "bench" / "serve_bench.py")
+    bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look the module up
+    spec.loader.exec_module(bench)
+    target = str(models[0])
+    for args, msg in [(["--concurrency", "1,0"], "--concurrency: expected comma-separated integers >= 1"),
+                      (["--modes", "ar,fast"], "--modes"), ([], "--drafter: required for mode dspark"),
+                      (["--modes", "ar", "--", "--port", "9"], "--port: set by this script"),
+                      (["--modes", "ar", "--tasks", "nope"], "--tasks"), (["--modes", "ar", "--max-tokens", "0"],
+                                                                        "--max-tokens: expected an integer >= 1")]:
+        assert bench.main(["--target", target, *args]) == 2
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1, err
+    assert bench.main(["--target", str(models[1].parent / "missing"), "--modes", "ar"]) == 2
+    assert "not a checkpoint dir" in capsys.readouterr().err
