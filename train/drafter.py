@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from dspark.checkpoint import K3_DEFAULT_ROPE_THETA, export_drafter, load_target
+from dspark.checkpoint import export_drafter, load_target
 from dspark.config import DrafterRecipe
+from dspark.drafter_json import K3_DEFAULT_ROPE_THETA
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.request import SamplingParams
 from train.loop import LoopSpec, make_accelerator, run
