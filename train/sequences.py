@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from train.data import save_atomic
+from train.data import file_digest, prepare_code_prompts, prepare_corpus, prepare_tokens, save_atomic
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +100,11 @@ class _Rows:
 def _from_corpus(recipe, tok) -> dict[str, _Rows]:
     """The corpus packed with the target's tokenizer. When data.corpus.tokenizer_dir holds that same tokenizer
     (the usual case: the target was trained on it) the cached packed rows are reused, corpus or not."""
-    from train.data import _file_digest, prepare_tokens
-
     cfg = recipe.data.corpus
-    if _file_digest(Path(cfg.tokenizer_dir) / "tokenizer.json") == _file_digest(Path(recipe.target) / "tokenizer.json"):
+    if file_digest(Path(cfg.tokenizer_dir) / "tokenizer.json") == file_digest(Path(recipe.target) / "tokenizer.json"):
         data = prepare_tokens(cfg)
         return {"train": _Rows(data.train), "holdout": _Rows(data.holdout)}
     from dspark.data.tokenizer import pack_tokens
-    from train.data import prepare_corpus
 
     corpus, _ = prepare_corpus(cfg)
     return {split: _Rows(pack_tokens(corpus[split]["text"], tok, recipe.data.seq_len))
@@ -155,12 +152,10 @@ def pick_code_prompts(points: list[list[int]], n: int, lens: list[int], g: torch
 
 def _code_points(recipe, tok, n_tokens: int) -> list[list[int]] | None:
     """The function-body prompts of at most n_tokens for data.regenerate.code_prompts (None when the share is 0)."""
-    from train.data import _file_digest, prepare_code_prompts
-
     d = recipe.data
     if not d.regenerate.enabled or d.regenerate.code_prompts <= 0:
         return None
-    return prepare_code_prompts(d.corpus, tok, _file_digest(Path(recipe.target) / "tokenizer.json"), n_tokens)
+    return prepare_code_prompts(d.corpus, tok, file_digest(Path(recipe.target) / "tokenizer.json"), n_tokens)
 
 
 def _train_prompts(recipe, items, points, n: int, lens: list[int], g: torch.Generator) -> list[list[int]]:
