@@ -205,7 +205,8 @@ class OptimConfig:
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise RecipeError(f"min_lr_ratio: expected a fraction in [0, 1], got {self.min_lr_ratio}")
         at_least(self, "warmup_steps", 0)
-        at_least(self, "weight_decay grad_clip", 0.0, " (grad_clip 0 = off)")
+        at_least(self, "weight_decay", 0.0)
+        at_least(self, "grad_clip", 0.0, " (0 = off)")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise RecipeError(f"betas: expected two numbers in [0, 1), got {self.betas}")
         at_least(self, "batch_size grad_accum", 1)

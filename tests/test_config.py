@@ -66,6 +66,11 @@ def test_every_shipped_recipe_validates():
     kinds = {str(p.relative_to(root)): load_recipe(p).kind for p in paths}
     assert kinds["k3.yaml"] == kinds["k3-mini.yaml"] == "drafter" and kinds["targets/k3-mini.yaml"] == "target"
     assert load_recipe(root / "k3.yaml").target_sharding == "fsdp"
+    from train.target import target_config
+
+    for p in sorted(root.glob("targets/*.yaml")):  # the model fields too (checked before the corpus is built)
+        r = load_recipe(p)
+        assert target_config(r.arch, r.model, r.data.vocab_size).vocab_size == r.data.vocab_size
 
 
 DRAFTER = {"kind": "drafter", "output_dir": "/tmp/x", "target": "/tmp/t"}

@@ -34,8 +34,8 @@ def recipe(root: Path, out: str, **over) -> Path:
     return p
 
 
-def train(path: Path, *extra: str):
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # CPU runs, and device=cuda means "no GPU" on any machine
+def train(path: Path, *extra: str, env: dict | None = None):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})}  # CPU runs; device=cuda means "no GPU" anywhere
     return subprocess.run([sys.executable, "-m", "train", str(path), *extra], capture_output=True, text=True,
                           timeout=300, env=env)
 
@@ -63,6 +63,7 @@ REGENERATE = {"dataset": "DATA", "seq_len": 48, "regenerate": {"enabled": True, 
     ("log.save_every=0", r"log.save_every: expected >= 1 \(steps\), got 0"),
     ("optim.lr=-1", r"optim.lr: expected a finite number > 0, got -1.0"),
     ("device=cuda", r"device: cuda, but torch sees no CUDA GPU here"),
+    ("mixed_precision=fp16", r"mixed_precision: fp16 needs a CUDA GPU"),
 ])
 def test_bad_values_stop_before_any_work(setup, extra, message):
     """With regeneration on, each bad value is one line before the target continues a single prompt."""
@@ -114,3 +115,38 @@ def test_resume_without_a_checkpoint_does_not_replace_a_finished_run(setup):
     assert not list((setup / "done").glob("checkpoints/step-*"))
     err = one_line_error(train(path, "resume=true"))
     assert "holds an earlier run (final, train_log.jsonl) but no complete checkpoint" in err
+
+
+def test_the_global_batch_must_split_over_the_processes(setup):
+    err = one_line_error(train(recipe(setup, "split"), env={"WORLD_SIZE": "3"}))
+    assert "optim.batch_size: 2 does not split over the 3 data-parallel processes" in err
+
+
+def test_target_model_fields_are_checked_before_the_corpus_is_built(tmp_path):
+    r = {"kind": "target", "output_dir": str(tmp_path / "out"), "device": "cpu",
+         "model": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "head_dim": 16,
+                   "intermediate_size": 64},
+         "data": {"corpus_dir": str(tmp_path / "corpus"), "tokenizer_dir": str(tmp_path / "tok")},
+         "log": {"wandb_mode": "disabled"}}
+    path = tmp_path / "t.yaml"
+    for model, message in (({"num_experts": 4}, "model.num_experts: unknown field for arch qwen3; valid fields: "
+                                                "hidden_size, num_layers"),
+                           ({"intermediate_size": None}, "model: qwen3_config() missing 1 required positional "
+                                                         "argument: 'intermediate_size'")):
+        m = {k: v for k, v in {**r["model"], **model}.items() if v is not None}
+        path.write_text(yaml.safe_dump({**r, "model": m}))
+        assert message in one_line_error(train(path))
+        assert not (tmp_path / "corpus").exists() and not (tmp_path / "tok").exists()
+
+
+def test_a_checkpoint_without_a_recorded_recipe_still_fails_in_one_line(setup):
+    """A checkpoint that recorded no recipe (written before checkpoints did) cannot be compared; a model that does
+    not fit it is still one line naming the checkpoint, not a load_state_dict traceback."""
+    path = recipe(setup, "legacy", log={"wandb_mode": "disabled", "eval_every": 3, "save_every": 1})
+    assert train(path).returncode == 0
+    for state in (setup / "legacy" / "checkpoints").glob("step-*/trainer_state.json"):
+        s = json.loads(state.read_text())
+        s.pop("recipe")
+        state.write_text(json.dumps(s))
+    err = one_line_error(train(path, "resume=true", "drafter.num_layers=2"))
+    assert "resume: the checkpoint" in err and "does not fit this recipe's model or optimizer" in err

@@ -1,6 +1,7 @@
 """Training a target from scratch on the corpus (`kind: target` recipes)."""
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -18,19 +19,23 @@ from train.outputs import preflight, start_run
 log = logging.getLogger(__name__)
 
 
+QWEN3_FIELDS = [p for p in inspect.signature(qwen3_config).parameters if p not in ("vocab_size", "special")]
+
+
 def target_config(arch: str, fields: dict, vocab_size: int, special: dict | None = None):
     """The model config of a target recipe (`arch` + `model` fields); RecipeError naming the field when invalid."""
-    special = special or {}
+    if arch == "qwen3":
+        unknown = sorted(set(fields) - set(QWEN3_FIELDS))
+        if unknown:
+            raise RecipeError(f"model.{unknown[0]}: unknown field for arch qwen3; valid fields: "
+                              f"{', '.join(QWEN3_FIELDS)}")
     try:
         if arch == "qwen3":
-            return qwen3_config(vocab_size=vocab_size, **fields, **special)
-        return K3TextConfig.from_dict({**fields, "vocab_size": vocab_size, **special})
-    except TypeError as e:
-        fields = ("hidden_size, num_layers, num_heads, num_kv_heads, head_dim, intermediate_size, "
-                  "max_position_embeddings, rope_theta, tie_word_embeddings" if arch == "qwen3"
-                  else "KimiLinearConfig's (dspark/models/k3/config.py)")
-        raise RecipeError(f"model: {e}; valid fields: {fields}") from None
-    except ValueError as e:
+            return qwen3_config(vocab_size=vocab_size, **fields, **(special or {}))
+        return K3TextConfig.from_dict({**fields, "vocab_size": vocab_size, **(special or {})})
+    except TypeError as e:  # a required field missing
+        raise RecipeError(f"model: {e}") from None
+    except ValueError as e:  # the config's own check names the field
         raise RecipeError(f"model.{e}") from None
 
 
