@@ -5,6 +5,7 @@ Every error is one line naming the field and what was expected (the valid fields
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -102,7 +103,10 @@ def from_dict(cls, data: dict, where: str = ""):
             raise RecipeError(f"{prefix}{name}: required field is missing")
     obj = cls(**kwargs)
     if hasattr(obj, "validate"):
-        obj.validate()
+        try:
+            obj.validate()
+        except RecipeError as e:  # a section's own check names its field; say which section
+            raise RecipeError(f"{prefix}{e}") from None
     return obj
 
 
@@ -141,11 +145,31 @@ def describe(cls, indent: str = "  ") -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- value checks
+def at_least(obj, names: str, low, what: str = "") -> None:
+    """Each of the space-separated fields `names` of obj is None or >= low (RecipeError naming the first that is
+    not)."""
+    for name in names.split():
+        v = getattr(obj, name)
+        if v is not None and not v >= low:
+            raise RecipeError(f"{name}: expected >= {low}{what}, got {v!r}")
+
+
+def positive(obj, names: str) -> None:
+    for name in names.split():
+        v = getattr(obj, name)
+        if v is not None and not (v > 0 and math.isfinite(v)):
+            raise RecipeError(f"{name}: expected a finite number > 0, got {v!r}")
+
+
 # --------------------------------------------------------------------------- recipe sections
 def doc(default, text: str, **kw):
     if callable(default) and not isinstance(default, (int, float, str, bool)) and default is not None:
         return field(default_factory=default, metadata={"doc": text}, **kw)
     return field(default=default, metadata={"doc": text}, **kw)
+
+
+MIN_VOCAB = 261  # a byte-level BPE (dspark.data.tokenizer): 256 byte tokens + 5 special tokens
 
 
 @dataclass
@@ -159,6 +183,11 @@ class DataConfig:
     seq_len: int = doc(256, "tokens per training row")
     holdout_tokens: int = doc(65536, "holdout tokens used for the periodic holdout loss")
 
+    def validate(self):
+        at_least(self, "vocab_size", MIN_VOCAB, " (the 256 byte tokens and 5 special tokens)")
+        at_least(self, "seq_len", 8)
+        at_least(self, "holdout_tokens max_bytes_per_source", 1)
+
 
 @dataclass
 class OptimConfig:
@@ -170,6 +199,17 @@ class OptimConfig:
     grad_clip: float = 1.0
     batch_size: int = doc(16, "global batch (rows of seq_len)")
     grad_accum: int = 1
+
+    def validate(self):
+        positive(self, "lr")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise RecipeError(f"min_lr_ratio: expected a fraction in [0, 1], got {self.min_lr_ratio}")
+        at_least(self, "warmup_steps", 0)
+        at_least(self, "weight_decay", 0.0)
+        at_least(self, "grad_clip", 0.0, " (0 = off)")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise RecipeError(f"betas: expected two numbers in [0, 1), got {self.betas}")
+        at_least(self, "batch_size grad_accum", 1)
 
 
 @dataclass
@@ -184,6 +224,28 @@ class LogConfig:
     keep_best: Literal["", "tau", "ce", "loss"] = doc("", "also keep the model with the best value of this holdout "
                                                           "metric in <output_dir>/best (tau: highest; ce, loss: "
                                                           "lowest); '' = off")
+
+    def validate(self):
+        at_least(self, "log_every eval_every save_every", 1, " (steps)")
+        at_least(self, "profile_steps", 0)
+
+
+_RESUME = ("continue from the last checkpoint in output_dir; the recipe must match the checkpoint's (architecture, "
+           "data, optimizer, schedule)")
+_OVERWRITE = ("start over in an output_dir that holds an earlier run: its checkpoints, final model, logs and cached "
+              "sequences are deleted first (without it or resume, such a dir is an error)")
+
+
+def validate_run(recipe) -> None:
+    """The fields every training recipe has."""
+    if not recipe.output_dir.strip():
+        raise RecipeError("output_dir: expected a directory path, got ''")
+    at_least(recipe, "max_steps", 1)
+    at_least(recipe, "max_minutes", 0.0, " (0: stop after the first step)")
+    at_least(recipe, "num_threads", 1)
+    if recipe.resume and recipe.overwrite:
+        raise RecipeError("resume, overwrite: choose one (resume=true continues the run in output_dir, "
+                          "overwrite=true deletes it and starts over)")
 
 
 _MAX_MINUTES = ("stop after this wall time, counted from the end of the first step (its compile and autotune "
@@ -202,16 +264,14 @@ class TargetRecipe:
     max_steps: int = 400
     max_minutes: float | None = doc(None, _MAX_MINUTES)
     seed: int = 0
-    resume: bool = doc(False, "continue from the last checkpoint in output_dir")
-    device: str = doc("auto", "auto | cpu | cuda")
+    resume: bool = doc(False, _RESUME)
+    overwrite: bool = doc(False, _OVERWRITE)
+    device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto: the GPU when there is one")
     mixed_precision: Literal["no", "bf16", "fp16"] = doc("no", "accelerate mixed precision (bf16 on GPU)")
     num_threads: int | None = doc(None, "torch CPU threads (None = torch default)")
 
     def validate(self):
-        if self.max_steps <= 0:
-            raise RecipeError(f"max_steps: expected > 0, got {self.max_steps}")
-        if self.data.seq_len < 8:
-            raise RecipeError(f"data.seq_len: expected >= 8, got {self.data.seq_len}")
+        validate_run(self)
 
 
 @dataclass
@@ -229,6 +289,14 @@ class DrafterModelConfig:
     enable_confidence_head: bool = True
     confidence_head_with_markov: bool = False
 
+    def validate(self):
+        at_least(self, "block_size", 1 if self.mode == "dspark" else 2, f" in {self.mode} mode")
+        at_least(self, "num_layers num_heads num_kv_heads head_dim intermediate_size", 1)
+        at_least(self, "markov_rank", 0)
+        ids = self.target_layer_ids
+        if ids is not None and (not ids or min(ids) < 0 or ids != sorted(set(ids))):
+            raise RecipeError(f"target_layer_ids: expected strictly increasing 0-based layer ids (or null), got {ids}")
+
 
 @dataclass
 class RegenerateConfig:
@@ -243,6 +311,10 @@ class RegenerateConfig:
                                    "its docstring, HumanEval's form), cut from the corpus's train .py files; the rest "
                                    "are corpus windows")
 
+    def validate(self):
+        at_least(self, "num_sequences new_tokens batch_size", 1)
+        at_least(self, "temperature", 0.0, " (0 = greedy)")
+
 
 @dataclass
 class DrafterDataConfig:
@@ -253,6 +325,10 @@ class DrafterDataConfig:
     regenerate: RegenerateConfig = doc(RegenerateConfig, "")
     holdout_sequences: int = doc(32, "sequences for the holdout acceptance estimate")
 
+    def validate(self):
+        at_least(self, "seq_len", 8)
+        at_least(self, "holdout_sequences", 1)
+
 
 @dataclass
 class LossConfig:
@@ -260,6 +336,13 @@ class LossConfig:
     distill: float = doc(0.0, "weight of the TV distance to the target distribution")
     confidence: float = doc(0.1, "weight of the confidence-head BCE")
     decay_gamma: float | None = doc(None, "position decay exp(-d/gamma); None = block_size")
+
+    def validate(self):
+        at_least(self, "ce distill confidence", 0.0)
+        if self.ce + self.distill <= 0:
+            raise RecipeError(f"ce: expected > 0 when distill is 0 (the drafter learns the tokens from one of "
+                              f"them), got ce={self.ce}, distill={self.distill}")
+        positive(self, "decay_gamma")
 
 
 @dataclass
@@ -289,14 +372,16 @@ class DrafterRecipe:
     max_steps: int = 400
     max_minutes: float | None = doc(None, _MAX_MINUTES)
     seed: int = 0
-    resume: bool = False
-    device: str = "auto"
+    resume: bool = doc(False, _RESUME)
+    overwrite: bool = doc(False, _OVERWRITE)
+    device: Literal["auto", "cpu", "cuda"] = doc("auto", "auto: the GPU when there is one")
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     num_threads: int | None = None
 
     def validate(self):
-        if self.max_steps <= 0:
-            raise RecipeError(f"max_steps: expected > 0, got {self.max_steps}")
+        validate_run(self)
+        if not self.target.strip():
+            raise RecipeError("target: expected the target checkpoint dir, got ''")
         if self.anchors_per_seq < 1:
             raise RecipeError(f"anchors_per_seq: expected >= 1, got {self.anchors_per_seq}")
         if self.drafter.block_size + 2 > self.data.seq_len:

@@ -32,6 +32,22 @@ def make_target(kind: str, vocab: int = 300, seed: int = 0):
     return model
 
 
+def add_tokenizer(target_dir, vocab: int = 300):
+    """Save a real byte-level BPE tokenizer (trained on a few stdlib files; `<|mask|>` is id 2) into a target dir,
+    as every served target has one. Returns the tokenizer."""
+    import sysconfig
+    import tempfile
+    from pathlib import Path
+
+    from dspark.data.tokenizer import train_tokenizer
+
+    texts = [f.read_text(errors="replace") for f in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:5]]
+    with tempfile.TemporaryDirectory() as tmp:
+        tok = train_tokenizer(texts, vocab, Path(tmp) / "tok")
+    tok.save_pretrained(str(target_dir))
+    return tok
+
+
 def write_tiny_target_and_data(root):
     """A tiny random Qwen3 target dir with a real BPE tokenizer (incl. <|mask|>) and a local jsonl dataset of real
     stdlib code, for end-to-end `python -m train` runs: returns (target_dir, data_file)."""

@@ -292,14 +292,14 @@ def test_code_prompts_are_cached_next_to_the_tokenizer(small_corpus, tokenizer_d
     from transformers import AutoTokenizer
 
     from dspark.config import DataConfig
-    from train.data import _file_digest, prepare_code_prompts
+    from train.data import file_digest, prepare_code_prompts
 
     tok_dir = tmp_path / "tok"
     shutil.copytree(tokenizer_dir, tok_dir)
     cfg = DataConfig(corpus_dir=str(tmp_path / "corpus"), sources=["python_stdlib"], max_bytes_per_source=1_000_000,
                      tokenizer_dir=str(tok_dir), vocab_size=512)
     tok = AutoTokenizer.from_pretrained(str(tok_dir))
-    digest = _file_digest(tok_dir / "tokenizer.json")
+    digest = file_digest(tok_dir / "tokenizer.json")
     built = prepare_code_prompts(cfg, tok, digest, 32)
     assert len(list(tok_dir.glob("code-prompts-*.pt"))) == 1
     assert len(built) > 10 and all(0 < len(p) <= 32 for p in built)

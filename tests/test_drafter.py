@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from dspark.checkpoint import export_drafter, load_drafter
 from dspark.spec.draft import sample_markov
-from tests.targets import make_target, propose_after_prefix
+from tests.targets import add_tokenizer, make_target, propose_after_prefix
 from tests.test_engine import make_drafter
 from train.losses import LossWeights, drafter_loss
 
@@ -102,7 +102,9 @@ def test_check_cli(target, tmp_path, capsys):
     from dspark.checkpoint import main
 
     target.save_pretrained(tmp_path / "t")
+    add_tokenizer(tmp_path / "t")  # its mask token is id 2
     export_drafter(make_drafter(target), tmp_path / "d", layout="dspark")
+    _edit(tmp_path / "d", mask_token_id=2)
     assert main(["check", str(tmp_path / "d"), "--target", str(tmp_path / "t")]) == 0
     assert "ok: dspark drafter" in capsys.readouterr().out
     # the tensor-parallel contract (4 heads, 2 kv heads, intermediate 96): TP 2 and 4 shard (kv heads replicated

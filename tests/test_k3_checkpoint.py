@@ -1,12 +1,17 @@
-"""Config validation and strict save/load (plain kimi_linear and kimi_k3-wrapped)."""
+"""Config validation and strict save/load (plain kimi_linear and kimi_k3-wrapped, single file and sharded), through
+dspark.checkpoint_io; K3DSparkModel drafter configs in each of vLLM's forms."""
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dspark.checkpoint import export_drafter, load_drafter, load_target
 from dspark.models.k3 import K3ForCausalLM, K3TextConfig
 from dspark.models.k3.config import k3_tiny_config
+from tests.targets import make_target
+from tests.test_checkpoint import shard
+from tests.test_drafter_k3 import make_k3_drafter
 
 
 def _model(seed=0, **overrides):
@@ -63,7 +68,7 @@ def _corrupt(tmp_path, edit):
 
 def test_missing_tensor_is_named(tmp_path):
     d = _corrupt(tmp_path, lambda t: t.pop("model.layers.0.self_attn.dt_bias"))
-    with pytest.raises(ValueError, match=r"missing tensor 'model.layers.0.self_attn.dt_bias'.*\[32\]"):
+    with pytest.raises(ValueError, match=r"missing tensor 'model.layers.0.self_attn.dt_bias'.*\(32,\)"):
         K3ForCausalLM.from_pretrained(d)
 
 
@@ -75,7 +80,7 @@ def test_unexpected_tensor_is_named(tmp_path):
 
 def test_wrong_shape_is_named(tmp_path):
     d = _corrupt(tmp_path, lambda t: t.__setitem__("model.layers.2.self_attn.kv_b_proj.weight", torch.zeros(5, 32)))
-    with pytest.raises(ValueError, match=r"'model.layers.2.self_attn.kv_b_proj.weight'.*\[5, 32\].*\[128, 32\]"):
+    with pytest.raises(ValueError, match=r"'model.layers.2.self_attn.kv_b_proj.weight'.*\(5, 32\).*\(128, 32\)"):
         K3ForCausalLM.from_pretrained(d)
 
 
@@ -120,3 +125,61 @@ def test_from_dict_accepts_both_layouts():
     assert k3.quantization_config == {"format": "mxfp4-pack-quantized"}  # copied down from the top level
     assert plain.to_dict() == text and plain.is_kda_layer(0) and not plain.is_kda_layer(2)
     assert K3TextConfig.from_dict({**text, "some_future_field": 3}).to_dict()["some_future_field"] == 3
+
+
+# --------------------------------------------------------------------------- the one checkpoint module (K3 side)
+def test_sharded_checkpoint_loads_and_a_save_replaces_the_dir_whole(tmp_path):
+    """K3 reads the shards of model.safetensors.index.json through dspark.checkpoint_io like every model; saving
+    over a sharded dir replaces it whole, so the stale index cannot shadow the new weights."""
+    a, b = _model(seed=0), _model(seed=1)
+    a.save_pretrained(tmp_path / "c")
+    shard(tmp_path / "c", 3)
+    with torch.no_grad():
+        assert torch.equal(K3ForCausalLM.from_pretrained(tmp_path / "c")(IDS), a(IDS))
+        b.save_pretrained(tmp_path / "c")
+        assert sorted(p.name for p in (tmp_path / "c").iterdir()) == ["config.json", "model.safetensors"]
+        assert torch.equal(K3ForCausalLM.from_pretrained(tmp_path / "c")(IDS), b(IDS))
+
+
+def test_load_target_reads_k3_through_the_shared_strict_check(tmp_path):
+    d = _corrupt(tmp_path, lambda t: t.pop("model.norm.weight"))
+    with pytest.raises(ValueError, match=rf"{d}: missing tensor 'model.norm.weight' \(expected shape \(64,\)\)"):
+        load_target(d)
+
+
+@pytest.fixture(scope="module")
+def k3_target():
+    return make_target("k3", vocab=300)
+
+
+@pytest.mark.parametrize("fields", [
+    {"eagle_aux_hidden_state_layer_ids": [2, 4], "dspark_noise_token_id": 1},
+    {"dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": 1}},
+    {"dspark_target_layer_ids": [1, 3], "pard_token": 1},
+    {"eagle_config": {"layer_ids": [2, 4]}, "ptd_token_id": 1},
+])
+def test_k3_dspark_drafter_loads_from_each_vllm_form(k3_target, tmp_path, fields):
+    """K3DSparkModel goes through the same resolver: ids [1, 3] (aux ids [2, 4]) and mask 1 in each form."""
+    d = make_k3_drafter(k3_target)
+    out = export_drafter(d, tmp_path / "d")
+    cfg = json.loads((out / "config.json").read_text())
+    for k in ("target_layer_ids", "mask_token_id"):
+        cfg.pop(k)
+    (out / "config.json").write_text(json.dumps({**cfg, **fields}))
+    loaded = load_drafter(out, k3_target)
+    assert loaded.config == d.config
+    x = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, aux = k3_target(x, aux_layer_ids=[1, 3])
+        anchors = torch.tensor([[3, 7]])
+        assert torch.equal(loaded.train_forward(aux, x, anchors), d.train_forward(aux, x, anchors))
+
+
+def test_aux_layer_ids_follow_one_rule_on_both_targets(k3_target):
+    """Unsorted or repeated aux ids are an error on K3 as on Qwen3 (K3 used to sort them silently)."""
+    qwen3 = make_target("qwen3", vocab=300)
+    ids = IDS.clamp(max=299)
+    for model in (k3_target, qwen3):
+        for bad in ([2, 0], [1, 1]):
+            with pytest.raises(ValueError, match=r"aux_layer_ids: .* must be strictly increasing"):
+                model(ids, aux_layer_ids=bad)

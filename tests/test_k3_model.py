@@ -138,7 +138,9 @@ def test_attn_res_forward_and_aux_follow_the_contract():
     _, final = _contract_attn_res(prefix, mlp_out, blocks, m.output_attn_res_norm, m.output_attn_res_proj,
                                   None, nB, -1)
     expected_logits = model.lm_head(m.norm(final))
-    logits, aux = model(ids, aux_layer_ids=[3, 0, 2])  # unsorted on purpose: output follows sorted ids
+    with pytest.raises(ValueError, match=r"aux_layer_ids: \[3, 0, 2\] must be strictly increasing"):
+        model(ids, aux_layer_ids=[3, 0, 2])  # the same rule as Qwen3: the features follow layer order
+    logits, aux = model(ids, aux_layer_ids=[0, 2, 3])
     assert (logits - expected_logits).abs().max() < 1e-5
     d = c.hidden_size
     assert aux.shape == (2, 9, 3 * d)

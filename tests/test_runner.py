@@ -116,7 +116,7 @@ def test_k_per_step_follows_measured_step_times(targets, prompts):
 def test_regenerate_is_the_engines_greedy(targets):
     """The drafter trainer's regeneration continues every prompt exactly as the engine's greedy decode does, in
     the prompts' order, with prompts of mixed lengths."""
-    from train.drafter import regenerate
+    from train.sequences import regenerate
 
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in (5, 11, 5, 8, 11)]

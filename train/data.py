@@ -64,15 +64,16 @@ def ids_dtype(tokenizer) -> torch.dtype:
     return torch.int16 if len(tokenizer) <= 32767 else torch.int32
 
 
-def _file_digest(path: Path) -> str:
+def file_digest(path: Path) -> str:
+    """A short content digest of a file ("none" when it does not exist): cache keys that follow content."""
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12] if path.is_file() else "none"
 
 
 def packed_cache_path(cfg: DataConfig) -> Path:
     """Where the packed rows of (corpus card, tokenizer, seq_len) live: keyed by content, not by mtimes or paths, so
     a copy of the tokenizer dir with its packed file (e.g. carried to a GPU box) is reused without the corpus."""
-    key = _key({"card": _file_digest(Path(cfg.corpus_dir) / "card.json"),
-                "tok": _file_digest(Path(cfg.tokenizer_dir) / "tokenizer.json"), "seq": cfg.seq_len})
+    key = _key({"card": file_digest(Path(cfg.corpus_dir) / "card.json"),
+                "tok": file_digest(Path(cfg.tokenizer_dir) / "tokenizer.json"), "seq": cfg.seq_len})
     return Path(cfg.tokenizer_dir) / f"packed-{key}.pt"
 
 
@@ -104,7 +105,7 @@ def prepare_code_prompts(cfg: DataConfig, tokenizer, tok_digest: str, n_tokens: 
     `datasets`) reuses them. tok_digest: the tokenizer's file digest (part of the cache key)."""
     from dspark.data.completions import completion_prompts
 
-    key = _key({"card": _file_digest(Path(cfg.corpus_dir) / "card.json"), "tok": tok_digest, "n": n_tokens,
+    key = _key({"card": file_digest(Path(cfg.corpus_dir) / "card.json"), "tok": tok_digest, "n": n_tokens,
                 "kind": "function-bodies/1"})
     cache = Path(cfg.tokenizer_dir) / f"code-prompts-{key}.pt"
     if cache.is_file():
@@ -131,4 +132,5 @@ def batch_for_step(rows: torch.Tensor, step: int, batch_size: int, seed: int) ->
     return rows[idx]
 
 
-__all__ = ["TokenData", "prepare_tokens", "prepare_corpus", "prepare_tokenizer", "batch_for_step", "asdict"]
+__all__ = ["TokenData", "prepare_tokens", "prepare_corpus", "prepare_tokenizer", "batch_for_step", "file_digest",
+           "save_atomic", "ids_dtype", "asdict"]

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from train.outputs import latest_checkpoint
+
 log = logging.getLogger(__name__)
 
 
@@ -59,11 +61,6 @@ def _param_groups(model: torch.nn.Module, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _latest_checkpoint(ckpt_root: Path) -> Path | None:
-    done = [p for p in ckpt_root.glob("step-*") if (p / "trainer_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[1])) if done else None
-
-
 def make_accelerator(recipe):
     from accelerate import Accelerator
 
@@ -89,17 +86,20 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         m.to(accelerator.device)
 
     start_step, history, best = 0, [], None
-    if recipe.resume:
-        last = _latest_checkpoint(ckpt_root)
+    if recipe.resume:  # train.outputs.check_output_dir has matched the recipe with the checkpoint's
+        last = latest_checkpoint(ckpt_root)
         if last is None:
             log.warning("resume=true but no checkpoint under %s: starting from step 0", ckpt_root)
         else:
-            accelerator.load_state(str(last))
+            try:
+                accelerator.load_state(str(last))
+            except (RuntimeError, KeyError, ValueError) as e:  # e.g. a checkpoint that recorded no recipe
+                raise ValueError(f"resume: the checkpoint {last} does not fit this recipe's model or optimizer "
+                                 f"({str(e).splitlines()[0][:300]}); resume with the recipe it was trained with, or "
+                                 "set overwrite=true to start over") from None
             state = json.loads((last / "trainer_state.json").read_text())
             start_step, history, best = state["step"], state.get("history", []), state.get("best")
             log.info("resumed from %s (step %d)", last, start_step)
-    elif accelerator.is_main_process:
-        shutil.rmtree(ckpt_root, ignore_errors=True)
     step_log = None
     if accelerator.is_main_process:  # one line per step: the loss averaged over all processes (the global batch)
         out.mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,8 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
             if recipe.log.keep_best:
                 best = _keep_best(recipe, spec, model, accelerator, ev, step, best)
         if step % recipe.log.save_every == 0 and step < recipe.max_steps:
-            _save_checkpoint(accelerator, ckpt_root, step, {"history": history, "best": best})
+            _save_checkpoint(accelerator, ckpt_root, step, {"history": history, "best": best,
+                                                            "recipe": asdict(recipe)})
     bar.close()
     if prof is not None:  # training ended before the last profiled step
         prof.done(step, out, end=True)

@@ -3,7 +3,6 @@ target. Each sequence has a loss mask (True where a token is something the draft
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,10 +10,9 @@ from pathlib import Path
 import torch
 
 from dspark.data.tokenizer import pack_tokens
-from train.data import prepare_corpus, save_atomic
-
-# (target, tokenizer, prompts, new_tokens, temperature, batch_size, seeds) -> prompt + continuation per prompt
-Regenerate = Callable[..., list[list[int]]]
+from dspark.engine import Engine
+from dspark.request import SamplingParams
+from train.data import file_digest, prepare_code_prompts, prepare_corpus, prepare_tokens, save_atomic
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +103,8 @@ class _Rows:
 def _from_corpus(recipe, tok) -> dict[str, _Rows]:
     """The corpus packed with the target's tokenizer. When data.corpus.tokenizer_dir holds that same tokenizer
     (the usual case: the target was trained on it) the cached packed rows are reused, corpus or not."""
-    from train.data import _file_digest, prepare_tokens
-
     cfg = recipe.data.corpus
-    if _file_digest(Path(cfg.tokenizer_dir) / "tokenizer.json") == _file_digest(Path(recipe.target) / "tokenizer.json"):
+    if file_digest(Path(cfg.tokenizer_dir) / "tokenizer.json") == file_digest(Path(recipe.target) / "tokenizer.json"):
         data = prepare_tokens(cfg)
         return {"train": _Rows(data.train), "holdout": _Rows(data.holdout)}
     corpus, _ = prepare_corpus(cfg)
@@ -157,12 +153,10 @@ def pick_code_prompts(points: list[list[int]], n: int, lens: list[int], g: torch
 
 def _code_points(recipe, tok, n_tokens: int) -> list[list[int]] | None:
     """The function-body prompts of at most n_tokens for data.regenerate.code_prompts (None when the share is 0)."""
-    from train.data import _file_digest, prepare_code_prompts
-
     d = recipe.data
     if not d.regenerate.enabled or d.regenerate.code_prompts <= 0:
         return None
-    return prepare_code_prompts(d.corpus, tok, _file_digest(Path(recipe.target) / "tokenizer.json"), n_tokens)
+    return prepare_code_prompts(d.corpus, tok, file_digest(Path(recipe.target) / "tokenizer.json"), n_tokens)
 
 
 def _train_prompts(recipe, items, points, n: int, lens: list[int], g: torch.Generator) -> list[list[int]]:
@@ -179,8 +173,19 @@ def _train_prompts(recipe, items, points, n: int, lens: list[int], g: torch.Gene
     return [prompts[i] for i in torch.randperm(len(prompts), generator=gc).tolist()]
 
 
-def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str, acc,
-                       regenerate: Regenerate) -> list[list[int]]:
+def regenerate(target, tokenizer, prompts: list[list[int]], new_tokens: int, temperature: float, batch_size: int,
+               seeds: list[int]) -> list[list[int]]:
+    """The target continues every prompt (the field's standard recipe: learn from what the target says) through the
+    engine, batch_size rows at a time (CUDA graphs on a GPU). seeds: one per prompt (sampling at temperature > 0)."""
+    engine = Engine(target, None, tokenizer=tokenizer, max_batch_size=batch_size,
+                    max_model_len=max(len(p) for p in prompts) + new_tokens + 1)
+    params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
+                             seed=seed if temperature > 0 else None) for seed in seeds]
+    outs = engine.generate(prompts, params, progress=True)
+    return [p + o.token_ids for p, o in zip(prompts, outs)]
+
+
+def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str, acc) -> list[list[int]]:
     """regenerate() over the data-parallel processes: process r continues prompts[r::world] and saves them; after a
     barrier every process reads all parts back in the prompts' order (so each holds the same sequences)."""
     d = recipe.data.regenerate
@@ -204,10 +209,9 @@ def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str
     return out
 
 
-def load_sequences(recipe, target, tok, regenerate: Regenerate, accelerator=None) -> Sequences:
-    """The sequences of `recipe.data` (`<output_dir>/sequences.pt` when resuming and present). regenerate: how the
-    target continues the prompts when data.regenerate is enabled (train.drafter.regenerate; the caller owns the
-    decoding). accelerator: with several processes, rank 0 prepares the corpus first, and regeneration is split over
+def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
+    """The sequences of `recipe.data` (`<output_dir>/sequences.pt` when resuming and present), continued by the
+    target through the engine when data.regenerate is enabled. accelerator: with several processes, rank 0 prepares the corpus first, and regeneration is split over
     all of them."""
     out = Path(recipe.output_dir)
     cache = out / "sequences.pt"
@@ -239,7 +243,7 @@ def load_sequences(recipe, target, tok, regenerate: Regenerate, accelerator=None
                                        passes=d.dataset is None)
             log.info("regenerate: the target continues %d %s prompts by %d tokens", len(prompts), split,
                      d.regenerate.new_tokens)
-            rows = _regenerate_shared(recipe, target, tok, prompts, split, accelerator, regenerate)
+            rows = _regenerate_shared(recipe, target, tok, prompts, split, accelerator)
             # the prompt's last token anchors the first block of the response
             masks = [[False] * len(p) + [True] * (len(s) - len(p)) for p, s in zip(prompts, rows)]
         else:

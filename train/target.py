@@ -1,6 +1,7 @@
 """Training a target from scratch on the corpus (`kind: target` recipes)."""
 from __future__ import annotations
 
+import inspect
 import logging
 from pathlib import Path
 
@@ -8,28 +9,41 @@ import torch
 import torch.nn.functional as F
 
 from dspark.config import RecipeError, TargetRecipe
+from dspark.models.k3.config import K3TextConfig
+from dspark.models.k3.model import K3ForCausalLM
+from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
 from train.data import TokenData, batch_for_step, prepare_tokens
 from train.loop import LoopSpec, make_accelerator, run
+from train.outputs import preflight, start_run
 
 log = logging.getLogger(__name__)
+
+
+QWEN3_FIELDS = [p for p in inspect.signature(qwen3_config).parameters if p not in ("vocab_size", "special")]
+
+
+def target_config(arch: str, fields: dict, vocab_size: int, special: dict | None = None):
+    """The model config of a target recipe (`arch` + `model` fields); RecipeError naming the field when invalid."""
+    if arch == "qwen3":
+        unknown = sorted(set(fields) - set(QWEN3_FIELDS))
+        if unknown:
+            raise RecipeError(f"model.{unknown[0]}: unknown field for arch qwen3; valid fields: "
+                              f"{', '.join(QWEN3_FIELDS)}")
+    try:
+        if arch == "qwen3":
+            return qwen3_config(vocab_size=vocab_size, **fields, **(special or {}))
+        return K3TextConfig.from_dict({**fields, "vocab_size": vocab_size, **(special or {})})
+    except TypeError as e:  # a required field missing
+        raise RecipeError(f"model: {e}") from None
+    except ValueError as e:  # the config's own check names the field
+        raise RecipeError(f"model.{e}") from None
 
 
 def build_target(arch: str, fields: dict, tokenizer) -> torch.nn.Module:
     special = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
                "pad_token_id": tokenizer.pad_token_id}
-    if arch == "qwen3":
-        from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
-
-        try:
-            cfg = qwen3_config(vocab_size=len(tokenizer), **fields, **special)
-        except TypeError as e:
-            raise RecipeError(f"model: {e}; valid fields: hidden_size, num_layers, num_heads, num_kv_heads, head_dim, "
-                              "intermediate_size, max_position_embeddings, rope_theta, tie_word_embeddings") from None
-        return Qwen3ForCausalLM(cfg)
-    from dspark.models.k3.config import K3TextConfig
-    from dspark.models.k3.model import K3ForCausalLM
-
-    return K3ForCausalLM(K3TextConfig.from_dict({**fields, "vocab_size": len(tokenizer), **special}))
+    cfg = target_config(arch, fields, len(tokenizer), special)
+    return Qwen3ForCausalLM(cfg) if arch == "qwen3" else K3ForCausalLM(cfg)
 
 
 def holdout_loss(model, rows: torch.Tensor, batch_size: int, device) -> float:
@@ -44,8 +58,11 @@ def holdout_loss(model, rows: torch.Tensor, batch_size: int, device) -> float:
 
 
 def train_target(recipe: TargetRecipe) -> dict:
+    preflight(recipe)  # machine and output_dir, before any work
+    target_config(recipe.arch, recipe.model, recipe.data.vocab_size)  # the model fields, before the corpus is built
     torch.manual_seed(recipe.seed)
     accelerator = make_accelerator(recipe)
+    start_run(recipe, accelerator)
     with accelerator.main_process_first():  # rank 0 builds corpus/tokenizer/packed rows, the others reuse them
         data: TokenData = prepare_tokens(recipe.data)
     torch.manual_seed(recipe.seed)  # same initial weights on every rank and however the data was prepared

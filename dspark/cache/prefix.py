@@ -6,7 +6,7 @@ prefix is usable only where a state checkpoint was taken. A hit is the longest b
 the prompt, so at least one token is computed) for which all KV blocks AND a KDA checkpoint exist; a model without
 KDA layers needs KV alone.
 
-Retention policies (contract §3.1, §3.4; Marconi, k3-architecture §6):
+Retention policies (docs/k3-model.md, "Prefix caching with KDA state"; Marconi):
 - `interval`: checkpoint at the prompt boundary floor((len−1)/bs)·bs and every `retention_interval` tokens.
 - `second_hit`: speculative insertion. Every prompt leaves token-only entries (its prefix hashes). A state is
   admitted only at a branch point: the longest block-aligned prefix this prompt shares with an earlier one. So the

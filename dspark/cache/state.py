@@ -1,9 +1,10 @@
 """KDA state slots: per request, per KDA layer, the recurrent state S [H, K, V] (fp32) and the conv window
 [W−1, C] of the last raw conv inputs.
 
-Verification uses the per-position snapshot scheme of vLLM's default KDA path (contract §2.2): a record=True
-forward over t0, d1..dk hands over the state after every position and the extended conv window; `commit(n_keep)`
-keeps the snapshot after t0, d1..d_a (n_keep = a + 1) and drops the rest, so rejected drafts leave no trace.
+Verification uses the per-position snapshot scheme of vLLM's default KDA path (docs/k3-model.md, "KDA state under
+verification"): a record=True forward over t0, d1..dk hands over the state after every position and the extended
+conv window; `commit(n_keep)` keeps the snapshot after t0, d1..d_a (n_keep = a + 1) and drops the rest, so rejected
+drafts leave no trace.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""The drafter backbones behind `DSparkDrafter` (see drafter.py for the interface they implement).
+"""The drafter backbones behind `DSparkDrafter` (see drafter.py for the interface they implement), as mixins that
+drafter.py combines with the backbone-independent part (so this module never imports drafter.py).
 
-- `Qwen3DSparkDrafter` (backbone "qwen3", vLLM `Qwen3DSparkModel` / `DFlashDraftModel`): fc + hidden_norm, Qwen3
+- `Qwen3Backbone` (backbone "qwen3", vLLM `Qwen3DSparkModel` / `DFlashDraftModel`): fc + hidden_norm, Qwen3
   decoder layers whose context rows are [k_norm(k_proj(ctx)) + NeoX RoPE | v_proj(ctx)], final `norm`.
-- `K3DSparkDrafter` (backbone "k3", vLLM `K3DSparkModel`, docs/vllm-contract.md): context_proj + context_norm, MLA
+- `K3Backbone` (backbone "k3", vLLM `K3DSparkModel`, docs/vllm-contract.md): context_proj + context_norm, MLA
   layers (interleaved RoPE on q_pe/k_pe, no output gate, non-causal) + dense gate/up/down MLP, `final_norm`.
   A context row is the MLA latent [kv_a_layernorm(kv_c) | RoPE(k_pe)] of kv_a_proj_with_mqa(ctx), i.e. the
   compressed cache vLLM stores: row_width = kv_lora_rank + qk_rope_head_dim.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.models.drafter import DrafterConfig, DSparkDrafter
+from dspark.models.drafter_config import DrafterConfig
 from dspark.models.k3.mla import MLAttention
 from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, attention, rope_cos_sin
 from dspark.models.qwen3 import Qwen3Attention
@@ -55,7 +56,11 @@ class DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3DSparkDrafter(DSparkDrafter):
+class Qwen3Backbone:
+    """The qwen3 backbone's modules (vLLM names) and interface methods; mixed into a DSparkDrafter."""
+
+    config: DrafterConfig
+
     def build_backbone(self, cfg: DrafterConfig) -> None:
         n_aux = len(cfg.target_layer_ids)
         self.fc = nn.Linear(cfg.target_hidden_size * n_aux, cfg.hidden_size, bias=False)
@@ -105,7 +110,11 @@ class K3DraftLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class K3DSparkDrafter(DSparkDrafter):
+class K3Backbone:
+    """The k3 (MLA) backbone's modules (vLLM names) and interface methods; mixed into a DSparkDrafter."""
+
+    config: DrafterConfig
+
     def build_backbone(self, cfg: DrafterConfig) -> None:
         n_aux = len(cfg.target_layer_ids)
         self.context_proj = nn.Linear(cfg.target_hidden_size * n_aux, cfg.hidden_size, bias=False)
@@ -129,6 +138,3 @@ class K3DSparkDrafter(DSparkDrafter):
         for layer, rows in zip(self.layers, ctx_rows):
             x = layer(x, positions, rows, mask)
         return self.final_norm(x)
-
-
-BACKBONES: dict[str, type[DSparkDrafter]] = {"qwen3": Qwen3DSparkDrafter, "k3": K3DSparkDrafter}

@@ -2,6 +2,8 @@
 RoPE) live with the kernels that fuse them (dspark/kernels/rms_norm.py, rope.py) and are re-exported here."""
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -88,3 +90,25 @@ def glu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
             u = situ_linear_beta * torch.tanh(u / situ_linear_beta)
         return (g * u).to(dtype)
     raise ValueError(f"hidden_act: expected 'silu' or 'situ', got {act!r}")
+
+
+def check_aux_layer_ids(ids: list[int] | None, num_layers: int) -> set[int]:
+    """Validate a target's `aux_layer_ids` (0-based "after layer i", vLLM's `target_layer_ids`): integers in range and
+    strictly increasing, because the aux features are concatenated in layer order (the drafter's `fc` /
+    `context_proj` columns follow it). The same rule for every target: unsorted or repeated ids are an error."""
+    if ids is None:
+        return set()
+    try:
+        if any(isinstance(i, bool) for i in ids):
+            raise TypeError
+        ids = [operator.index(i) for i in ids]
+    except TypeError:
+        raise ValueError(f"aux_layer_ids: expected a list of integers, got {ids!r}") from None
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"aux_layer_ids: {bad} out of range; valid are 0..{num_layers - 1} "
+                         f"(0-based 'after layer i', as vLLM's target_layer_ids)")
+    if ids != sorted(set(ids)):
+        raise ValueError(f"aux_layer_ids: {ids} must be strictly increasing (the aux features are concatenated in "
+                         "layer order)")
+    return set(ids)

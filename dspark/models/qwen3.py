@@ -17,7 +17,8 @@ from torch import nn
 from transformers import Qwen3Config
 
 from dspark.cache.batch import ForwardBatch
-from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, rope_cos_sin
+from dspark.checkpoint_io import load_state_strict, read_config, save_checkpoint_dir
+from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, check_aux_layer_ids, rope_cos_sin
 
 
 def rope_theta_of(config) -> float:
@@ -131,19 +132,17 @@ class Qwen3ForCausalLM(nn.Module):
 
     # --- checkpoints (HF layout) ---
     def save_pretrained(self, out_dir: str | Path) -> None:
-        from dspark.checkpoint import save_hf_dir
-
+        """config.json + model.safetensors (HF names; a tied lm_head omitted), written whole (temp dir + rename)."""
         cfg = json.loads(self.config.to_json_string())
         cfg["architectures"] = ["Qwen3ForCausalLM"]
         cfg["rope_theta"] = self.rope_theta  # older loaders read the top-level key
         state = {k: v for k, v in self.state_dict().items()
                  if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
-        save_hf_dir(out_dir, cfg, state)
+        save_checkpoint_dir(out_dir, cfg, state)
 
     @classmethod
     def from_pretrained(cls, path: str | Path, device="cpu", dtype=torch.float32) -> Qwen3ForCausalLM:
-        from dspark.checkpoint import load_state_strict, read_config
-
+        """STRICT: a missing, unexpected or wrong-shape tensor raises ValueError naming it."""
         cfg = Qwen3Config(**read_config(path))
         with torch.device("meta"):
             model = cls(cfg)
@@ -152,18 +151,6 @@ class Qwen3ForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
         return model.to(device=device, dtype=dtype).eval()
-
-
-def check_aux_layer_ids(ids: list[int] | None, num_layers: int) -> set[int]:
-    if ids is None:
-        return set()
-    bad = [i for i in ids if not (0 <= int(i) < num_layers)]
-    if bad:
-        raise ValueError(f"aux_layer_ids: {bad} out of range; valid are 0..{num_layers - 1} "
-                         f"(0-based 'after layer i', as vLLM's target_layer_ids)")
-    if list(ids) != sorted(set(ids)):
-        raise ValueError(f"aux_layer_ids: {list(ids)} must be strictly increasing (vLLM concatenates in layer order)")
-    return set(int(i) for i in ids)
 
 
 def qwen3_config(vocab_size: int, hidden_size: int, num_layers: int, num_heads: int, num_kv_heads: int,

@@ -6,18 +6,14 @@ under `language_model.`.
 """
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
-from dspark.models.layers import GatedMLP, RMSNorm
+from dspark.checkpoint_io import check_state, read_config, read_weights, save_checkpoint_dir
+from dspark.models.layers import GatedMLP, RMSNorm, check_aux_layer_ids
 
 from .attn_res import AttnResStream, attn_res
 from .config import K3TextConfig
@@ -90,18 +86,9 @@ class K3ForCausalLM(nn.Module):
             convert_to_mxfp4(self, quantize=False)
 
     # ---- forward --------------------------------------------------------------------------------------------
-    def _check_aux_ids(self, aux_layer_ids) -> list[int]:
-        L = self.config.num_hidden_layers
-        ids = sorted(int(i) for i in aux_layer_ids)
-        for i in ids:
-            if not 0 <= i < L:
-                raise ValueError(f"aux_layer_ids: {i} is out of range; valid ids are 0..{L - 1} "
-                                 "(0-based, 'after layer i')")
-        return ids
-
     def hidden_states(self, input_ids: torch.Tensor, batch=None, aux_layer_ids=None):
         """-> (pre-norm final hidden [B, T, d], {layer id: aux hidden [B, T, d]})."""
-        ids = set(self._check_aux_ids(aux_layer_ids)) if aux_layer_ids is not None else set()
+        ids = check_aux_layer_ids(aux_layer_ids, self.config.num_hidden_layers)
         m, c = self.model, self.config
         h = m.embed_tokens(input_ids)
         aux: dict[int, torch.Tensor] = {}
@@ -130,8 +117,7 @@ class K3ForCausalLM(nn.Module):
         logits = self.lm_head(self.model.norm(h))
         if aux_layer_ids is None:
             return logits
-        ids = self._check_aux_ids(aux_layer_ids)
-        return logits, torch.cat([aux[i] for i in ids], -1)
+        return logits, torch.cat([aux[i] for i in aux_layer_ids], -1)
 
     def cache_layout(self) -> tuple[dict[int, int], dict[int, tuple[int, int, int, int, int]]]:
         """MLA layers: the per-token latent row width (kv_lora_rank + qk_rope_head_dim); KDA layers: the state
@@ -162,34 +148,16 @@ class K3ForCausalLM(nn.Module):
         return {p + k: v for k, v in sd.items()}
 
     def save_pretrained(self, save_dir: str | os.PathLike) -> None:
-        """config.json + model.safetensors, written to a temp dir beside save_dir, then renamed into place."""
-        save_dir = Path(save_dir)
-        save_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.tmp-", dir=save_dir.parent))
-        try:
-            tensors = {k: v.detach().cpu().contiguous() for k, v in self.checkpoint_state_dict().items()}
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-            (tmp / "config.json").write_text(json.dumps(self.config.to_config_json(), indent=2) + "\n")
-            if save_dir.exists():  # replace file by file (each os.replace is atomic)
-                for f in tmp.iterdir():
-                    os.replace(f, save_dir / f.name)
-                tmp.rmdir()
-            else:
-                os.rename(tmp, save_dir)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+        """config.json + model.safetensors (HF names), written whole (temp dir + rename)."""
+        save_checkpoint_dir(save_dir, self.config.to_config_json(), self.checkpoint_state_dict())
 
     @classmethod
     def from_pretrained(cls, load_dir: str | os.PathLike, device="cpu", dtype=torch.float32) -> K3ForCausalLM:
-        """STRICT: a missing, unexpected or wrong-shape tensor raises ValueError naming it."""
-        load_dir = Path(load_dir)
-        cfg_path = load_dir / "config.json"
-        if not cfg_path.exists():
-            raise FileNotFoundError(f"{cfg_path}: no config.json")
-        config = K3TextConfig.from_dict(json.loads(cfg_path.read_text()))
+        """STRICT: a missing, unexpected or wrong-shape tensor raises ValueError naming it. Reads sharded
+        checkpoints (model.safetensors.index.json) too."""
+        config = K3TextConfig.from_dict(read_config(load_dir))
         model = cls(config)
-        model.load_checkpoint_tensors(_read_safetensors(load_dir))
+        model.load_checkpoint_tensors(read_weights(load_dir), where=str(Path(load_dir)))
         model.to(device=device, dtype=dtype)
         keep_fp32 = [mod.A_log for mod in model.modules() if isinstance(mod, KimiDeltaAttention)]
         keep_fp32 += [mod.dt_bias for mod in model.modules() if isinstance(mod, KimiDeltaAttention)]
@@ -200,7 +168,9 @@ class K3ForCausalLM(nn.Module):
                 mod.gate.e_score_correction_bias = mod.gate.e_score_correction_bias.float()
         return model.eval()
 
-    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_checkpoint_tensors(self, tensors: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+        """Copy HF-named tensors into the model, strictly (dspark.checkpoint_io.check_state). Multimodal and MTP
+        tensors and rotary caches are skipped; legacy A_log [1, 1, H, 1] and conv [P, W] shapes are reshaped."""
         c, p = self.config, self._prefix()
         expected = self.checkpoint_state_dict()
         L, n_mtp = c.num_hidden_layers, c.num_nextn_predict_layers
@@ -210,20 +180,13 @@ class K3ForCausalLM(nn.Module):
                 continue
             if _is_mtp_tensor(name, p, L, n_mtp):  # the main model skips MTP layers' weights
                 continue
-            if name not in expected:
-                raise ValueError(f"checkpoint: unexpected tensor {name!r} with shape {list(t.shape)}")
-            want = expected[name].shape
-            if name.endswith(".A_log") and t.dim() == 4 and t.numel() == want.numel():
+            want = expected[name].shape if name in expected else None
+            if want is not None and name.endswith(".A_log") and t.dim() == 4 and t.numel() == want.numel():
                 t = t.reshape(want)  # legacy [1, 1, H, 1]
-            if name.endswith("_conv1d.weight") and t.dim() == 2:
+            if want is not None and name.endswith("_conv1d.weight") and t.dim() == 2:
                 t = t.unsqueeze(1)  # legacy [P, W]
-            if t.shape != want:
-                raise ValueError(f"checkpoint: tensor {name!r} has shape {list(t.shape)}, expected {list(want)}")
             loaded[name] = t
-        missing = [k for k in expected if k not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint: missing tensor {missing[0]!r} (expected shape "
-                             f"{list(expected[missing[0]].shape)}); {len(missing)} missing in all")
+        check_state(expected, loaded, where)
         with torch.no_grad():
             for name, target in expected.items():
                 target.copy_(loaded[name].to(target.dtype))
@@ -235,19 +198,3 @@ def _is_mtp_tensor(name: str, prefix: str, num_layers: int, n_mtp: int) -> bool:
         return False
     idx = name[len(head):].split(".", 1)[0]
     return idx.isdigit() and num_layers <= int(idx) < num_layers + n_mtp
-
-
-def _read_safetensors(load_dir: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, or the shards listed in model.safetensors.index.json."""
-    index = load_dir / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists()
-             else ["model.safetensors"])
-    out: dict[str, torch.Tensor] = {}
-    for fname in files:
-        path = load_dir / fname
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: checkpoint file missing")
-        with safe_open(str(path), framework="pt") as f:
-            for k in f.keys():
-                out[k] = f.get_tensor(k)
-    return out

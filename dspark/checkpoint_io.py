@@ -1,0 +1,142 @@
+"""Checkpoint I/O shared by every model (Qwen3 and K3 targets, drafters): HF-style dirs written whole through a temp
+dir and one rename, weights read from `model.safetensors` or the shards of `model.safetensors.index.json`, and a
+strict name/shape check whose errors name the tensor.
+
+Low level on purpose: it imports no model, so the models import it and `dspark.checkpoint` (which builds models)
+sits above both.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def save_checkpoint_dir(out_dir: str | Path, config: dict, state: dict[str, torch.Tensor],
+                        extra_files: dict[str, Path] | None = None) -> Path:
+    """Write config.json + model.safetensors (+ copies of extra files) to a temp dir beside out_dir, then rename it
+    into place (an existing out_dir is replaced whole), so a crash never leaves a half-written checkpoint."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"checkpoint dir {str(out)!r} exists and is not a directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        for name, src in (extra_files or {}).items():
+            shutil.copy2(src, tmp / name)
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_config(path: str | Path) -> dict:
+    """config.json of a checkpoint dir, as a dict."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint dir {str(path)!r} does not exist (not a directory)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path}: config.json missing; a checkpoint dir needs config.json and {WEIGHTS}")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file}: expected a JSON object at the top level")
+    return cfg
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint dir: the shards named by model.safetensors.index.json when there is
+    one, else model.safetensors."""
+    path = Path(path)
+    index = path / INDEX
+    if not index.is_file():
+        f = path / WEIGHTS
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: missing; expected the weights in safetensors format ({WEIGHTS}, or shards "
+                                    f"listed in {INDEX})")
+        return [f]
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (expected JSON with a 'weight_map'; {e})") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index}: 'weight_map' must map tensor names to shard files")
+    files = [path / name for name in sorted(set(weight_map.values()))]
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"{f}: shard listed in {INDEX} is missing")
+    return files
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint dir (single file or sharded); a tensor found in two shards is an error."""
+    out: dict[str, torch.Tensor] = {}
+    for f in weight_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():
+                    if k in out:
+                        raise ValueError(f"{f}: tensor {k!r} appears in more than one shard")
+                    out[k] = sf.get_tensor(k)
+        except (SafetensorError, OSError) as e:
+            raise ValueError(f"{f}: corrupt or truncated safetensors file ({e})") from None
+    return out
+
+
+def check_state(expected: dict[str, torch.Tensor | torch.Size], got: dict[str, torch.Tensor], where: str,
+                ignore: set[str] = frozenset()) -> None:
+    """Strict name/shape check of `got` against `expected` (tensors or shapes); the error names the first offending
+    tensor, its shape and the expected one. Names in `ignore` may be present or absent."""
+    exp = {k: tuple(v.shape if isinstance(v, torch.Tensor) else v) for k, v in expected.items() if k not in ignore}
+    missing = [k for k in exp if k not in got]
+    extra = sorted(set(got) - set(exp) - set(ignore))
+    if missing:
+        raise ValueError(f"{where}: missing tensor {missing[0]!r} (expected shape {exp[missing[0]]})"
+                         + (f"; {len(missing)} missing in all" if len(missing) > 1 else ""))
+    if extra:
+        raise ValueError(f"{where}: unexpected tensor {extra[0]!r} with shape {tuple(got[extra[0]].shape)}"
+                         + (f"; {len(extra)} unexpected in all" if len(extra) > 1 else ""))
+    for k, shape in exp.items():
+        if tuple(got[k].shape) != shape:
+            raise ValueError(f"{where}: tensor {k!r} has shape {tuple(got[k].shape)}, expected {shape}")
+
+
+def load_state_strict(path: str | Path, model: torch.nn.Module, ignore: set[str] = frozenset()):
+    """The weights of checkpoint dir `path`, checked strictly against `model.state_dict()` (minus `ignore`)."""
+    state = read_weights(path)
+    check_state(dict(model.state_dict()), state, str(Path(path)), ignore)
+    return {k: v for k, v in state.items() if k not in ignore}
+
+
+def nonfinite_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, int]]:
+    """(name, count of NaN/inf values) of every floating-point tensor that has any, in name order."""
+    bad = []
+    for k in sorted(state):
+        t = state[k]
+        if t.is_floating_point() and t.device.type != "meta":
+            n = int((~torch.isfinite(t)).sum())
+            if n:
+                bad.append((k, n))
+    return bad
