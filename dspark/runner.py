@@ -112,8 +112,10 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step (device ops only)
     def _step_fn(self, st: _Step) -> torch.Tensor:
         key, ints, k = st.key, st.ints, st.key.k
-        pending, num_cached, num_new = ints[:, _I["pending"]], ints[:, _I["num_cached"]], ints[:, _I["num_new"]]
-        view = self.cache.device_view(num_cached, num_new, ints[:, len(_I):], ints[:, _I["slot"]], k + 1, k > 0)
+        # columns as contiguous vectors: the Triton kernels (KDA step, Markov loop) index them as dense arrays
+        pending, num_cached, num_new, slots = (ints[:, _I[c]].contiguous()
+                                               for c in ("pending", "num_cached", "num_new", "slot"))
+        view = self.cache.device_view(num_cached, num_new, ints[:, len(_I):], slots, k + 1, k > 0)
         sampling = None
         if key.mode != "greedy":
             filt = key.mode == "filter"

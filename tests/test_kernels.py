@@ -187,13 +187,17 @@ def _k3_pair_checks() -> dict:
     for mod, name in ((kd, "kda_decode_triton"), (ar, "attn_res_mix_triton"), (ms, "markov_sample_triton"),
                       (dg, "grouped_gemv_triton")):
         counted(mod, name)
-    outs, ar_outs = {}, {}
+    outs, ar_outs, batched = {}, {}, {}
     params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [list(range(5, 16)), list(range(40, 45)), list(range(90, 98))]
     for flag in ("0", "1"):
         os.environ["DSPARK_KERNELS"] = flag
-        outs[flag] = Engine(target, drafter, max_batch_size=1).generate([list(range(5, 16))], params)[0]
+        outs[flag] = Engine(target, drafter, max_batch_size=1).generate(prompts[:1], params)[0]
         # AR steps: 1 token x top-2 of 8 experts < 8 pairs, the grouped matvec (the verify runs every expert once)
-        ar_outs[flag] = Engine(target, None, max_batch_size=1).generate([list(range(5, 16))], params)[0].token_ids
+        ar_outs[flag] = Engine(target, None, max_batch_size=1).generate(prompts[:1], params)[0].token_ids
+        # three rows of different lengths in a bucket of 4 (one padding row), AR and speculative
+        batched[flag] = [[o.token_ids for o in Engine(target, d, max_batch_size=4).generate(prompts, params)]
+                         for d in (None, drafter)]
         if flag == "0":
             assert not calls
     os.environ.pop("DSPARK_KERNELS")
@@ -202,7 +206,8 @@ def _k3_pair_checks() -> dict:
     assert len(calls) == 4, calls  # every kernel ran in the DSPARK_KERNELS=1 pass (grouped_gemv: the MoE experts)
     return {"k3_engine_pair_tokens": [float(sum(a != b for a, b in zip(ref.token_ids, ker.token_ids))
                                             + (ar_outs["0"] != ar_outs["1"])), 0.0],
-            "k3_engine_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0]}
+            "k3_engine_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0],
+            "k3_engine_batch_tokens": [float(batched["0"] != batched["1"]), 0.0]}
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +225,7 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",
-                "decode_attention", "k3_engine_pair_tokens", "k3_engine_pair_accepted"]
+                "decode_attention", "k3_engine_pair_tokens", "k3_engine_pair_accepted", "k3_engine_batch_tokens"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU box tests the compiled kernels (test_cuda_*); the "

@@ -301,8 +301,8 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
         s_out = state_out if state_out is not None else torch.empty(B, H, D, D, dtype=torch.float32, device=qkv.device)
     s_in = state.contiguous() if state is not None else s_out
     BD = next_pow2(D)
-    args = (qkv, f, beta, conv_w, window.to(qkv.dtype), A_log, dt_bias, s_in, s_out, o, ext,
-            lengths if lengths is not None else qkv, T, H, P, B * H, sq, sf, sb, float(lower_bound or 0.0), D ** -0.5)
+    args = (qkv, f, beta, conv_w, window.to(qkv.dtype).contiguous(), A_log, dt_bias, s_in, s_out, o, ext,
+            lengths.contiguous() if lengths is not None else qkv, T, H, P, B * H, sq, sf, sb, float(lower_bound or 0.0), D ** -0.5)
     meta = dict(D=D, BD=BD, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None,
                 HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None)
     if block_v is None and not interpreting():
