@@ -96,7 +96,8 @@ def main(argv=None) -> None:
     engines = {"AR": Engine(target, None, max_batch_size=mbs, max_model_len=mml),
                "DSpark": Engine(target, drafter, num_speculative_tokens=k, max_batch_size=mbs, max_model_len=mml)}
     first = next(iter(tasks.values()))
-    for e in engines.values():  # warm-up: graphs for bs=1 and every batch size, autotuning, allocator
+    for e in engines.values():  # warm-up: every step graph, then a short run (autotuning, allocator)
+        e.warmup()
         for b in sorted({1, *batches}):
             decode_run(e, [first[i % len(first)] for i in range(b)], min(a.max_tokens, 16))
     res = {"command": "python3 bench/pair_decode.py " + " ".join(argv or sys.argv[1:]), "device": dev,

@@ -35,7 +35,7 @@ class Engine:
     def __init__(self, target, drafter=None, num_speculative_tokens: int | None = None, tokenizer=None,
                  max_batch_size: int = 32, max_model_len: int | None = None, num_blocks: int | None = None,
                  block_size: int = 16, prefill_chunk: int = 512, adaptive_verification: bool = False,
-                 draft_sample: bool = False, draft_top_k: int = 0, rejection: str = "standard",
+                 draft_sample: bool = True, draft_top_k: int = 0, rejection: str = "standard",
                  prefix_caching: bool | PrefixCacheConfig = False, graphs: bool | None = None):
         self.target, self.drafter = target, drafter
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
@@ -225,6 +225,20 @@ class Engine:
                 self._count(n, a)
             emitted.append((r, self._emit(r, o[2: a + 3])))
         return emitted
+
+    def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",)) -> int:
+        """Capture now every step graph a run up to max_len tokens per request (default max_model_len) may use: each
+        batch bucket, each k the engine may pick, each context bucket, each sampling mode listed. A server calls it
+        before it takes requests, so no request pays for a capture. Returns the number of graphs; 0 without graphs."""
+        if not self.runner.graphs:
+            return 0
+        max_len = max_len or self.max_model_len
+        ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.k_choices
+        keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks for mode in modes
+                for n in sorted({min(1 << i, max_len + k + 1) for i in range(7, max(8, (max_len + k).bit_length() + 1))})}
+        for key in sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width)):
+            self.runner.step_ms(key)
+        return len(keys)
 
     def _choose_k(self, num_rows: int, longest: int, mode: str) -> int:
         """Drafts for this step: the pinned k, else the candidate with the most expected emitted tokens per

@@ -78,17 +78,18 @@ def test_step_reads_no_tensor_values_on_the_host():
 
 @pytest.mark.parametrize("kind", ["qwen3", "k3"])
 def test_seeded_sampling_does_not_depend_on_the_batch(targets, prompts, kind):
-    """A seeded request draws its random numbers from (seed, position) alone: the same tokens whether it runs alone
-    or beside other sampled and greedy requests, in a different row and batch bucket."""
+    """A seeded request draws its random numbers from (seed, position) alone: with the same drafts per step (k
+    pinned), the same tokens whether it runs alone or beside other sampled and greedy requests, in a different row
+    and batch bucket."""
     target = targets[kind]
     drafter = live_markov(make_drafter(target) if kind == "qwen3" else k3_drafter(target))
     mine = SamplingParams(max_tokens=N_NEW, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True)
     for draft_sample in (False, True):
-        alone = Engine(target, drafter, draft_sample=draft_sample).generate([prompts[1]], mine)[0]
+        alone = Engine(target, drafter, 4, draft_sample=draft_sample).generate([prompts[1]], mine)[0]
         others = [SamplingParams(max_tokens=N_NEW - 5, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_tokens=N_NEW, temperature=1.2, top_k=7, seed=5, ignore_eos=True), mine]
-        mixed = Engine(target, drafter, draft_sample=draft_sample).generate([prompts[0], prompts[2], prompts[1]],
-                                                                            others)
+        mixed = Engine(target, drafter, 4, draft_sample=draft_sample).generate([prompts[0], prompts[2], prompts[1]],
+                                                                               others)
         assert mixed[2].token_ids == alone.token_ids
         assert mixed[0].token_ids == reference_greedy(target, prompts[0], N_NEW - 5)  # greedy beside sampled rows
         assert mixed[1].token_ids != alone.token_ids
