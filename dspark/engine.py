@@ -30,6 +30,8 @@ from dspark.runner import ModelRunner, RowInput
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
 
+PROBE_EVERY = 64  # plain steps after which the k policy drafts once more, to refresh its acceptance statistics
+
 
 class Engine:
     def __init__(self, target, drafter=None, num_speculative_tokens: int | None = None, tokenizer=None,
@@ -76,7 +78,11 @@ class Engine:
         self.counters = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
                          "generation_tokens": 0, "target_forwards": 0}
-        self._reached = [0] * max(self.k, 1)  # row-steps that verified draft position j with all before it accepted
+        # the k policy's acceptance statistics, greedy and sampled rows apart (their acceptance differs widely):
+        # per draft position j, row-steps that reached it (all drafts before it accepted) and that accepted it
+        self._reached = {g: [0] * max(self.k, 1) for g in ("greedy", "sampled")}
+        self._accepted = {g: [0] * max(self.k, 1) for g in ("greedy", "sampled")}
+        self._plain_steps = {g: 0 for g in ("greedy", "sampled")}  # steps decoded plainly since the last draft
         eos = getattr(target.config, "eos_token_id", None)
         self.eos_id = eos if isinstance(eos, int) else None
 
@@ -222,7 +228,7 @@ class Engine:
             if self.drafts is not None:
                 r.accepted_per_step.append(a)
                 r.num_drafts_per_step.append(n)
-                self._count(n, a)
+                self._count(n, a, "greedy" if r.params.temperature == 0 else "sampled")
             emitted.append((r, self._emit(r, o[2: a + 3])))
         return emitted
 
@@ -243,13 +249,19 @@ class Engine:
     def _choose_k(self, num_rows: int, longest: int, mode: str) -> int:
         """Drafts for this step: the pinned k, else the candidate with the most expected emitted tokens per
         millisecond of its graph at this batch bucket (k drafts emit 1 + sum_i prod_{j<=i} alpha_j tokens per row,
-        alpha_j the measured acceptance of position j given all before it; a position never reached takes the one
-        before it). Without graphs (CPU): the whole block."""
+        alpha_j the measured acceptance of position j given all before it, for this step's kind of rows; a position
+        never reached takes the one before it). It drafts the whole block until 8 steps have reached the first
+        position, and once every PROBE_EVERY plain steps, so the statistics keep coming. Without graphs (CPU):
+        the whole block."""
         if self.drafts is None:
             return 0
         if self.pinned_k is not None:
             return self.k
-        acc, reach = self.counters["num_accepted_tokens_per_pos"], self._reached
+        group = "greedy" if mode == "greedy" else "sampled"
+        acc, reach = self._accepted[group], self._reached[group]
+        if reach[0] < 8 or self._plain_steps[group] >= PROBE_EVERY:
+            self._plain_steps[group] = 0
+            return self.k
         alpha, last = [], 0.5
         for j in range(self.k):
             last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
@@ -266,9 +278,10 @@ class Engine:
             rate = expected / ms
             if rate > best_rate:
                 best, best_rate = k, rate
+        self._plain_steps[group] = self._plain_steps[group] + 1 if best == 0 else 0
         return best
 
-    def _count(self, n: int, a: int) -> None:
+    def _count(self, n: int, a: int, group: str) -> None:
         if n == 0:
             return
         c = self.counters
@@ -277,8 +290,9 @@ class Engine:
         c["num_accepted_tokens"] += a
         for i in range(a):
             c["num_accepted_tokens_per_pos"][i] += 1
+            self._accepted[group][i] += 1
         for i in range(min(n, a + 1)):
-            self._reached[i] += 1
+            self._reached[group][i] += 1
 
     def _emit(self, r: Request, toks: list[int]) -> list[int]:
         """Append tokens, apply max_tokens / EOS / stop strings; finish the request when done."""
