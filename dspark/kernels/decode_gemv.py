@@ -139,7 +139,7 @@ def grouped_gemv_ref(x, w, idx):
     return torch.bmm(w.index_select(0, idx), x[:, :, None])[..., 0]
 
 
-@torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
+@torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
 def grouped_gemv_triton(x, w, idx, block: tuple[int, int] | None = None):
     """The matvec kernel with W = w[idx[row]] per row, read in place from the stacked weights (no gathered copy)."""
     P, K = x.shape

@@ -108,7 +108,7 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, ids_ptr,
                 tl.debug_barrier()
 
 
-@torch.compiler.disable  # torch.compile'd callers (StaticGenerator(compile=True)) launch it as is
+@torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
 def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=None, one_launch=True,
                          programs=None, block_v=None):
     """-> (ids [B, D] int64, logits [B, D] fp32). seed (int) without noise: in-kernel Philox Gumbel noise."""
