@@ -12,6 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 from tests.targets import write_tiny_target_and_data
+from tests.test_train_drafter import recipe as drafter_recipe
 
 
 @pytest.fixture(scope="module")
@@ -22,16 +23,12 @@ def setup(tmp_path_factory):
 
 
 def recipe(root: Path, out: str, **over) -> Path:
-    r = {"kind": "drafter", "output_dir": str(root / out), "target": str(root / "target"), "max_steps": 3,
-         "device": "cpu", "drafter": {"block_size": 3, "num_layers": 1, "markov_rank": 8},
-         "data": {"dataset": str(root / "data.jsonl"), "seq_len": 48, "regenerate": {"enabled": False},
-                  "holdout_sequences": 2},
-         "anchors_per_seq": 4, "optim": {"batch_size": 2, "warmup_steps": 1},
-         "log": {"wandb_mode": "disabled", "eval_every": 3, "save_every": 1}}
-    r.update(over)
-    p = root / f"{out}.yaml"
-    p.write_text(yaml.safe_dump(r))
-    return p
+    """tests/test_train_drafter.py's drafter recipe, smaller: 3 steps, a checkpoint after every step."""
+    small = {"max_steps": 3, "anchors_per_seq": 4, "optim": {"batch_size": 2, "warmup_steps": 1},
+             "data": {"dataset": str(root / "data.jsonl"), "seq_len": 48, "regenerate": {"enabled": False},
+                      "holdout_sequences": 2},
+             "log": {"wandb_mode": "disabled", "eval_every": 3, "save_every": 1}}
+    return drafter_recipe(root, out, **{**small, **over})
 
 
 def train(path: Path, *extra: str, env: dict | None = None):
