@@ -1,6 +1,8 @@
 """Tiny random-weight targets of every kind the engine serves (shared by the engine/cache tests).
 DSPARK_TEST_DEVICE=cuda runs the same engine tests on a GPU (fp32)."""
 import os
+import sysconfig
+from pathlib import Path
 
 import torch
 
@@ -90,3 +92,34 @@ def propose_after_prefix(drafter, aux, input_ids, anchor: int, layer_offset: int
                              1, record=False)
     anchor_tok = input_ids[0, anchor:anchor + 1]
     return runner, runner.propose(view, anchor_tok, drafter.config.num_drafts)
+
+
+SERVE_MAX_LEN = 256  # the tiny pair's context (tests/test_serve*.py)
+STDLIB_FILES = ["json/encoder.py", "textwrap.py", "string.py", "bisect.py"]
+
+
+def write_tiny_pair(out: Path, seed: int = 0) -> tuple[Path, Path]:
+    """A 2-layer random Qwen3 target (+ BPE tokenizer, vocab 512) and a random 1-layer DSpark drafter (block 4)."""
+    from dspark.checkpoint import export_drafter
+    from dspark.data.tokenizer import train_tokenizer
+    from dspark.models.drafter import DrafterConfig, DSparkDrafter
+    from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
+
+    std = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(std / f).read_text() for f in STDLIB_FILES if (std / f).is_file()]
+    tdir, ddir = out / "tiny-target", out / "tiny-drafter"
+    tok = train_tokenizer(texts, 512, tdir)
+    torch.manual_seed(seed)
+    cfg = qwen3_config(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=128, max_position_embeddings=SERVE_MAX_LEN, eos_token_id=tok.eos_token_id,
+                       bos_token_id=tok.eos_token_id)
+    target = Qwen3ForCausalLM(cfg)
+    target.save_pretrained(tdir)  # replaces the dir atomically: save the tokenizer after
+    tok.save_pretrained(str(tdir))
+    dcfg = DrafterConfig(vocab_size=len(tok), hidden_size=64, target_hidden_size=64, target_layer_ids=[0, 1],
+                         num_target_layers=2, mask_token_id=tok.mask_token_id, block_size=4, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+                         max_position_embeddings=SERVE_MAX_LEN)
+    drafter = DSparkDrafter(dcfg, target.model.embed_tokens.weight, target.lm_head.weight)
+    export_drafter(drafter, ddir, "dspark")
+    return tdir, ddir

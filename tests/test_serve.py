@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-import sysconfig
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -15,43 +13,9 @@ import torch
 
 from serve import ServerThread, free_port, load_server
 from serve.__main__ import main as serve_main
+from tests.targets import SERVE_MAX_LEN
 
-MAX_LEN = 256
-STDLIB_FILES = ["json/encoder.py", "textwrap.py", "string.py", "bisect.py"]
-
-
-def build_tiny_models(out: Path, seed: int = 0) -> tuple[Path, Path]:
-    """A 2-layer random Qwen3 target (+ BPE tokenizer, vocab 512) and a random 1-layer DSpark drafter (block 4)."""
-    from dspark.checkpoint import export_drafter
-    from dspark.data.tokenizer import train_tokenizer
-    from dspark.models.drafter import DrafterConfig, DSparkDrafter
-    from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
-
-    std = Path(sysconfig.get_paths()["stdlib"])
-    texts = [(std / f).read_text() for f in STDLIB_FILES if (std / f).is_file()]
-    tdir, ddir = out / "tiny-target", out / "tiny-drafter"
-    tok = train_tokenizer(texts, 512, tdir)
-    torch.manual_seed(seed)
-    cfg = qwen3_config(vocab_size=len(tok), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                       intermediate_size=128, max_position_embeddings=MAX_LEN, eos_token_id=tok.eos_token_id,
-                       bos_token_id=tok.eos_token_id)
-    target = Qwen3ForCausalLM(cfg)
-    target.save_pretrained(tdir)  # replaces the dir atomically: save the tokenizer after
-    tok.save_pretrained(str(tdir))
-    dcfg = DrafterConfig(vocab_size=len(tok), hidden_size=64, target_hidden_size=64, target_layer_ids=[0, 1],
-                         num_target_layers=2, mask_token_id=tok.mask_token_id, block_size=4, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-                         max_position_embeddings=MAX_LEN)
-    drafter = DSparkDrafter(dcfg, target.model.embed_tokens.weight, target.lm_head.weight)
-    export_drafter(drafter, ddir, "dspark")
-    return tdir, ddir
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return build_tiny_models(tmp_path_factory.mktemp("serve"))
-
-
+MAX_LEN = SERVE_MAX_LEN
 @pytest.fixture(scope="module")
 def server(models):
     app = load_server(*models, max_model_len=MAX_LEN, max_batch_size=8, max_concurrent=64)

@@ -9,17 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-from tests.test_serve import build_tiny_models
-
 ROOT = Path(__file__).resolve().parents[1]
 TASKS, TEMPS, CONC = ("humaneval", "creative"), (0.0, 0.7), (1, 2)
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return build_tiny_models(tmp_path_factory.mktemp("serve_bench"))
 
 
 def test_serve_bench_end_to_end(models, tmp_path):

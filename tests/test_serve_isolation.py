@@ -17,15 +17,10 @@ import pytest
 
 from dspark.request import SamplingParams
 from serve import ServerThread, load_server
-from tests.test_serve import MAX_LEN, build_tiny_models
+from tests.test_serve import MAX_LEN
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(", "x = [1, 2", "while True:",
            "with open(", "return self."]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return build_tiny_models(tmp_path_factory.mktemp("serve_isolation"))
 
 
 @pytest.fixture(scope="module")

@@ -11,15 +11,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from tests.targets import write_tiny_target_and_data
 from tests.test_train_drafter import recipe as drafter_recipe
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cli")
-    write_tiny_target_and_data(root)
-    return root
 
 
 def recipe(root: Path, out: str, **over) -> Path:

@@ -13,15 +13,6 @@ import yaml
 from safetensors.torch import load_file
 
 from dspark.checkpoint import load_drafter, load_target
-from tests.targets import write_tiny_target_and_data
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """A tiny random Qwen3 target with a real BPE tokenizer, and a local jsonl dataset of real stdlib code."""
-    root = tmp_path_factory.mktemp("drafter")
-    write_tiny_target_and_data(root)
-    return root
 
 
 def recipe(root: Path, out: str, **over) -> Path:

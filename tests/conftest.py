@@ -1,0 +1,18 @@
+"""Fixtures several test modules share (one instance per module: scope="module")."""
+import pytest
+
+from tests.targets import write_tiny_pair, write_tiny_target_and_data
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(target dir, drafter dir): a tiny Qwen3 target with a real BPE tokenizer and a random DSpark drafter."""
+    return write_tiny_pair(tmp_path_factory.mktemp("pair"))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A dir with a tiny random Qwen3 target (real BPE tokenizer) and a local jsonl dataset of real stdlib code."""
+    root = tmp_path_factory.mktemp("run")
+    write_tiny_target_and_data(root)
+    return root
