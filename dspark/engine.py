@@ -33,6 +33,15 @@ from dspark.spec.sampling import RowSampling
 PROBE_EVERY = 64  # plain steps after which the k policy drafts once more, to refresh its acceptance statistics
 
 
+def sampling_mode(params: list[SamplingParams]) -> str:
+    """The runner's sampling mode for these rows: greedy (all greedy), sample, or filter (a sampled row uses top-k or
+    top-p: the vocabulary gets sorted)."""
+    sampled = [p for p in params if p.temperature > 0]
+    if not sampled:
+        return "greedy"
+    return "filter" if any(p.top_k or p.top_p < 1 for p in sampled) else "sample"
+
+
 class Engine:
     def __init__(self, target, drafter=None, num_speculative_tokens: int | None = None, tokenizer=None,
                  max_batch_size: int = 32, max_model_len: int | None = None, num_blocks: int | None = None,
@@ -192,9 +201,10 @@ class Engine:
         rows = [reqs[b] for b in done]
         dev = self.device
         last = torch.stack([logits[b, len(chunks[b]) - 1] for b in done])  # [n, V]
+        filt = sampling_mode([r.params for r in rows]) == "filter"  # else no sort over the vocabulary
         sampling = RowSampling(torch.tensor([r.params.temperature for r in rows], device=dev),
-                               torch.tensor([r.params.top_k for r in rows], device=dev),
-                               torch.tensor([r.params.top_p for r in rows], device=dev))
+                               torch.tensor([r.params.top_k for r in rows], device=dev) if filt else 0,
+                               torch.tensor([r.params.top_p for r in rows], device=dev) if filt else 1.0)
         first = self.runner.sample_first(last, sampling, torch.tensor([r.seed for r in rows], device=dev),
                                          torch.tensor([len(r.prompt_ids) for r in rows], device=dev)).tolist()
         emitted = []
@@ -207,8 +217,7 @@ class Engine:
     def _decode(self, reqs: list[Request]):
         """One device step for every decoding request (the runner's graph for this batch bucket)."""
         ps = [r.params for r in reqs]
-        sampled = [p for p in ps if p.temperature > 0]
-        mode = "greedy" if not sampled else ("filter" if any(p.top_k or p.top_p < 1 for p in sampled) else "sample")
+        mode = sampling_mode(ps)
         longest = max(r.num_computed for r in reqs)
         k = self._choose_k(len(reqs), longest, mode)
         key = self.runner.key_for(len(reqs), k, longest + k + 1, mode)

@@ -67,6 +67,7 @@ class _Step:
     def __init__(self, key: StepKey, device):
         self.key = key
         self.ints = torch.zeros(key.rows, len(_I) + key.width, dtype=torch.long, device=device)
+        self.pad: list[int] = []  # a padding row's ints (ModelRunner._pad_row), filled at first use
         self.floats = torch.zeros(key.rows, 2, dtype=torch.float32, device=device)  # temperature, top_p
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
@@ -87,9 +88,11 @@ class ModelRunner:
         self.aux_ids = list(drafts.drafter.config.target_layer_ids) if drafts is not None else None
         self.steps: dict[StepKey, _Step] = {}
         self.pool = None  # one memory pool for every graph (they never run concurrently)
-        # MoE forwards up to the largest step's size take the gathered, graph-safe expert path
-        set_static_moe(target, max_batch_size * (max_k + 1))
-        self._keep = [m._stacked for m in target.modules() if isinstance(m, LatentMoE)]
+        # MoE forwards up to the largest step's size take the gathered, graph-safe expert path; the setting lives on
+        # the model, so an engine never lowers what another engine on the same target needs
+        moes = [m for m in target.modules() if isinstance(m, LatentMoE)]
+        set_static_moe(target, max([max_batch_size * (max_k + 1)] + [m.static_tokens for m in moes]))
+        self._keep = [m._stacked for m in moes]
         self._pin = self.device.type == "cuda"
         self.wait_s = 0.0  # host seconds spent waiting for the device in decode steps' reads (bench accounting)
 
@@ -208,7 +211,8 @@ class ModelRunner:
                 for r, t, c, s in zip(rows, tables, num_cached, slots)]
         flo = [[r.temperature, r.top_p] for r in rows]
         if B < key.rows:
-            ints += [self._pad_row(key.width)] * (key.rows - B)
+            st.pad = st.pad or self._pad_row(key.width)
+            ints += [st.pad] * (key.rows - B)
             flo += [[0.0, 1.0]] * (key.rows - B)
         st.ints.copy_(torch.tensor(ints, dtype=torch.long, pin_memory=self._pin), non_blocking=True)
         st.floats.copy_(torch.tensor(flo, dtype=torch.float32, pin_memory=self._pin), non_blocking=True)
