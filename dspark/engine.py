@@ -335,8 +335,7 @@ class Engine:
         if req is None or req.status is not Status.DECODE or req.finish_reason is not None:
             raise ValueError(f"export_prefilled: request {request_id!r} is not running with its prefill done")
         handoff = {"request_id": req.id, "prompt_ids": req.prompt_ids, "output_ids": list(req.output_ids),
-                   "params": req.params, "text": req.text,
-                   "seed": req.seed,
+                   "params": req.params, "seed": req.seed,
                    "cache": self.cache.export_request(req.id)}
         self._finish(req, "exported")
         return handoff

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 from dataclasses import dataclass, field
 from enum import Enum
+
+from dspark.spec.sampling import request_seed
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow the logits
 MIN_TOP_P = 1e-6  # below 1/vocab for any vocab under a million: only the most likely token can survive, i.e. greedy
@@ -94,8 +95,7 @@ class Request:
         self.tokenizer = tokenizer  # decodes `text` on demand
         self._text, self._text_at = "", 0
         # every random number the request draws is a function of this seed and its position (dspark.runner)
-        seed = seed if seed is not None else params.seed
-        self.seed = random.getrandbits(62) if seed is None else seed & (2 ** 62 - 1)
+        self.seed = request_seed(seed if seed is not None else params.seed)
 
     @property
     def text(self) -> str:
