@@ -3,6 +3,7 @@ DSpark, greedy, at bs=1 per prompt and for batches of prompts decoded together.
 
     python3 bench/pair_decode.py --target runs/quickstart/target/final --drafter runs/quickstart/drafter/final \
         [--tasks humaneval,creative] [--prompts 8] [--max-tokens 128] [--batches 1,4,16,64] [--k auto] [--out F.json]
+        [--profile F.txt]
 
 Per task, each prompt alone (max_tokens, no EOS stop): decode tok/s = tokens after the first / wall time of the
 engine steps after the prefill step; ms per step; τ = mean (accepted + 1) per verify; host µs per step = step wall
@@ -69,6 +70,21 @@ def per_prompt(engine: Engine, prompts, max_tokens: int) -> dict:
             "mean_drafts": sum(n for r in runs for n in r["drafts"]) / max(steps, 1)}
 
 
+def profile(name: str, engine: Engine, prompt: list[int], max_tokens: int, steps: int = 32) -> str:
+    """The kernels of `steps` decode steps of one request (after its prefill), by total device time."""
+    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    engine.step()
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                    if engine.device.type == "cuda" else [])
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    sort = "device_time_total" if engine.device.type == "cuda" else "cpu_time_total"
+    return f"## {name}: {steps} steps at bs=1\n" + prof.key_averages().table(sort_by=sort, row_limit=30)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
@@ -82,6 +98,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", help="write every figure as JSON here")
+    ap.add_argument("--profile", help="also write the device kernels of 32 bs=1 steps per engine (torch.profiler, "
+                    "by device time) to this text file")
     a = ap.parse_args(argv)
     dev = resolve_device(a.device)
     target = load_target(a.target, device=dev, dtype=resolve_dtype(a.dtype, dev))
@@ -124,6 +142,8 @@ def main(argv=None) -> None:
         print(f"| {b} | {row['AR']['tok_s']:.0f} | {row['DSpark']['tok_s']:.0f} | "
               f"{row['DSpark']['tok_s'] / row['AR']['tok_s']:.2f}x | {ds['tau']:.2f} | "
               f"{row['DSpark']['mean_drafts']:.1f} |", flush=True)
+    if a.profile:
+        Path(a.profile).write_text("\n\n".join(profile(name, e, first[0], a.max_tokens) for name, e in engines.items()))
     if a.out:
         for t in res["tasks"].values():
             for m in ("AR", "DSpark"):

@@ -17,6 +17,7 @@ An int pins k.
 from __future__ import annotations
 
 import collections
+import copy
 import math
 from collections.abc import Iterable
 
@@ -31,6 +32,7 @@ from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
 
 PROBE_EVERY = 64  # plain steps after which the k policy drafts once more, to refresh its acceptance statistics
+REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 
 
 def sampling_mode(params: list[SamplingParams]) -> str:
@@ -92,6 +94,7 @@ class Engine:
         self._reached = {g: [0] * max(self.k, 1) for g in ("greedy", "sampled")}
         self._accepted = {g: [0] * max(self.k, 1) for g in ("greedy", "sampled")}
         self._plain_steps = {g: 0 for g in ("greedy", "sampled")}  # steps decoded plainly since the last draft
+        self._k_memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
         eos = getattr(target.config, "eos_token_id", None)
         self.eos_id = eos if isinstance(eos, int) else None
 
@@ -247,6 +250,7 @@ class Engine:
         before it takes requests, so no request pays for a capture. Returns the number of graphs; 0 without graphs."""
         if not self.runner.graphs:
             return 0
+        self._warm_prefill()
         max_len = max_len or self.max_model_len
         ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.k_choices
         keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks for mode in modes
@@ -255,13 +259,22 @@ class Engine:
             self.runner.step_ms(key)
         return len(keys)
 
+    def _warm_prefill(self) -> None:
+        """One short request end to end, its statistics then forgotten: the first prefill on a device loads its
+        kernels (CUDA's lazy module loading, library handles), a one-off ~0.15 s no request should pay."""
+        saved = copy.deepcopy((self.counters, self._reached, self._accepted, self._plain_steps))
+        n = max(1, min(self.prefill_chunk, self.max_model_len - self.k - 3))
+        self.generate([[0] * n], SamplingParams(max_tokens=2, ignore_eos=True))
+        self.counters, self._reached, self._accepted, self._plain_steps = saved
+        self._k_memo.clear()
+
     def _choose_k(self, num_rows: int, longest: int, mode: str) -> int:
         """Drafts for this step: the pinned k, else the candidate with the most expected emitted tokens per
         millisecond of its graph at this batch bucket (k drafts emit 1 + sum_i prod_{j<=i} alpha_j tokens per row,
         alpha_j the measured acceptance of position j given all before it, for this step's kind of rows; a position
         never reached takes the one before it). It drafts the whole block until 8 steps have reached the first
-        position, and once every PROBE_EVERY plain steps, so the statistics keep coming. Without graphs (CPU):
-        the whole block."""
+        position, and once every PROBE_EVERY plain steps, so the statistics keep coming; a choice is reused for
+        REPICK_EVERY steps of the same batch size, context bucket and mode. Without graphs (CPU): the whole block."""
         if self.drafts is None:
             return 0
         if self.pinned_k is not None:
@@ -271,6 +284,16 @@ class Engine:
         if reach[0] < 8 or self._plain_steps[group] >= PROBE_EVERY:
             self._plain_steps[group] = 0
             return self.k
+        memo = (num_rows, longest.bit_length(), mode)
+        hit = self._k_memo.get(memo)
+        if hit is None or hit[1] <= 0:
+            hit = self._k_memo[memo] = [self._best_k(num_rows, longest, mode, acc, reach), REPICK_EVERY]
+        hit[1] -= 1
+        best = hit[0]
+        self._plain_steps[group] = self._plain_steps[group] + 1 if best == 0 else 0
+        return best
+
+    def _best_k(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
         alpha, last = [], 0.5
         for j in range(self.k):
             last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
@@ -287,7 +310,6 @@ class Engine:
             rate = expected / ms
             if rate > best_rate:
                 best, best_rate = k, rate
-        self._plain_steps[group] = self._plain_steps[group] + 1 if best == 0 else 0
         return best
 
     def _count(self, n: int, a: int, group: str) -> None:

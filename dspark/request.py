@@ -93,16 +93,26 @@ class Request:
         self.num_drafts_per_step: list[int] = []
         self.finish_reason: str | None = None
         self.tokenizer = tokenizer  # decodes `text` on demand
+        # incremental detokenization: output_ids[:_read] decode to _stable and end on a character boundary;
+        # output_ids[_prefix:_read] is the window the next tokens are decoded after (vLLM's detokenizer)
+        self._stable, self._prefix, self._read = "", 0, 0
         self._text, self._text_at = "", 0
         # every random number the request draws is a function of this seed and its position (dspark.runner)
         self.seed = request_seed(seed if seed is not None else params.seed)
 
     @property
     def text(self) -> str:
-        """The decoded output (special tokens skipped), decoded again only when tokens were added since."""
+        """The decoded output (special tokens skipped; a trailing partial UTF-8 character shows as '\ufffd'). Each
+        call decodes only the tokens since the last character boundary, with the window before them as context,
+        so a stream costs O(new tokens) per step rather than the whole output."""
         if self._text_at != len(self.output_ids) and self.tokenizer is not None:
-            self._text = self.tokenizer.decode(self.output_ids, skip_special_tokens=True)
-            self._text_at = len(self.output_ids)
+            ids, dec = self.output_ids, self.tokenizer.decode
+            before = dec(ids[self._prefix:self._read], skip_special_tokens=True)
+            tail = dec(ids[self._prefix:], skip_special_tokens=True)[len(before):]
+            if tail and not tail.endswith("\ufffd"):  # a boundary: the next window starts at the old read point
+                self._stable += tail
+                self._prefix, self._read, tail = self._read, len(ids), ""
+            self._text, self._text_at = self._stable + tail, len(ids)
         return self._text
 
     @text.setter

@@ -29,6 +29,7 @@ COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step
 MIN_CONTEXT = 128  # the smallest context bucket (positions a step sees)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
 _I = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5}  # int columns, then the table
+NI = len(_I)
 
 
 def buckets(max_batch_size: int) -> list[int]:
@@ -66,9 +67,15 @@ class _Step:
 
     def __init__(self, key: StepKey, device):
         self.key = key
-        self.ints = torch.zeros(key.rows, len(_I) + key.width, dtype=torch.long, device=device)
-        self.pad: list[int] = []  # a padding row's ints (ModelRunner._pad_row), filled at first use
+        self.ints = torch.zeros(key.rows, NI + key.width, dtype=torch.long, device=device)
         self.floats = torch.zeros(key.rows, 2, dtype=torch.float32, device=device)  # temperature, top_p
+        # host staging (pinned on CUDA), filled in place each step through numpy views; its padding rows are set
+        # once. Reused safely: each step ends with a read that waits for the device, copies included.
+        pin = device.type == "cuda"
+        self.ints_host = torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=pin)
+        self.floats_host = torch.zeros(self.floats.shape, dtype=torch.float32, pin_memory=pin)
+        self.ints_np, self.floats_np = self.ints_host.numpy(), self.floats_host.numpy()
+        self.live = 0  # rows filled by the last step: rows past it hold padding
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.ms: float | None = None  # replay time, measured at capture
@@ -93,7 +100,6 @@ class ModelRunner:
         moes = [m for m in target.modules() if isinstance(m, LatentMoE)]
         set_static_moe(target, max([max_batch_size * (max_k + 1)] + [m.static_tokens for m in moes]))
         self._keep = [m._stacked for m in moes]
-        self._pin = self.device.type == "cuda"
         self.wait_s = 0.0  # host seconds spent waiting for the device in decode steps' reads (bench accounting)
 
     # ------------------------------------------------------------------ forward pieces
@@ -118,7 +124,7 @@ class ModelRunner:
         # columns as contiguous vectors: the Triton kernels (KDA step, Markov loop) index them as dense arrays
         pending, num_cached, num_new, slots = (ints[:, _I[c]].contiguous()
                                                for c in ("pending", "num_cached", "num_new", "slot"))
-        view = self.cache.device_view(num_cached, num_new, ints[:, len(_I):], slots, k + 1, k > 0)
+        view = self.cache.device_view(num_cached, num_new, ints[:, NI:], slots, k + 1, k > 0)
         sampling = None
         if key.mode != "greedy":
             filt = key.mode == "filter"
@@ -165,6 +171,8 @@ class ModelRunner:
         st = self.steps.get(key)
         if st is None:
             st = self.steps[key] = _Step(key, self.device)
+            st.ints_np[:] = self._pad_row(key.width)
+            st.floats_np[:] = (0.0, 1.0)
             if self.graphs:
                 self._capture(st)
         return st
@@ -174,8 +182,8 @@ class ModelRunner:
         return [0, 0, 1, self.cache.scratch_slot, 0, 0] + [self.cache.scratch_block] * width
 
     def _capture(self, st: _Step, warmup: int = 2, timed: int = 3) -> None:
-        st.ints.copy_(torch.tensor([self._pad_row(st.key.width)] * st.key.rows))
-        st.floats[:, 1] = 1.0
+        st.ints.copy_(st.ints_host)  # padding rows only
+        st.floats.copy_(st.floats_host)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
@@ -206,16 +214,17 @@ class ModelRunner:
         """One step for the live rows (tables already padded to key.width) -> per row [a, n, t_0 .. t_k]: a accepted
         drafts, n verified, then the emitted tokens (a drafts and the next token; -1 after)."""
         st = self._get(key)
-        B = len(rows)
-        ints = [[r.pending, c, r.num_drafts + 1, s, r.seed, r.top_k] + t
-                for r, t, c, s in zip(rows, tables, num_cached, slots)]
-        flo = [[r.temperature, r.top_p] for r in rows]
-        if B < key.rows:
-            st.pad = st.pad or self._pad_row(key.width)
-            ints += [st.pad] * (key.rows - B)
-            flo += [[0.0, 1.0]] * (key.rows - B)
-        st.ints.copy_(torch.tensor(ints, dtype=torch.long, pin_memory=self._pin), non_blocking=True)
-        st.floats.copy_(torch.tensor(flo, dtype=torch.float32, pin_memory=self._pin), non_blocking=True)
+        B, ints, flo = len(rows), st.ints_np, st.floats_np
+        for b, (r, t, c, s) in enumerate(zip(rows, tables, num_cached, slots)):
+            ints[b, :NI] = (r.pending, c, r.num_drafts + 1, s, r.seed, r.top_k)
+            ints[b, NI:] = t
+            flo[b] = (r.temperature, r.top_p)
+        if st.live > B:  # rows the last step used and this one does not: back to padding
+            ints[B:st.live] = self._pad_row(key.width)
+            flo[B:st.live] = (0.0, 1.0)
+        st.live = B
+        st.ints.copy_(st.ints_host, non_blocking=True)
+        st.floats.copy_(st.floats_host, non_blocking=True)
         if st.graph is not None:
             st.graph.replay()
             out = st.out

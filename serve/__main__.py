@@ -140,6 +140,9 @@ def check_options(args, sec: dict) -> Options:
     return o
 
 
+SWITCH_INTERVAL_S = 2e-4
+
+
 def _run_ours(args) -> int:
     import uvicorn
 
@@ -156,6 +159,9 @@ def _run_ours(args) -> int:
     if args.dry_run:
         shutdown(app)
         return 0
+    # the engine thread and the event loop share the GIL: when the loop holds it (streaming to many clients), the
+    # engine thread, whose device step has finished, waits up to the switch interval (5 ms by default) to go on
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         uvicorn.run(app, host=o.host, port=o.port, log_level="info")
     finally:

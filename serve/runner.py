@@ -62,6 +62,11 @@ class _Add:
     future: concurrent.futures.Future
 
 
+def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)
+
+
 class EngineDead(RuntimeError):
     """The engine thread is not running (it died, or the server is stopping)."""
 
@@ -76,6 +81,7 @@ class EngineRunner:
         self.recent: collections.deque[RequestOutput] = collections.deque(maxlen=recent)  # finished outputs
         self.error: str | None = None  # set if the thread died
         self.snapshot = self._snap()
+        self._out: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}  # events to deliver
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
 
     # ------------------------------------------------------------------ event-loop side
@@ -117,7 +123,7 @@ class EngineRunner:
                     cmd = ...
                 while cmd is not ...:
                     if cmd is None:
-                        return
+                        return  # (finally: flushes what _handle pushed)
                     self._handle(cmd)
                     try:
                         cmd = self._cmds.get_nowait()
@@ -125,6 +131,7 @@ class EngineRunner:
                         cmd = ...
                 if self.engine.has_work():
                     self._step()
+                self._flush()
                 self.snapshot = self._snap()
         except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop
             self.error = f"engine thread died: {type(e).__name__}: {e}"
@@ -132,6 +139,7 @@ class EngineRunner:
             for rid in list(self._streams):
                 self._finish(rid, "error", self.error)
         finally:
+            self._flush()
             self._exited.set()
             self._drain()
 
@@ -210,12 +218,17 @@ class EngineRunner:
         self._push(s, Event(list(toks), self._delta(s, final=True), reason, len(r.prompt_ids), len(r.output_ids),
                             error))
 
-    @staticmethod
-    def _push(s: _Stream, ev: Event) -> None:
-        try:
-            s.loop.call_soon_threadsafe(s.events.put_nowait, ev)
-        except RuntimeError:  # the loop is closed (server shutting down)
-            pass
+    def _push(self, s: _Stream, ev: Event) -> None:
+        self._out.setdefault(s.loop, []).append((s.events, ev))
+
+    def _flush(self) -> None:
+        """Hand this step's events to their event loops: one wake-up per loop per step, not one per request."""
+        out, self._out = self._out, {}
+        for loop, items in out.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass
 
     def _snap(self) -> Snapshot:
         e = self.engine
