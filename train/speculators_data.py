@@ -112,6 +112,7 @@ def export(seqs: Sequences, target, layer_ids: list[int], out: str | Path, batch
                 "train_data_ratio": (n_train + 0.5) / len(keep), "target": target_ref,
                 "target_layer_ids": ids, "speculators_target_layer_ids": [i + 1 for i in ids],
                 "hidden_size": target.config.hidden_size, "tokens": int(lens[keep].sum()),
+                "max_seq_len": int(lens[keep].max()),
                 "loss_tokens": int(masks[keep].sum())}
         (tmp / INFO).write_text(json.dumps(info, indent=2) + "\n")
         if out.exists():
