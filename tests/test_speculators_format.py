@@ -156,28 +156,34 @@ def _state(path):
     return load_file(str(path / "model.safetensors"))
 
 
-def test_round_trip_ours_speculators_ours_is_exact(dirs, tmp_path):
+@pytest.mark.parametrize("mode", ["dspark", "dflash"])
+def test_round_trip_ours_speculators_ours_is_exact(dirs, tmp_path, mode):
+    """dspark: anchor-as-first with both heads; dflash: the 1+N block without heads (speculators' DSpark with
+    sample_from_anchor false and no heads)."""
     target_dir = dirs[0]
     target = load_target(target_dir)
+    heads = dict(markov_rank=8, confidence_head_with_markov=True) if mode == "dspark" else dict(
+        mode="dflash", markov_rank=0, enable_confidence_head=False)
     cfg = DrafterConfig(vocab_size=VOCAB, hidden_size=HIDDEN, target_hidden_size=HIDDEN, target_layer_ids=[1, 3],
                         num_target_layers=LAYERS, mask_token_id=2, block_size=BLOCK, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
-                        max_position_embeddings=512, markov_rank=8, confidence_head_with_markov=True)
+                        max_position_embeddings=512, **heads)
     torch.manual_seed(3)
     drafter = DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(0.1 * torch.randn_like(p))  # the Markov w2 starts at zero: make every tensor count
-    export_drafter(drafter, tmp_path / "ours")
+    export_drafter(drafter, tmp_path / "ours", layout=mode)
     assert convert(tmp_path / "ours", target_dir, tmp_path / "spec") == "speculators"
-    assert convert(tmp_path / "spec", target_dir, tmp_path / "back") == "dspark"
+    assert convert(tmp_path / "spec", target_dir, tmp_path / "back") == mode
     assert json.loads((tmp_path / "back" / "config.json").read_text()) == \
         json.loads((tmp_path / "ours" / "config.json").read_text())
     a, b = _state(tmp_path / "ours"), _state(tmp_path / "back")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # speculators' own loader reads the converted dir: every saved weight is ours, the ids shifted by one
     spec = DSparkDraftModel.from_pretrained(str(tmp_path / "spec"))
-    assert spec.config.aux_hidden_state_layer_ids == [2, 4] and spec.config.confidence_head_with_markov
+    assert spec.config.aux_hidden_state_layer_ids == [2, 4]
+    assert spec.config.sample_from_anchor == (mode == "dspark") and (spec.markov_head is None) == (mode == "dflash")
     sd = spec.state_dict()
     assert all(torch.equal(sd[k], v) for k, v in a.items())
     torch.testing.assert_close(sd["embed_tokens.weight"], target.model.embed_tokens.weight, rtol=0, atol=0)
