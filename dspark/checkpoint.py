@@ -190,13 +190,13 @@ def convert(src: str | Path, target_dir: str | Path, out: str | Path, overwrite:
     dcfg.validate()
     from_speculators = is_speculators_config(raw)
     _, state = read_drafter_weights(src, dcfg, from_speculators)
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()})
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else "float32"  # what config.json says the weights are stored in
     if from_speculators:
-        config, layout = drafter_export_config(dcfg, dcfg.mode), dcfg.mode
-        config["torch_dtype"] = dtypes[0] if len(dtypes) == 1 else "float32"
+        config, layout = {**drafter_export_config(dcfg, dcfg.mode), "torch_dtype": dtype}, dcfg.mode
     else:
-        config = speculators_config(dcfg, str(target_dir), tcfg.get("architectures") or [])
-        config["dtype"], layout = (dtypes[0] if len(dtypes) == 1 else "float32"), "speculators"
+        config = {**speculators_config(dcfg, str(target_dir), tcfg.get("architectures") or []), "dtype": dtype}
+        layout = "speculators"
     save_checkpoint_dir(out, config, state)
     return layout
 
