@@ -5,13 +5,18 @@ BIN := $(VENV)/bin
 # torch 2.13.0: a CPU wheel on the project's CPU machines, the CUDA build from PyPI on a GPU box.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# speculators (the peer DSpark trainer; tests/test_speculators_*.py, bench/peer_speculators.py) is installed without its
+# dependencies: they pull torchvision, whose PyPI build is CUDA-only and breaks transformers' imports beside a CPU
+# torch. What it needs beyond ours (loguru, pydantic-settings) is in the dev extra.
+PEER_SPEC ?= speculators==0.9.0 hs-connectors==0.9.0
 
 .PHONY: quickstart quickstart-ablation test install data-sources lint bench clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" || $(BIN)/python -m pip install -q "torch>=2.6"
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps $(PEER_SPEC)
 	touch $@
 
 install: $(STAMP)

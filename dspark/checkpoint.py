@@ -1,17 +1,18 @@
-"""Loading targets and drafters, exporting drafters in vLLM's layouts, and `python -m dspark.checkpoint check`.
+"""Loading targets and drafters, exporting drafters in vLLM's layouts, and `python -m dspark.checkpoint check|convert`.
 
 File-level I/O (atomic save, strict load, sharded read) is dspark.checkpoint_io, shared with the models; the
-drafter config.json forms vLLM reads are dspark.drafter_json.
+drafter config.json forms vLLM reads are dspark.drafter_json, speculators' DSpark format dspark.speculators_format.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from dspark.checkpoint_io import load_state_strict, nonfinite_tensors, read_config, save_checkpoint_dir
+from dspark.checkpoint_io import check_state, nonfinite_tensors, read_config, read_weights, save_checkpoint_dir
 from dspark.drafter_json import (
     AUX_ID_FIELDS,
     K3_DEFAULT_ROPE_THETA,
@@ -20,9 +21,16 @@ from dspark.drafter_json import (
     resolve_mask_token_id,
     resolve_target_layer_ids,
 )
-from dspark.models.drafter import DSparkDrafter
+from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.qwen3 import Qwen3ForCausalLM
+from dspark.speculators_format import (
+    AUX_FIELD,
+    check_speculators_tensors,
+    drafter_config_from_speculators,
+    is_speculators_config,
+    speculators_config,
+)
 
 TARGETS = {"qwen3": Qwen3ForCausalLM, "kimi_linear": K3ForCausalLM, "kimi_k3": K3ForCausalLM}
 TOKENIZER_FILE = "tokenizer.json"
@@ -77,7 +85,7 @@ def check_drafter_against_target(dcfg, target, where: str, ids_field: str = "tar
     if dcfg.hidden_size != tc.hidden_size or dcfg.target_hidden_size != tc.hidden_size:
         raise ValueError(f"{where}: hidden_size {dcfg.hidden_size} / target_hidden_size {dcfg.target_hidden_size} "
                          f"!= target hidden_size {tc.hidden_size}")
-    off = dict(AUX_ID_FIELDS).get(ids_field, 0)  # aux-id fields count from 1
+    off = dict((*AUX_ID_FIELDS, AUX_FIELD)).get(ids_field, 0)  # aux-id fields count from 1
     bad = [i + off for i in dcfg.target_layer_ids if not 0 <= i < tc.num_hidden_layers]
     if bad:
         raise ValueError(f"{where}: {ids_field} {bad} out of range for the target's {tc.num_hidden_layers} "
@@ -112,23 +120,85 @@ def tensor_parallel_problems(cfg: dict, tp: int) -> list[str]:
     return out
 
 
+def drafter_config_of(raw: dict, where: str, num_target_layers: int) -> tuple[DrafterConfig, str, str]:
+    """A drafter config.json, in any of vLLM's forms (dspark.drafter_json) or speculators' DSpark form
+    (dspark.speculators_format) -> (DrafterConfig, the field the layer ids came from, that of the mask token)."""
+    if is_speculators_config(raw):
+        return drafter_config_from_speculators(raw, where, num_target_layers), AUX_FIELD[0], "mask_token_id"
+    return (drafter_config_from_json(raw, where), resolve_target_layer_ids(raw, where)[1],
+            resolve_mask_token_id(raw, where)[1])
+
+
+def read_drafter_weights(path: str | Path, dcfg: DrafterConfig, speculators: bool = False):
+    """-> (a drafter on the meta device, the dir's weights checked strictly against it, in their stored dtype)."""
+    state = read_weights(path)
+    if speculators:
+        check_speculators_tensors(state, str(Path(path)))
+    with torch.device("meta"):
+        drafter = DSparkDrafter(dcfg, torch.empty(dcfg.vocab_size, dcfg.hidden_size),
+                                torch.empty(dcfg.vocab_size, dcfg.hidden_size))
+    check_state(dict(drafter.state_dict()), state, str(Path(path)))
+    return drafter, state
+
+
 def load_drafter(path: str | Path, target, device=None, dtype=None):
-    """A drafter dir in any of vLLM's config forms (dspark.drafter_json), bound to (and checked against) its
-    target; weights loaded strictly."""
+    """A drafter dir in any of vLLM's config forms (dspark.drafter_json) or a speculators DSpark dir
+    (`speculators_model_type: "dspark"`), bound to (and checked against) its target; weights loaded strictly."""
     where = str(Path(path) / "config.json")
     raw = read_config(path)
-    dcfg = drafter_config_from_json(raw, where)
-    check_drafter_against_target(dcfg, target, where, resolve_target_layer_ids(raw, where)[1],
-                                 resolve_mask_token_id(raw, where)[1])
+    dcfg, ids_field, mask_field = drafter_config_of(raw, where, target.config.num_hidden_layers)
+    check_drafter_against_target(dcfg, target, where, ids_field, mask_field)
     dcfg.validate()
-    emb, head = target.model.embed_tokens.weight, target.lm_head.weight
-    with torch.device("meta"):
-        drafter = DSparkDrafter(dcfg, emb.to("meta"), head.to("meta"))
-    state = load_state_strict(path, drafter)
+    drafter, state = read_drafter_weights(path, dcfg, is_speculators_config(raw))
     drafter.load_state_dict(state, strict=False, assign=True)
-    drafter.set_target_weights(emb, head)
+    drafter.set_target_weights(target.model.embed_tokens.weight, target.lm_head.weight)
     p = next(target.parameters())
     return drafter.to(device=device or p.device, dtype=dtype or p.dtype).eval()
+
+
+def target_facts(target_dir: str | Path) -> tuple[SimpleNamespace, dict]:
+    """What checking a drafter needs of its target, without its weights: (an object with `.config` (vocab_size,
+    hidden_size, num_hidden_layers) and `.tokenizer` (None without one), the raw config.json)."""
+    cfg = read_config(target_dir)
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers")
+    for k in keys:
+        if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int):
+            raise ValueError(f"{Path(target_dir) / 'config.json'}: {k}: expected an integer (a target's config), "
+                             f"got {cfg.get(k)!r}")
+    tok = None
+    if (Path(target_dir) / TOKENIZER_FILE).is_file():
+        from transformers import AutoTokenizer  # slow to import: only when there is a tokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+    return SimpleNamespace(config=SimpleNamespace(**{k: cfg[k] for k in keys}), tokenizer=tok), cfg
+
+
+def convert(src: str | Path, target_dir: str | Path, out: str | Path, overwrite: bool = False) -> str:
+    """A speculators DSpark dir -> our vLLM layout (Qwen3DSparkModel, or DFlashDraftModel for its 1+N block), or one
+    of ours (qwen3 backbone) -> speculators' DSpark form; the direction follows SRC's config.json. The same checks as
+    load_drafter (against the target's config and tokenizer; its weights are not loaded), then the weights are copied
+    as stored (names and dtype unchanged) and the dir written whole. Returns the layout written."""
+    src, out = Path(src), Path(out)
+    if out.exists() and not overwrite:
+        raise ValueError(f"--out {out}: exists; pass --overwrite to replace it")
+    if out.resolve() in (src.resolve(), Path(target_dir).resolve()):
+        raise ValueError(f"--out {out}: must differ from the source and the target dirs")
+    where, raw = str(src / "config.json"), read_config(src)
+    target, tcfg = target_facts(target_dir)
+    dcfg, ids_field, mask_field = drafter_config_of(raw, where, target.config.num_hidden_layers)
+    check_drafter_against_target(dcfg, target, where, ids_field, mask_field)
+    dcfg.validate()
+    from_speculators = is_speculators_config(raw)
+    _, state = read_drafter_weights(src, dcfg, from_speculators)
+    dtypes = {str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()}
+    dtype = dtypes.pop() if len(dtypes) == 1 else "float32"  # what config.json says the weights are stored in
+    if from_speculators:
+        config, layout = {**drafter_export_config(dcfg, dcfg.mode), "torch_dtype": dtype}, dcfg.mode
+    else:
+        config = {**speculators_config(dcfg, str(target_dir), tcfg.get("architectures") or []), "dtype": dtype}
+        layout = "speculators"
+    save_checkpoint_dir(out, config, state)
+    return layout
 
 
 def check_pair(drafter_dir: str | Path, target_dir: str | Path, tp: int = 1):
@@ -145,7 +215,7 @@ def check_pair(drafter_dir: str | Path, target_dir: str | Path, tp: int = 1):
             k, n = bad[0]
             raise ValueError(f"{d}: {name} tensor {k!r} has {n} non-finite values (NaN/inf)"
                              + (f"; {len(bad)} tensors have some" if len(bad) > 1 else ""))
-    problems = tensor_parallel_problems(read_config(drafter_dir), tp)
+    problems = tensor_parallel_problems(drafter_export_config(drafter.config, drafter.config.mode), tp)
     if problems:
         raise ValueError(f"{Path(drafter_dir) / 'config.json'}: cannot shard at tensor_parallel_size {tp}: "
                          + "; ".join(problems) + " (serve it with draft_tensor_parallel_size 1)")
@@ -153,7 +223,8 @@ def check_pair(drafter_dir: str | Path, target_dir: str | Path, tp: int = 1):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """python -m dspark.checkpoint check DRAFTER --target TARGET [--tensor-parallel-size N]"""
+    """python -m dspark.checkpoint check DRAFTER --target TARGET [--tensor-parallel-size N]
+    python -m dspark.checkpoint convert SRC --target TARGET --out DST [--overwrite]"""
     ap = argparse.ArgumentParser(prog="python -m dspark.checkpoint", description=main.__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     chk = sub.add_parser("check", help="validate a drafter against its target (vocab, hidden, layer ids, mask, "
@@ -162,8 +233,20 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--target", required=True)
     chk.add_argument("--tensor-parallel-size", type=int, default=1,
                      help="also check that the drafter shards at this draft TP (vLLM's draft_tensor_parallel_size)")
+    conv = sub.add_parser("convert", help="a speculators DSpark checkpoint <-> our vLLM drafter layout (the "
+                                          "direction follows SRC's config.json)")
+    conv.add_argument("src")
+    conv.add_argument("--target", required=True, help="the target dir the drafter belongs to")
+    conv.add_argument("--out", required=True)
+    conv.add_argument("--overwrite", action="store_true", help="replace --out when it exists")
     args = ap.parse_args(argv)
     try:
+        if args.cmd == "convert":
+            layout = convert(args.src, args.target, args.out, args.overwrite)
+            name = {"speculators": "speculators DSpark", "dspark": "vLLM Qwen3DSparkModel",
+                    "dflash": "vLLM DFlashDraftModel"}[layout]
+            print(f"ok: {args.src} -> {args.out} ({name} layout)")
+            return 0
         target, drafter = check_pair(args.drafter, args.target, args.tensor_parallel_size)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -177,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["load_target", "load_drafter", "export_drafter", "check_drafter_against_target", "check_pair",
-           "tensor_parallel_problems", "read_config", "K3_DEFAULT_ROPE_THETA", "main"]
+           "convert", "drafter_config_of", "read_drafter_weights", "target_facts", "tensor_parallel_problems",
+           "read_config", "K3_DEFAULT_ROPE_THETA", "main"]
 
 if __name__ == "__main__":
     raise SystemExit(main())
