@@ -22,6 +22,8 @@
 #   serve          the server under load (bench/serve_bench.py): concurrency 1, 4, 16, 64 on code and prose prompts,
 #                  greedy and at temperature 0.7 -> $OUT/serve.json
 #   flex           the drafter's flex-attention block mask against the dense mask (bench/check_flex_cuda.py --diagnose)
+#   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
+#                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   exec CMD ...   any command in this environment (the carried wheels, multicast off, the autotune cache)
 #
 # ARGS go to the command the target runs: recipe overrides for train-* and ddp-compare (`max_minutes=5.5`), flags for
@@ -39,7 +41,7 @@ cd "$(dirname "$0")/.."
 target=${1:-}
 [ $# -gt 0 ] && shift
 case "$target" in
-  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|exec) ;;
+  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|k3-mini|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
@@ -52,7 +54,11 @@ DRAFTER_DIR=${DRAFTER_DIR:-$(ls -d runs/k3-mini-drafter/best 2>/dev/null || echo
 
 SITE=.cache/gpu-site
 if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+  stamp=$(ls .whl/*.whl | md5sum | cut -c1-12)  # installed once per set of wheels
+  if [ "$(cat "$SITE/.stamp" 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+      && echo "$stamp" > "$SITE/.stamp"
+  fi
   export PYTHONPATH=$PWD/$SITE:$PWD
 else
   export PYTHONPATH=$PWD
@@ -165,6 +171,11 @@ case "$target" in
     ;;
   flex)
     log flex python3 bench/check_flex_cuda.py --diagnose "$@" || rc=$?
+    ;;
+  k3-mini)
+    # shellcheck disable=SC2086 # the ARGS variables are word lists
+    bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} \
+      && { bash "$0" pair --profile "$OUT/profile.txt" || rc=$?; bash "$0" serve || rc=$?; } || rc=$?
     ;;
   exec)
     [ $# -gt 0 ] || { echo "run_gpu.sh exec: give the command to run" >&2; exit 2; }

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark.checkpoint import read_config, tensor_parallel_problems
+from dspark.speculators_format import is_speculators_config
 
 DSPARK_ARCHS = ("Qwen3DSparkModel", "K3DSparkModel", "DSparkDraftModel", "Qwen3OmniDSparkModel", "Gemma4DSparkModel")
 DFLASH_ARCHS = ("DFlashDraftModel",)
@@ -228,7 +229,10 @@ def build_command(target: str | Path, drafter: str | Path | None = None, *, reci
         spec = speculative_config(drafter, sec.get("num_speculative_tokens"), bool(sec.get("adaptive_verification")),
                                   sec.get("draft_top_k") or None)
         tp = int(dep_args[dep_args.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in dep_args else 1
-        if tp > 1 and tensor_parallel_problems(read_config(drafter), tp):  # vLLM: draft TP is 1 or the target's
+        dcfg = read_config(drafter)
+        if is_speculators_config(dcfg):  # the draft layers' shape sits in its transformer_layer_config
+            dcfg = dcfg.get("transformer_layer_config") or {}
+        if tp > 1 and tensor_parallel_problems(dcfg, tp):  # vLLM: draft TP is 1 or the target's
             spec["draft_tensor_parallel_size"] = 1
         argv += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
         if spec["method"] == "dspark":
