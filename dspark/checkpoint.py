@@ -11,7 +11,13 @@ from pathlib import Path
 
 import torch
 
-from dspark.checkpoint_io import load_state_strict, nonfinite_tensors, read_config, save_checkpoint_dir
+from dspark.checkpoint_io import (
+    checkpoint_state,
+    load_state_strict,
+    nonfinite_tensors,
+    read_config,
+    save_checkpoint_dir,
+)
 from dspark.drafter_json import (
     AUX_ID_FIELDS,
     K3_DEFAULT_ROPE_THETA,
@@ -58,7 +64,7 @@ def export_drafter(drafter, out_dir: str | Path, layout: str = "dspark", tokeniz
     if layout != cfg.mode:
         raise ValueError(f"export.layout: a {cfg.mode!r}-mode drafter cannot be exported as {layout!r} "
                          "(the query layouts differ: anchor-as-first vs 1+N fill-in)")
-    state = dict(drafter.state_dict())
+    state = checkpoint_state(drafter)  # vLLM's names: merged weights as their separate blocks
     if layout == "dspark" and cfg.enable_confidence_head is False:
         state = {k: v for k, v in state.items() if not k.startswith("confidence_head.")}
     out = save_checkpoint_dir(out_dir, drafter_export_config(cfg, layout), state)
@@ -140,7 +146,7 @@ def check_pair(drafter_dir: str | Path, target_dir: str | Path, tp: int = 1):
                                 "evaluation need it (save the tokenizer into the target dir)")
     drafter = load_drafter(drafter_dir, target)
     for name, model, d in (("target", target, target_dir), ("drafter", drafter, drafter_dir)):
-        bad = nonfinite_tensors(model.state_dict())
+        bad = nonfinite_tensors(checkpoint_state(model))
         if bad:
             k, n = bad[0]
             raise ValueError(f"{d}: {name} tensor {k!r} has {n} non-finite values (NaN/inf)"
