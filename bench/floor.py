@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark import Engine, SamplingParams  # noqa: E402
+from dspark.checkpoint_io import checkpoint_state  # noqa: E402
 from dspark.models.k3.config import K3TextConfig  # noqa: E402
 from dspark.models.k3.model import K3ForCausalLM  # noqa: E402
 from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config  # noqa: E402
@@ -60,7 +61,7 @@ def build(kind: str, shape: dict, device: str, dtype):
         torch.set_default_dtype(default)
     with torch.no_grad():  # small weights keep a random bf16 stream finite through the layers
         for name, p in model.named_parameters():
-            if p.dim() == 2 and "embed" not in name:
+            if (p.dim() == 2 or name.endswith(("w13_weight", "w2_weight"))) and "embed" not in name:  # + experts
                 p.normal_(0, 0.02)
     return model
 
@@ -135,7 +136,7 @@ def main(argv=None) -> None:
         from transformers import Qwen3ForCausalLM as HFQwen3
 
         hf = HFQwen3(model.config).to(dev, dtype).eval()
-        hf.load_state_dict(model.state_dict())
+        hf.load_state_dict(checkpoint_state(model))
         ids = torch.tensor([prompt], device=dev)
         hf.generate(ids, max_new_tokens=8, do_sample=False)
         t0 = time.perf_counter()

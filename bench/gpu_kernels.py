@@ -80,7 +80,7 @@ def bench_kda_sweep(iters):
     import dspark.kernels.kda_decode as kd
     B, H, T, P = 1, 6, 9, 6 * 128
     common = dict(_kda_inputs(B, T, H, True), lengths=torch.tensor([T], device="cuda"))
-    fused = torch.cat([common.pop(k) for k in ("qkv", "gate", "beta")], -1)  # [q|k|v | gate | b], as fused_in_weight
+    fused = torch.cat([common.pop(k) for k in ("qkv", "gate", "beta")], -1)  # [q|k|v | gate | b], KDA's in_proj
     layouts = {"contiguous": dict(qkv=fused[..., :3 * P].contiguous(), gate=fused[..., 3 * P:4 * P].contiguous(),
                                   beta=fused[..., 4 * P:].contiguous()),
                "fused slices": dict(qkv=fused[..., :3 * P], gate=fused[..., 3 * P:4 * P], beta=fused[..., 4 * P:])}
@@ -164,9 +164,8 @@ def bench_moe(iters):
 
     fields = yaml.safe_load(open(Path(__file__).resolve().parents[1] / "recipes/targets/k3-mini.yaml"))["model"]
     moe = LatentMoE(K3TextConfig(vocab_size=8192, **fields)).cuda().bfloat16().eval()
-    moe.stack_experts()
-    R, E, k = moe.experts[0].w2.weight.shape[0], moe.num_experts, moe.top_k
-    expert_bytes = sum(p.numel() * p.element_size() for p in moe.experts[0].parameters())
+    R, E, k = moe.experts.dim, moe.num_experts, moe.top_k
+    expert_bytes = sum(p[0].numel() * p.element_size() for p in moe.experts.parameters())
     with torch.no_grad():
         for N in (1, 4, 9, 36, 144, 576):
             z = torch.randn(N, R, device="cuda").bfloat16()

@@ -17,6 +17,7 @@ import torch
 
 from dspark.checkpoint import load_target
 from dspark.config import load_recipe
+from dspark.models.k3.moe import LatentMoE
 from dspark.models.k3.mxfp4 import convert_to_mxfp4
 from train.data import prepare_tokens
 from train.target import holdout_loss
@@ -34,7 +35,7 @@ def main() -> int:
     model = load_target(a.target)
     with torch.no_grad():
         before = holdout_loss(model, rows, 8, "cpu")
-        n_experts = sum(1 for n, _ in model.named_modules() if n.endswith(".w1"))
+        n_experts = sum(m.num_experts for m in model.modules() if isinstance(m, LatentMoE))
         convert_to_mxfp4(model)
         after = holdout_loss(model, rows, 8, "cpu")
         model.save_pretrained(a.out)

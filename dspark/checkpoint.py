@@ -12,7 +12,15 @@ from types import SimpleNamespace
 
 import torch
 
-from dspark.checkpoint_io import check_state, nonfinite_tensors, read_config, read_weights, save_checkpoint_dir
+from dspark.checkpoint_io import (
+    check_state,
+    checkpoint_state,
+    merge_checkpoint_state,
+    nonfinite_tensors,
+    read_config,
+    read_weights,
+    save_checkpoint_dir,
+)
 from dspark.drafter_json import (
     AUX_ID_FIELDS,
     K3_DEFAULT_ROPE_THETA,
@@ -66,7 +74,7 @@ def export_drafter(drafter, out_dir: str | Path, layout: str = "dspark", tokeniz
     if layout != cfg.mode:
         raise ValueError(f"export.layout: a {cfg.mode!r}-mode drafter cannot be exported as {layout!r} "
                          "(the query layouts differ: anchor-as-first vs 1+N fill-in)")
-    state = dict(drafter.state_dict())
+    state = checkpoint_state(drafter)  # vLLM's names: merged weights as their separate blocks
     if layout == "dspark" and cfg.enable_confidence_head is False:
         state = {k: v for k, v in state.items() if not k.startswith("confidence_head.")}
     out = save_checkpoint_dir(out_dir, drafter_export_config(cfg, layout), state)
@@ -130,14 +138,15 @@ def drafter_config_of(raw: dict, where: str, num_target_layers: int) -> tuple[Dr
 
 
 def read_drafter_weights(path: str | Path, dcfg: DrafterConfig, speculators: bool = False):
-    """-> (a drafter on the meta device, the dir's weights checked strictly against it, in their stored dtype)."""
+    """-> (a drafter on the meta device, the dir's weights (under the file's names) checked strictly against it, in
+    their stored dtype)."""
     state = read_weights(path)
     if speculators:
         check_speculators_tensors(state, str(Path(path)))
     with torch.device("meta"):
         drafter = DSparkDrafter(dcfg, torch.empty(dcfg.vocab_size, dcfg.hidden_size),
                                 torch.empty(dcfg.vocab_size, dcfg.hidden_size))
-    check_state(dict(drafter.state_dict()), state, str(Path(path)))
+    check_state(checkpoint_state(drafter), state, str(Path(path)))  # the file's (vLLM's) names
     return drafter, state
 
 
@@ -150,7 +159,7 @@ def load_drafter(path: str | Path, target, device=None, dtype=None):
     check_drafter_against_target(dcfg, target, where, ids_field, mask_field)
     dcfg.validate()
     drafter, state = read_drafter_weights(path, dcfg, is_speculators_config(raw))
-    drafter.load_state_dict(state, strict=False, assign=True)
+    drafter.load_state_dict(merge_checkpoint_state(drafter, state), strict=False, assign=True)
     drafter.set_target_weights(target.model.embed_tokens.weight, target.lm_head.weight)
     p = next(target.parameters())
     return drafter.to(device=device or p.device, dtype=dtype or p.dtype).eval()
@@ -210,7 +219,7 @@ def check_pair(drafter_dir: str | Path, target_dir: str | Path, tp: int = 1):
                                 "evaluation need it (save the tokenizer into the target dir)")
     drafter = load_drafter(drafter_dir, target)
     for name, model, d in (("target", target, target_dir), ("drafter", drafter, drafter_dir)):
-        bad = nonfinite_tensors(model.state_dict())
+        bad = nonfinite_tensors(checkpoint_state(model))
         if bad:
             k, n = bad[0]
             raise ValueError(f"{d}: {name} tensor {k!r} has {n} non-finite values (NaN/inf)"

@@ -2,6 +2,11 @@
 dir and one rename, weights read from `model.safetensors` or the shards of `model.safetensors.index.json`, and a
 strict name/shape check whose errors name the tensor.
 
+Checkpoint names vs the modules' own: a module that holds merged weights (dspark.models.layers.MergedLinear, the
+stacked experts of dspark.models.k3.experts) answers `checkpoint_views()` -> {own tensor name: [(checkpoint name
+beside the module, index into the tensor)]}; checkpoint_state() turns a model's state into the HF/vLLM names
+(views of the merged tensors, no copy) and merge_checkpoint_state() assembles the merged tensors back.
+
 Low level on purpose: it imports no model, so the models import it and `dspark.checkpoint` (which builds models)
 sits above both.
 """
@@ -12,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -123,11 +129,56 @@ def check_state(expected: dict[str, torch.Tensor | torch.Size], got: dict[str, t
             raise ValueError(f"{where}: tensor {k!r} has shape {tuple(got[k].shape)}, expected {shape}")
 
 
+def _views(model: torch.nn.Module) -> dict[str, list[tuple[str, Any]]]:
+    """state_dict name of every merged tensor -> [(checkpoint name, index into the merged tensor)]."""
+    out = {}
+    for name, module in model.named_modules():
+        views = getattr(module, "checkpoint_views", None)
+        if views is None:
+            continue
+        own = name + "." if name else ""
+        parent = name.rpartition(".")[0] + "." if "." in name else ""
+        for tensor, parts in views().items():
+            out[own + tensor] = [(parent + ck, idx) for ck, idx in parts]
+    return out
+
+
+def checkpoint_state(model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """`state` (default model.state_dict()) under the checkpoint's names: each merged tensor replaced by its blocks,
+    as views (no copy); every other tensor as it is."""
+    views = _views(model)
+    out = {}
+    for k, t in (model.state_dict() if state is None else state).items():
+        if k in views:
+            out.update((ck, t[idx]) for ck, idx in views[k])
+        else:
+            out[k] = t
+    return out
+
+
+def merge_checkpoint_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """checkpoint_state's inverse: checkpoint-named tensors -> the model's state_dict names, each merged tensor
+    assembled once from its blocks (in the blocks' dtype and device). Other names pass through; a merged tensor
+    with a block missing is left out (check_state against checkpoint_state(model) names it first)."""
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    out = dict(tensors)
+    for k, parts in _views(model).items():
+        if not all(ck in out for ck, _ in parts):
+            continue
+        first = out[parts[0][0]]
+        merged = torch.zeros(shapes[k], dtype=first.dtype, device=first.device)  # rows no block covers stay 0
+        for ck, idx in parts:
+            merged[idx] = out.pop(ck)
+        out[k] = merged
+    return out
+
+
 def load_state_strict(path: str | Path, model: torch.nn.Module, ignore: set[str] = frozenset()):
-    """The weights of checkpoint dir `path`, checked strictly against `model.state_dict()` (minus `ignore`)."""
+    """The weights of checkpoint dir `path`, checked strictly against the model's checkpoint names and shapes
+    (checkpoint_state, minus `ignore`), returned under the model's own names (merge_checkpoint_state)."""
     state = read_weights(path)
-    check_state(dict(model.state_dict()), state, str(Path(path)), ignore)
-    return {k: v for k, v in state.items() if k not in ignore}
+    check_state(checkpoint_state(model), state, str(Path(path)), ignore)
+    return merge_checkpoint_state(model, {k: v for k, v in state.items() if k not in ignore})
 
 
 def nonfinite_tensors(state: dict[str, torch.Tensor]) -> list[tuple[str, int]]:

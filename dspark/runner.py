@@ -99,7 +99,6 @@ class ModelRunner:
         # the model, so an engine never lowers what another engine on the same target needs
         moes = [m for m in target.modules() if isinstance(m, LatentMoE)]
         set_static_moe(target, max([max_batch_size * (max_k + 1)] + [m.static_tokens for m in moes]))
-        self._keep = [m._stacked for m in moes]
         self.wait_s = 0.0  # host seconds spent waiting for the device in decode steps' reads (bench accounting)
 
     # ------------------------------------------------------------------ forward pieces

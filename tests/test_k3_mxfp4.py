@@ -2,6 +2,7 @@
 import json
 
 import torch
+from safetensors.torch import load_file
 
 from dspark.kernels.mxfp4_matmul import FP4_E2M1_LUT
 from dspark.models.k3 import K3ForCausalLM, convert_to_mxfp4, dequantize_mxfp4, quantize_mxfp4
@@ -74,16 +75,21 @@ def test_mxfp4_model_save_load_reproduces_logits(tmp_path):
         ref = model(ids)
         convert_to_mxfp4(model)
         q = model(ids)
-    w1 = model.model.layers[1].block_sparse_moe.experts[3].w1
-    assert isinstance(w1, MXFP4Linear) and w1.weight_packed.shape == (32, 16) and w1.weight_scale.shape == (32, 1)
+    experts = model.model.layers[1].block_sparse_moe.experts  # 8 experts, [w1 | w3] 2 x 32 rows of 32 inputs
+    assert experts.mxfp4 and not list(experts.parameters())
+    assert experts.w13_weight_packed.shape == (8, 64, 16) and experts.w13_weight_scale.shape == (8, 64, 1)
     assert model.config.quantization_config["format"] == "mxfp4-pack-quantized"
     assert 0 < (q - ref).abs().max() < 0.5 * ref.abs().max()
     model.save_pretrained(tmp_path / "q")
     cfg = json.loads((tmp_path / "q" / "config.json").read_text())
     assert cfg["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    saved = load_file(str(tmp_path / "q" / "model.safetensors"))  # one packed tensor per expert and projection
+    w1 = "model.layers.1.block_sparse_moe.experts.3.w1"
+    assert saved[f"{w1}.weight_packed"].shape == (32, 16) and saved[f"{w1}.weight_scale"].shape == (32, 1)
+    assert torch.equal(saved[f"{w1}.weight_packed"], experts.w13_weight_packed[3, :32])
     loaded = K3ForCausalLM.from_pretrained(tmp_path / "q")
-    assert isinstance(loaded.model.layers[2].block_sparse_moe.experts[0].w2, MXFP4Linear)
-    assert loaded.model.layers[2].block_sparse_moe.shared_experts.gate_proj.weight.dtype == torch.float32
+    assert loaded.model.layers[2].block_sparse_moe.experts.mxfp4
+    assert loaded.model.layers[2].block_sparse_moe.shared_experts.gate_up_proj.weight.dtype == torch.float32
     with torch.no_grad():
         assert torch.equal(loaded(ids), q)
     assert isinstance(MXFP4Linear.from_linear(torch.nn.Linear(64, 8, bias=False)), MXFP4Linear)

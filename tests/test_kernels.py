@@ -262,8 +262,8 @@ def test_kda_reference_and_fallback_equal_the_layer():
     with torch.no_grad():
         layer.o_norm.weight.uniform_(0.5, 1.5)
         x = torch.randn(2, 5, 24)
-        qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], -1)
-        out, S, ext = kda_decode(qkv, layer.f_b_proj(layer.f_a_proj(x)), layer.b_proj(x), layer.g_proj(x),
+        qkv, gate, f_a, beta = layer.split_in_proj(layer.in_proj(x))
+        out, S, ext = kda_decode(qkv, layer.f_b_proj(f_a), beta, gate,
                                  layer.conv_weight(), qkv.new_zeros(2, 3, 48), layer.A_log, layer.dt_bias,
                                  layer.o_norm.weight, None, -5.0)
         assert _err(layer.o_proj(out), layer(x)) <= 1e-5

@@ -2,7 +2,8 @@
 drafter.py combines with the backbone-independent part (so this module never imports drafter.py).
 
 - `Qwen3Backbone` (backbone "qwen3", vLLM `Qwen3DSparkModel` / `DFlashDraftModel`): fc + hidden_norm, Qwen3
-  decoder layers whose context rows are [k_norm(k_proj(ctx)) + NeoX RoPE | v_proj(ctx)], final `norm`.
+  decoder layers whose context rows are [k_norm(k_proj(ctx)) + NeoX RoPE | v_proj(ctx)] (the k | v rows of
+  the merged qkv_proj), final `norm`.
 - `K3Backbone` (backbone "k3", vLLM `K3DSparkModel`, docs/vllm-contract.md): context_proj + context_norm, MLA
   layers (interleaved RoPE on q_pe/k_pe, no output gate, non-causal) + dense gate/up/down MLP, `final_norm`.
   A context row is the MLA latent [kv_a_layernorm(kv_c) | RoPE(k_pe)] of kv_a_proj_with_mqa(ctx), i.e. the
@@ -25,18 +26,20 @@ class DraftAttention(Qwen3Attention):
 
     def kv_rows(self, h: torch.Tensor, cos, sin) -> torch.Tensor:
         """h: [B, L, H] -> cache rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]."""
-        B, L, _ = h.shape
-        k = self.k_norm(self.k_proj(h).view(B, L, self.n_kv, self.head_dim)).transpose(1, 2)
-        k = apply_rope_neox(k, cos, sin)
-        v = self.v_proj(h).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
-        return torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
+        return self._rows(*self.qkv_proj.forward_parts(h, "k_proj", "v_proj").chunk(2, -1), cos, sin)
+
+    def _rows(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> torch.Tensor:
+        """k, v [B, L, n_kv*head_dim] projections -> rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]."""
+        B, L, _ = k.shape
+        k = apply_rope_neox(self.k_norm(k.reshape(B, L, self.n_kv, self.head_dim)).transpose(1, 2), cos, sin)
+        return torch.cat([k.transpose(1, 2).flatten(2), v.reshape(B, L, -1)], dim=-1)
 
     def attend(self, x, cos, sin, ctx_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x: [B, Q, H] queries; ctx_rows: [B, L, C]; mask: [B, 1, Q, L + Q] bool over [context ; block]."""
         B, Q, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, Q, self.n_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope_neox(q, cos, sin)
-        rows = torch.cat([ctx_rows.to(x.dtype), self.kv_rows(x, cos, sin)], dim=1)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # one GEMM for the block's queries and its own k / v
+        q = apply_rope_neox(self.q_norm(q.reshape(B, Q, self.n_heads, self.head_dim)).transpose(1, 2), cos, sin)
+        rows = torch.cat([ctx_rows.to(x.dtype), self._rows(k, v, cos, sin)], dim=1)
         k, v = rows.view(B, rows.shape[1], 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
         o = attention(q, k, v, mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))

@@ -1,4 +1,5 @@
-"""Qwen3 dense GQA target: one readable file, HF `Qwen3ForCausalLM` weights name for name.
+"""Qwen3 dense GQA target: one readable file, HF `Qwen3ForCausalLM` weights. In memory [q | k | v] and [gate | up]
+are one merged weight each (qkv_proj, gate_up_proj); the checkpoint keeps HF's names (dspark.checkpoint_io).
 
 forward(input_ids, batch=None, aux_layer_ids=None):
 - batch=None: full causal forward (training, teacher forcing);
@@ -17,8 +18,15 @@ from torch import nn
 from transformers import Qwen3Config
 
 from dspark.cache.batch import ForwardBatch
-from dspark.checkpoint_io import load_state_strict, read_config, save_checkpoint_dir
-from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, check_aux_layer_ids, rope_cos_sin
+from dspark.checkpoint_io import checkpoint_state, load_state_strict, read_config, save_checkpoint_dir
+from dspark.models.layers import (
+    GatedMLP,
+    MergedLinear,
+    RMSNorm,
+    apply_rope_neox,
+    check_aux_layer_ids,
+    rope_cos_sin,
+)
 
 
 def rope_theta_of(config) -> float:
@@ -32,18 +40,18 @@ class Qwen3Attention(nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        q, kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q_proj": q, "k_proj": kv, "v_proj": kv}, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, batch: ForwardBatch | None):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = v.reshape(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope_neox(q, cos, sin), apply_rope_neox(k, cos, sin)  # [B, H, T, D]
         if batch is None or batch.cache is None:
             mask, causal = (None, True) if batch is None else (batch.key_mask(T, T), False)
@@ -136,7 +144,7 @@ class Qwen3ForCausalLM(nn.Module):
         cfg = json.loads(self.config.to_json_string())
         cfg["architectures"] = ["Qwen3ForCausalLM"]
         cfg["rope_theta"] = self.rope_theta  # older loaders read the top-level key
-        state = {k: v for k, v in self.state_dict().items()
+        state = {k: v for k, v in checkpoint_state(self).items()
                  if not (self.config.tie_word_embeddings and k == "lm_head.weight")}
         save_checkpoint_dir(out_dir, cfg, state)
 

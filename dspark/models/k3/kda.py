@@ -17,7 +17,7 @@ from torch import nn
 from dspark.cache.state import kept_conv_window
 from dspark.kernels import use_triton
 from dspark.kernels.kda_decode import causal_conv_silu, kda_decode, kda_gate, kda_recurrent, l2norm
-from dspark.models.layers import RMSNorm
+from dspark.models.layers import MergedConv1d, MergedLinear, RMSNorm
 
 try:  # GPU fast path; never used on CPU
     from fla.ops.kda import chunk_kda as _fla_chunk_kda
@@ -105,7 +105,8 @@ def kda_fla(q, k, v, g, beta, initial_state=None, decode: bool = False):
 # the layer
 # ---------------------------------------------------------------------------------------------------------------
 class KimiDeltaAttention(nn.Module):
-    """K3 KDA layer (`self_attn.` of a KDA layer). Checkpoint names as in docs/k3-model.md, "Checkpoint names"."""
+    """K3 KDA layer (`self_attn.` of a KDA layer). Checkpoint names as in docs/k3-model.md, "Checkpoint names"; in
+    memory q/k/v/gate/f_a/b_proj are one weight (in_proj) and the q/k/v convs one (qkv_conv1d)."""
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, conv_size: int = 4,
                  gate_lower_bound: float | None = None, use_full_rank_gate: bool = True, layer_idx: int = 0):
@@ -114,21 +115,20 @@ class KimiDeltaAttention(nn.Module):
         self.num_heads, self.head_dim, self.conv_size, self.layer_idx = H, D, conv_size, layer_idx
         self.gate_lower_bound = gate_lower_bound
         self.use_full_rank_gate = use_full_rank_gate
-        self.q_proj = nn.Linear(hidden_size, P, bias=False)
-        self.k_proj = nn.Linear(hidden_size, P, bias=False)
-        self.v_proj = nn.Linear(hidden_size, P, bias=False)
-        if use_full_rank_gate:  # K3: full-rank output gate
-            self.g_proj = nn.Linear(hidden_size, P, bias=False)
-        else:  # Kimi Linear: low-rank output gate (fla puts a bias on the up projection)
-            self.g_a_proj = nn.Linear(hidden_size, D, bias=False)
+        # q, k, v, the output gate (K3: full-rank g_proj; Kimi Linear: low-rank g_a_proj, then g_b_proj with fla's
+        # bias), f_a and b as one weight, initialised in the separate modules' order (a seeded model is unchanged).
+        # Zero rows pad it to a multiple of 8: b_proj's H outputs otherwise leave the width unaligned (k3-mini:
+        # 4*768 + 128 + 6), and cuBLAS falls back to an alignment-2 kernel (50 us of the k3-mini verify step)
+        gate = {"g_proj": P} if use_full_rank_gate else {"g_a_proj": D}
+        self.in_proj = MergedLinear(hidden_size, {"q_proj": P, "k_proj": P, "v_proj": P, **gate, "f_a_proj": D,
+                                                  "b_proj": H}, init=False, align=8)
+        self.in_proj.reset_parts("q_proj", "k_proj", "v_proj", *gate)
+        if not use_full_rank_gate:
             self.g_b_proj = nn.Linear(D, P, bias=True)
-        self.f_a_proj = nn.Linear(hidden_size, D, bias=False)
+        self.in_proj.reset_parts("f_a_proj")
         self.f_b_proj = nn.Linear(D, P, bias=False)
-        self.b_proj = nn.Linear(hidden_size, H, bias=False)
-        # depthwise causal convs, weight [P, 1, W]
-        self.q_conv1d = nn.Conv1d(P, P, conv_size, groups=P, bias=False)
-        self.k_conv1d = nn.Conv1d(P, P, conv_size, groups=P, bias=False)
-        self.v_conv1d = nn.Conv1d(P, P, conv_size, groups=P, bias=False)
+        self.in_proj.reset_parts("b_proj")
+        self.qkv_conv1d = MergedConv1d({"q_conv1d": P, "k_conv1d": P, "v_conv1d": P}, conv_size)  # [3P, 1, W]
         self.A_log = nn.Parameter(torch.log(torch.empty(H).uniform_(1, 16)) if gate_lower_bound is None
                                   else torch.zeros(H))
         dt = torch.exp(torch.empty(P).uniform_(0, 1) * (torch.log(torch.tensor(0.1)) - torch.log(torch.tensor(1e-3)))
@@ -137,12 +137,16 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = RMSNorm(D, eps=1e-5)
         self.o_proj = nn.Linear(P, hidden_size, bias=False)
 
-    def output_gate(self, x: torch.Tensor) -> torch.Tensor:
-        return self.g_proj(x) if self.use_full_rank_gate else self.g_b_proj(self.g_a_proj(x))
-
     def conv_weight(self) -> torch.Tensor:
-        """The three depthwise convs as one [3P, W] weight (q | k | v)."""
-        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], 0).squeeze(1)
+        """The q | k | v depthwise convs as [3P, W] (a view of the merged weight)."""
+        return self.qkv_conv1d.weight.squeeze(1)
+
+    def split_in_proj(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """in_proj(x) [B, T, N] -> (raw q|k|v conv inputs [B, T, 3P], output gate [B, T, P], f_a [B, T, D],
+        beta logits [B, T, H]): column views (padding dropped); the low-rank gate goes through g_b_proj."""
+        _, _, _, gate, f_a, beta = self.in_proj.split(y)
+        qkv = y[..., self.in_proj.part_rows("q_proj", "k_proj", "v_proj")]
+        return qkv, (gate if self.use_full_rank_gate else self.g_b_proj(gate)), f_a, beta
 
     def short_conv(self, window: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """window [B, W-1, 3P] previous raw inputs, raw [B, T, 3P] -> (SiLU(conv) [B, T, 3P], ext [B, W-1+T, 3P])."""
@@ -159,15 +163,15 @@ class KimiDeltaAttention(nn.Module):
         record = cache is not None and batch.record
         if cache is not None and T <= FUSED_MAX_T and not torch.is_grad_enabled() and use_triton(x):
             return self._fused_step(x, S0, window, batch, record)  # masks the padding rows itself
-        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [B,T,3P] raw conv inputs
+        raw, gate, f_a, beta = self.split_in_proj(self.in_proj(x))  # raw: [B,T,3P] conv inputs
         valid = batch.valid(T) if batch is not None else None  # [B,T] bool
         if valid is not None:
             raw = raw * valid[..., None].to(raw.dtype)
         qkv, ext = self.short_conv(window, raw)
         q, k, v = (t.reshape(B, T, H, D) for t in qkv.chunk(3, -1))
         q, k = l2norm(q.float()), l2norm(k.float())
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(B, T, H, D), self.A_log, self.dt_bias, self.gate_lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B,T,H]
+        g = kda_gate(self.f_b_proj(f_a).view(B, T, H, D), self.A_log, self.dt_bias, self.gate_lower_bound)
+        beta = torch.sigmoid(beta.float())  # [B,T,H]
         if valid is not None:  # padding must leave the state untouched
             g = g * valid[..., None, None]
             beta = beta * valid[..., None]
@@ -182,8 +186,7 @@ class KimiDeltaAttention(nn.Module):
             o, S = kda_chunked(q, k, v, g, beta, S0)
         if cache is not None:
             self._write_cache(cache, batch, S, ext, record)
-        gate = self.output_gate(x).view(B, T, H, D)
-        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(gate)
+        o = self.o_norm(o.to(x.dtype)) * torch.sigmoid(gate.reshape(B, T, H, D))
         return self.o_proj(o.reshape(B, T, H * D))
 
     def _write_cache(self, cache, batch, S, ext, record: bool) -> None:
@@ -194,38 +197,13 @@ class KimiDeltaAttention(nn.Module):
             return
         cache.kda_write(self.layer_idx, S, kept_conv_window(ext, batch.num_new, self.conv_size - 1))
 
-    def _derived(self, name: str, weights, build) -> torch.Tensor:
-        """A tensor made from `weights` once, and again when one of them is replaced or updated in place."""
-        key = tuple((w.data_ptr(), w._version) for w in weights)
-        if getattr(self, name, (None,))[0] != key:
-            setattr(self, name, (key, build()))
-        return getattr(self, name)[1]
-
-    def _in_proj_modules(self) -> tuple[nn.Linear, ...]:
-        gate = self.g_proj if self.use_full_rank_gate else self.g_a_proj
-        return self.q_proj, self.k_proj, self.v_proj, gate, self.f_a_proj, self.b_proj
-
-    def fused_in_weight(self) -> torch.Tensor:
-        """[q | k | v | gate (g_proj, or g_a_proj) | f_a | b | zero rows to a multiple of 8] as one weight: a cached
-        step's input projections in one GEMM instead of six. Alone, b_proj's H outputs made cuBLAS run an
-        alignment-2 fallback kernel at 9 tokens (50 us of the k3-mini verify step). A copy: the layer's
-        input projections are held twice once a cached step has run (the modules keep theirs for training)."""
-        w = torch.cat([m.weight.detach() for m in self._in_proj_modules()], 0)
-        return F.pad(w, (0, 0, 0, -w.shape[0] % 8))
-
     def _fused_step(self, x, S0, window, batch, record: bool) -> torch.Tensor:
-        """A cached inference step of T <= FUSED_MAX_T tokens: the input projections in one GEMM (fused_in_weight),
-        whose column slices go to the two kernel launches as they are (conv + SiLU + L2 norm + gate + delta rule, then
+        """A cached inference step of T <= FUSED_MAX_T tokens: the input projections in one GEMM (in_proj), whose
+        column slices go to the two kernel launches as they are (conv + SiLU + L2 norm + gate + delta rule, then
         output norm and gate; dspark/kernels/kda_decode.py, tested against this layer's math). Padding rows
         (t >= num_new) leave the state untouched, as in forward."""
-        conv_w = self._derived("_conv_w", (self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight),
-                               lambda: self.conv_weight().float().contiguous())  # the fused [3P, W] fp32 copy
-        mods = self._in_proj_modules()
-        y = F.linear(x, self._derived("_in_w", [m.weight for m in mods], self.fused_in_weight))  # [B, T, >= 3P+G+D+H]
-        widths = [m.out_features for m in mods]
-        qkv, gate, f_a, beta = y[..., :sum(widths)].split([sum(widths[:3]), *widths[3:]], -1)  # padding dropped
-        gate = gate if self.use_full_rank_gate else self.g_b_proj(gate)
-        o, S, ext = kda_decode(qkv, self.f_b_proj(f_a), beta, gate, conv_w, window,
+        qkv, gate, f_a, beta = self.split_in_proj(self.in_proj(x))
+        o, S, ext = kda_decode(qkv, self.f_b_proj(f_a), beta, gate, self.conv_weight(), window,
                                self.A_log, self.dt_bias, self.o_norm.weight, S0, self.gate_lower_bound,
                                self.o_norm.eps, return_all_states=record, lengths=batch.num_new.to(x.device))
         self._write_cache(batch.cache, batch, S, ext, record)

@@ -2,7 +2,8 @@
 
 forward(input_ids [B, T], batch=None, aux_layer_ids=None) -> logits [B, T, V], or (logits, aux [B, T, n*hidden]).
 Checkpoints use the exact HF names (docs/k3-model.md, "Checkpoint names"); a kimi_k3-wrapped config puts them
-under `language_model.`.
+under `language_model.`. In memory the merged projections and the stacked experts are the only copy of their blocks
+(checkpoint_state_dict gives the HF names as views).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dspark.checkpoint_io import check_state, read_config, read_weights, save_checkpoint_dir
+from dspark.checkpoint_io import check_state, checkpoint_state, read_config, read_weights, save_checkpoint_dir
 from dspark.models.layers import GatedMLP, RMSNorm, check_aux_layer_ids
 
 from .attn_res import AttnResStream, attn_res
@@ -140,8 +141,8 @@ class K3ForCausalLM(nn.Module):
         return K3_PREFIX if self.config.wrapped_in_k3 else ""
 
     def checkpoint_state_dict(self) -> dict[str, torch.Tensor]:
-        """HF tensor names -> tensors (tied lm_head omitted)."""
-        sd = self.state_dict()
+        """HF tensor names -> tensors (tied lm_head omitted); blocks of merged weights are views of them."""
+        sd = checkpoint_state(self)
         if self.config.tie_word_embeddings:
             sd.pop("lm_head.weight", None)
         p = self._prefix()

@@ -4,18 +4,18 @@
     u = sum_{e in TopK} p_e * E_e(W_down x)                   # experts run in the latent width R
     y = W_up RMSNorm_R(u) + SharedMLP(x)
 Names: `block_sparse_moe.{gate, routed_expert_down_proj, routed_expert_norm, routed_expert_up_proj, experts.{e}.w1/w2/w3,
-shared_experts.{gate,up,down}_proj}`.
+shared_experts.{gate,up,down}_proj}` in the checkpoint; in memory the routed experts are two stacked weights
+(dspark/models/k3/experts.py, the only copy, float or MXFP4).
 
 Two ways to run the routed experts, same function:
 - loop (default): sort the (token, slot) pairs by expert and run each active expert once; the active set is read on
   the host (`bincount(...).tolist()`), so it cannot be captured in a CUDA graph.
 - gathered (`set_static_moe(model, max_tokens)`: forwards of N <= max_tokens tokens): every (token, slot) pair
-  gathers its expert's weights from stacked copies [E, 2I, R] / [E, R, I] (made once: a second copy of the expert
-  weights, MXFP4 ones dequantised) and runs one bmm per projection; device ops only (graph-safe), N*k*3*I*R
-  gathered weight elements per forward, so meant for decode / verify sizes. Once N*k >= E, every expert runs on
-  every token instead (weighted by the routing, 0 where not picked): each expert's weights read once, no copy.
-  Inference on CUDA below that: a grouped matvec (kernels/decode_gemv.py grouped_gemv) reads each pair's expert
-  rows in place from the stacked weights, also without the copy.
+  gathers its expert's weights from the stacks (index_select: N*k*3*I*R elements per forward, MXFP4 ones dequantised)
+  and runs one bmm per projection; device ops only (graph-safe), so meant for decode / verify sizes. Once N*k >= E,
+  every expert runs on every token instead (weighted by the routing, 0 where not picked): each expert's weights read
+  once, no gather. Float inference on CUDA below that: a grouped matvec (kernels/decode_gemv.py grouped_gemv) reads
+  each pair's expert rows in place from the stacks.
 """
 from __future__ import annotations
 
@@ -24,23 +24,10 @@ from torch import nn
 
 from dspark.kernels import use_triton
 from dspark.kernels.decode_gemv import grouped_gemv
-from dspark.models.layers import GatedMLP, RMSNorm, glu
+from dspark.models.layers import GatedMLP, RMSNorm
 
 from .config import K3TextConfig
-
-
-class Expert(nn.Module):
-    """w1 = gate, w3 = up [I, R]; w2 = down [R, I]. The Linears may be swapped for MXFP4Linear."""
-
-    def __init__(self, dim: int, intermediate: int, act: str, situ_beta, situ_linear_beta):
-        super().__init__()
-        self.w1 = nn.Linear(dim, intermediate, bias=False)
-        self.w2 = nn.Linear(intermediate, dim, bias=False)
-        self.w3 = nn.Linear(dim, intermediate, bias=False)
-        self.act, self.situ_beta, self.situ_linear_beta = act, situ_beta, situ_linear_beta
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.w2(glu(self.w1(z), self.w3(z), self.act, self.situ_beta, self.situ_linear_beta))
+from .experts import RoutedExperts
 
 
 class MoEGate(nn.Module):
@@ -76,13 +63,12 @@ class LatentMoE(nn.Module):
             self.routed_expert_down_proj = nn.Linear(H, R, bias=False)
             self.routed_expert_up_proj = nn.Linear(R, H, bias=False)
         self.routed_expert_norm = RMSNorm(R, eps=c.rms_norm_eps) if (self.latent and c.latent_moe_use_norm) else None
-        self.experts = nn.ModuleList(Expert(R, c.moe_intermediate_size, *act) for _ in range(E))
+        self.experts = RoutedExperts(E, R, c.moe_intermediate_size, *act)
         self.shared_experts = (GatedMLP(H, c.moe_intermediate_size * c.num_shared_experts, *act)
                                if c.num_shared_experts else None)
         # Quantile Balancing records: (scores [N, E], cutoffs [N]) per training forward since the last update
         self._qb_records: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.static_tokens = 0  # forwards of N <= static_tokens tokens take the gathered (graph-safe) path
-        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # ---- routing --------------------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,52 +143,45 @@ class LatentMoE(nn.Module):
             if n == 0:
                 continue
             tok = token_of[start:start + n]
-            y = self.experts[e](z[tok])
+            y = self.experts.expert(e, z[tok])
             out.index_add_(0, tok, y.float() * weight_of[start:start + n, None])
             start += n
         return out
 
     def stack_experts(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stacked copies of the routed experts' weights: ([w1 | w3] [E, 2I, R], w2 [E, R, I]), made once (a snapshot:
-        later weight updates are not seen; call again to refresh). MXFP4 experts are dequantised into them."""
-        with torch.no_grad():
-            dtype = dtype or self.gate.weight.dtype
-            w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in self.experts]).to(dtype)
-            w2 = torch.stack([e.w2.weight for e in self.experts]).to(dtype)
-        self._stacked = (w13, w2)
-        return self._stacked
+        """([w1 | w3] [E, 2I, R], w2 [E, R, I]) of the routed experts: the parameters themselves (a per-call copy
+        only for another dtype, or dequantised MXFP4 ones)."""
+        return self.experts.stacks(dtype)
 
     def _experts_gathered(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Same as _experts_loop with device ops only: per (token, slot) pair its expert's weights, one bmm each;
         when there are at least as many pairs as experts, every expert once on every token instead (_experts_dense)."""
         N, k = idx.shape
-        w13, w2 = self._stacked if self._stacked is not None else self.stack_experts()
+        ex = self.experts
         if N * k >= self.num_experts:
-            return self._experts_dense(z, idx, w, w13, w2)
+            return self._experts_dense(z, idx, w)
         flat = idx.reshape(-1)  # [N*k]
-        e = self.experts[0]
-        if not torch.is_grad_enabled() and use_triton(z, w13):  # the stacked weights read in place, no copy
+        if not ex.mxfp4 and not torch.is_grad_enabled() and use_triton(z, ex.w13_weight):  # read in place
+            w13, w2 = ex.stacks()
             zk = z.to(w13.dtype).repeat_interleave(k, 0)  # [N*k, R], row j = token j // k
-            gate, up = grouped_gemv(zk, w13, flat).chunk(2, -1)  # [N*k, I] each
-            a = glu(gate, up, e.act, e.situ_beta, e.situ_linear_beta).contiguous()
+            a = ex.glu(grouped_gemv(zk, w13, flat)).contiguous()  # [N*k, I]
             return (grouped_gemv(a, w2, flat).float().view(N, k, -1) * w[..., None]).sum(1)
+        w13, w2 = ex.stacks(self.gate.weight.dtype, flat)  # [N*k, 2I, R], [N*k, R, I]
         zk = z.to(w13.dtype)[:, None].expand(N, k, z.shape[-1]).reshape(N * k, -1, 1)  # [N*k, R, 1]
-        gate, up = torch.bmm(w13.index_select(0, flat), zk)[..., 0].chunk(2, -1)  # [N*k, I] each
-        a = glu(gate, up, e.act, e.situ_beta, e.situ_linear_beta)
-        y = torch.bmm(w2.index_select(0, flat), a[:, :, None])[..., 0]  # [N*k, R]
+        a = ex.glu(torch.bmm(w13, zk)[..., 0])  # [N*k, I]
+        y = torch.bmm(w2, a[:, :, None])[..., 0]  # [N*k, R]
         return (y.float().view(N, k, -1) * w[..., None]).sum(1)
 
-    def _experts_dense(self, z, idx, w, w13, w2) -> torch.Tensor:
+    def _experts_dense(self, z, idx, w) -> torch.Tensor:
         """All E experts on all N tokens, summed with the routing weights (0 for the experts a token did not pick):
-        reads each stacked expert once, where the gathered path would copy N*k experts' weights (a verify step of
-        9 tokens, top-2 of 16, copies 18). Two plain matmuls: [w1 | w3] of every expert as one [E*2I, R] weight,
-        then one bmm over experts (cuBLAS picks its regular kernels: no broadcast or transposed-input batch).
+        reads each expert once, where the gathered path would read N*k experts' weights (a verify step of 9 tokens,
+        top-2 of 16, reads 18). Two plain matmuls: [w1 | w3] of every expert as one [E*2I, R] weight, then one bmm
+        over experts (cuBLAS picks its regular kernels: no broadcast or transposed-input batch).
         z [N, R] -> [N, R] fp32."""
+        w13, w2 = self.experts.stacks(self.gate.weight.dtype)
         E, N, R = w13.shape[0], z.shape[0], z.shape[-1]
         h = torch.nn.functional.linear(z.to(w13.dtype), w13.view(-1, R)).view(N, E, -1)  # [N, E, 2I]
-        gate, up = h.chunk(2, -1)  # [N, E, I] each
-        e = self.experts[0]
-        a = glu(gate, up, e.act, e.situ_beta, e.situ_linear_beta).transpose(0, 1)  # [E, N, I]
+        a = self.experts.glu(h).transpose(0, 1)  # [E, N, I]
         y = torch.bmm(a, w2.transpose(1, 2))  # [E, N, R]
         route = torch.zeros(N, E, dtype=torch.float32, device=z.device).scatter_(1, idx, w.float())
         return (y.float() * route.t()[..., None]).sum(0)
@@ -216,14 +195,11 @@ class LatentMoE(nn.Module):
 
 def set_static_moe(model: nn.Module, max_tokens: int) -> int:
     """Route forwards of up to max_tokens tokens (per MoE call: batch rows x new tokens) of every LatentMoE in
-    `model` through the gathered, graph-safe expert path, stacking the expert weights on first use; 0 turns it off.
-    The stacked copies stay on the module (captured graphs point at them; stack_experts() refreshes them).
+    `model` through the gathered, graph-safe expert path (which reads the expert stacks in place); 0 turns it off.
     Returns the previous setting."""
     prev = 0
     for m in model.modules():
         if isinstance(m, LatentMoE):
             prev = m.static_tokens
             m.static_tokens = max_tokens
-            if max_tokens and m._stacked is None:
-                m.stack_experts()
     return prev

@@ -1,5 +1,6 @@
-"""MXFP4 routed experts: the Linear that holds `weight_packed` / `weight_scale`, the checkpoint's quantization_config,
-and the in-place conversion of a model's experts. The format itself (OCP Microscaling v1.0, E2M1 elements with one
+"""MXFP4 routed experts: the checkpoint's quantization_config, the in-place conversion of a model's experts (their
+stacks become packed buffers: RoutedExperts.to_mxfp4), and a single MXFP4 Linear holding `weight_packed` /
+`weight_scale` (the kernels' tests use it). The format itself (OCP Microscaling v1.0, E2M1 elements with one
 E8M0 scale per 32 inputs) and its codec live with the matmul kernel that decodes it: dspark/kernels/mxfp4_matmul.py.
 """
 from __future__ import annotations
@@ -11,7 +12,7 @@ from torch import nn
 from dspark.kernels.mxfp4_matmul import BLOCK, dequantize_mxfp4, quantize_mxfp4
 
 from .config import MXFP4_FORMAT
-from .moe import Expert
+from .experts import RoutedExperts
 
 
 class MXFP4Linear(nn.Module):
@@ -54,15 +55,10 @@ def mxfp4_quantization_config() -> dict:
 
 
 def convert_to_mxfp4(model: nn.Module, quantize: bool = True) -> nn.Module:
-    """Replace every routed expert's w1/w2/w3 with MXFP4Linear, in place. quantize=False only swaps the modules
-    (empty buffers: loading a quantised checkpoint fills them). Sets config.quantization_config if present."""
-    for expert in [m for m in model.modules() if isinstance(m, Expert)]:
-        for name in ("w1", "w2", "w3"):
-            lin = getattr(expert, name)
-            if isinstance(lin, MXFP4Linear):
-                continue
-            new = MXFP4Linear.from_linear(lin) if quantize else MXFP4Linear(lin.in_features, lin.out_features)
-            setattr(expert, name, new.to(lin.weight.device))
+    """Turn every routed expert stack's w1/w2/w3 into MXFP4, in place. quantize=False only swaps the storage (empty
+    buffers: loading a quantised checkpoint fills them). Sets config.quantization_config if present."""
+    for experts in [m for m in model.modules() if isinstance(m, RoutedExperts)]:
+        experts.to_mxfp4(quantize)
     config = getattr(model, "config", None)
     if config is not None and (quantize or not config.quantization_config):
         config.quantization_config = mxfp4_quantization_config()
