@@ -38,13 +38,13 @@ def count(drafter_recipe: str, target_recipe: str, rows: int) -> dict:
     T, D = dr.data.seq_len, cfg.num_drafts
     x = torch.randint(10, len(tok), (rows, T))
     anchors = sample_anchors(torch.ones(rows, T, dtype=torch.bool), dr.anchors_per_seq, D, torch.Generator().manual_seed(0))
-    w = LossWeights(dr.loss.ce, dr.loss.distill, dr.loss.confidence, dr.loss.decay_gamma)
+    w = LossWeights.from_recipe(dr.loss)
     with FlopCounterMode(display=False) as fc_target:
         with torch.no_grad():
             logits, aux = target(x, aux_layer_ids=cfg.target_layer_ids)
     with FlopCounterMode(display=False) as fc_drafter:
-        lab, tl = block_targets(logits, x, anchors, D, dr.data.labels)
-        loss, _ = drafter_loss(drafter, drafter(aux, x, anchors), x.gather(1, anchors), lab, tl, w)
+        lab, tl = block_targets(logits, x, anchors, D, dr.data.labels, with_logits=w.needs_target_logits)
+        loss, *_ = drafter_loss(drafter, drafter(aux, x, anchors), x.gather(1, anchors), lab, tl, w)
         loss.backward()
     scale = dr.optim.batch_size / rows
     return {"target_fwd": fc_target.get_total_flops() * scale, "drafter_fwd_bwd": fc_drafter.get_total_flops() * scale,

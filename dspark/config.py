@@ -310,6 +310,9 @@ class RegenerateConfig:
     code_prompts: float = doc(0.0, "share of the train prompts that end where a Python function's body begins (after "
                                    "its docstring, HumanEval's form), cut from the corpus's train .py files; the rest "
                                    "are corpus windows")
+    chat_prompts: float = doc(0.0, "share of the train prompts wrapped as a user turn in the target tokenizer's chat "
+                                   "template (with the assistant's generation prompt), so the target answers them as "
+                                   "a chat reply; needs a tokenizer with a chat template")
 
     def validate(self):
         at_least(self, "num_sequences new_tokens batch_size", 1)
@@ -332,16 +335,21 @@ class DrafterDataConfig:
 
 @dataclass
 class LossConfig:
-    ce: float = 1.0
+    ce: float = doc(1.0, "weight of the cross-entropy on the labels (the target's argmax)")
     distill: float = doc(0.0, "weight of the TV distance to the target distribution")
+    kl: float = doc(0.0, "weight of KL(p_target || q_draft) at each drafted position (soft targets)")
     confidence: float = doc(0.1, "weight of the confidence-head BCE")
-    decay_gamma: float | None = doc(None, "position decay exp(-d/gamma); None = block_size")
+    confidence_target: Literal["correct", "tv"] = doc(
+        "correct", "what the confidence head learns: correct = whether the greedy draft is the label (0/1); tv = "
+        "1 - TV(q_draft, p_target), the chance a draft sampled from q is accepted by rejection sampling")
+    decay_gamma: float | None = doc(None, "position decay exp(-d/gamma) of the ce, distill and kl terms; None = "
+                                          "block_size")
 
     def validate(self):
-        at_least(self, "ce distill confidence", 0.0)
-        if self.ce + self.distill <= 0:
-            raise RecipeError(f"ce: expected > 0 when distill is 0 (the drafter learns the tokens from one of "
-                              f"them), got ce={self.ce}, distill={self.distill}")
+        at_least(self, "ce distill kl confidence", 0.0)
+        if self.ce + self.distill + self.kl <= 0:
+            raise RecipeError(f"ce: expected > 0 when distill and kl are 0 (the drafter learns the tokens from one "
+                              f"of them), got ce={self.ce}, distill={self.distill}, kl={self.kl}")
         positive(self, "decay_gamma")
 
 
@@ -358,6 +366,11 @@ class DrafterRecipe:
     drafter: DrafterModelConfig = doc(DrafterModelConfig, "")
     data: DrafterDataConfig = doc(DrafterDataConfig, "")
     anchors_per_seq: int = doc(32, "random blocks trained per sequence in one pass")
+    anchors: Literal["uniform", "rejection"] = doc(
+        "uniform", "where blocks start: uniform = random loss positions; rejection = a share of them where a greedy "
+        "decode with the current drafter would start its next block (train/anchors.py)")
+    rejection_share: float = doc(0.5, "anchors=rejection: the share of each row's anchors drawn from those decode "
+                                      "starts (the rest uniform)")
     block_mask: Literal["auto", "flex", "dense"] = doc(
         "auto", "flex: flex-attention BlockMask (compiled, CUDA); dense: SDPA bool mask; auto: flex on CUDA "
         "(dense if its first step fails to compile, with a warning), dense on CPU")
@@ -397,6 +410,14 @@ class DrafterRecipe:
         if share > 0 and self.data.dataset is not None:
             raise RecipeError("data.regenerate.code_prompts: cut from the corpus, so it needs data.dataset unset "
                               f"(got data.dataset={self.data.dataset!r}); set code_prompts: 0 for a dataset")
+        if not 0.0 <= self.rejection_share <= 1.0:
+            raise RecipeError(f"rejection_share: expected a share in [0, 1], got {self.rejection_share}")
+        chat = self.data.regenerate.chat_prompts
+        if not 0.0 <= chat <= 1.0:
+            raise RecipeError(f"data.regenerate.chat_prompts: expected a share in [0, 1], got {chat}")
+        if chat > 0 and not self.data.regenerate.enabled:
+            raise RecipeError("data.regenerate.chat_prompts: wraps regeneration prompts, so it needs "
+                              "data.regenerate.enabled=true (or chat_prompts: 0)")
         if self.data.regenerate.enabled and max(lens) >= self.data.seq_len:
             raise RecipeError(f"data.regenerate.prompt_tokens: {max(lens)} leaves no response tokens in "
                               f"data.seq_len={self.data.seq_len} (sequences are cut to seq_len)")

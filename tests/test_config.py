@@ -115,7 +115,7 @@ def test_every_value_is_validated_at_load_time(tmp_path, base, override, message
 def test_mode_dependent_and_combined_checks(tmp_path):
     with pytest.raises(RecipeError, match=r"drafter.block_size: expected >= 2 in dflash mode, got 1"):
         load_recipe(write(tmp_path, DRAFTER), ["drafter.mode=dflash", "drafter.block_size=1"])
-    with pytest.raises(RecipeError, match=r"loss.ce: expected > 0 when distill is 0"):
+    with pytest.raises(RecipeError, match=r"loss.ce: expected > 0 when distill and kl are 0"):
         load_recipe(write(tmp_path, DRAFTER), ["loss.ce=0", "loss.distill=0"])
     with pytest.raises(RecipeError, match=r"resume, overwrite: choose one"):
         load_recipe(write(tmp_path, BASE), ["resume=true", "overwrite=true"])

@@ -100,6 +100,23 @@ def test_two_gloo_processes_equal_one_process_drafter(tmp_path):
     assert "| 3 |" in res.stdout and "loss, 2 GPUs" in res.stdout and "relative loss difference max" in res.stdout
 
 
+def test_two_gloo_processes_equal_one_process_with_rejection_anchors(tmp_path):
+    """anchors=rejection: each process trains half the blocks, but every process records the decode starts of the
+    whole global batch (the accepted lengths are gathered), so the anchors drawn later, and the model, are those of
+    one process (8 steps over 36 rows: rows come back with recorded starts)."""
+    r = _drafter_recipe(tmp_path)
+    r.update(max_steps=8, anchors="rejection", rejection_share=1.0, anchors_per_seq=4)
+    recipe = tmp_path / "drafter.yaml"
+    recipe.write_text(yaml.safe_dump(r))
+    one, two = _run(1, recipe, tmp_path / "one"), _run(2, recipe, tmp_path / "two")
+    r["optim"]["lr"] = 1e-12
+    recipe.write_text(yaml.safe_dump(r))
+    init = _run(1, recipe, tmp_path / "init")
+    moved = max((one[k] - init[k]).abs().max().item() for k in one)
+    diff = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert moved > 1e-3 and diff < 0.01 * moved
+
+
 def test_processes_regenerate_a_part_each_and_hold_the_same_sequences(tmp_path):
     """Regeneration is split over the data-parallel processes (prompts[rank::world]) and put back in order: 2 gloo
     processes write the same sequences as 1, each continued half of the prompts, and the parts are cleaned up."""
@@ -167,3 +184,27 @@ def test_max_minutes_is_one_decision_for_all_processes(tmp_path):
     one = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert one.returncode == 0 and Path(f"{script}.0").read_text() == "False False", one.stderr[-2000:]
 
+
+
+def test_the_loop_deadline_stops_all_processes_at_the_same_step(tmp_path):
+    """Deadline (the loop's max_minutes): rank 1's clock is past max_minutes, rank 0's is not; each step all-reduces
+    the flags and reads those of two steps earlier, so both processes stop at the same (third) step."""
+    code = ("import time\n"
+            "from accelerate import Accelerator\n"
+            "from train.loop import Deadline\n"
+            "acc = Accelerator(cpu=True)\n"
+            "start = time.time() - (120 if acc.process_index == 1 else 0)\n"
+            "d = Deadline(1.0, acc)\n"
+            "res = [d.passed(None)] + [d.passed(start) for _ in range(4)]\n"
+            "open(__file__ + f'.{acc.process_index}', 'w').write(str(res))\n"
+            "acc.wait_for_everyone()\n"
+            "import torch.distributed as dist\n"
+            "dist.destroy_process_group() if dist.is_initialized() else None\n")
+    script = tmp_path / "deadline.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    res = subprocess.run(torchrun + [str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    want = str([False, False, False, True, True])
+    assert [Path(f"{script}.{r}").read_text() for r in (0, 1)] == [want, want]

@@ -45,7 +45,9 @@ def test_loss_tau_counts_greedy_acceptance(target):
         logits = d.base_logits(h)  # markov_w2 starts at zero: logits are the base logits
     labels = logits.argmax(-1).clone()
     labels[0, :, 1] = (labels[0, :, 1] + 1) % 300  # row 0: second draft always wrong -> 1 accepted
-    _, m = drafter_loss(d, h, anchors, labels, None, LossWeights())
+    _, m, accepted = drafter_loss(d, h, anchors, labels, None, LossWeights())
+    assert accepted[0].tolist() == [1] * 5 and accepted[1].tolist() == [3] * 5
+    m = {k: float(v) for k, v in m.items()}
     assert m["tau"] == pytest.approx(1 + (5 * 1 + 5 * 3) / 10)
     assert m["acc0"] == 1.0 and m["acc1"] == 0.5
 

@@ -222,3 +222,75 @@ def test_block_mask_auto_falls_back_to_dense_when_flex_cannot_train():
     assert not _flex_compiles(lambda: d.train_forward(aux, x, anchors, flex=True).pow(2).mean(), d, acc)
     assert _flex_compiles(lambda: d.train_forward(aux, x, anchors, flex=False).pow(2).mean(), d, acc)
     assert all(p.grad is None for p in d.parameters())
+
+
+def test_rejection_anchors_resume_with_their_decode_starts(setup):
+    """anchors=rejection: the decode starts recorded per row are part of the checkpoint, so training again from the
+    step-3 checkpoint gives the model of the run that went straight to the end, bit for bit."""
+    path = recipe(setup, "rejection", anchors="rejection", rejection_share=1.0, anchors_per_seq=4)
+    res = train(path, "log.save_every=3")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (setup / "rejection" / "checkpoints" / "step-3" / "custom_checkpoint_0.pkl").is_file()
+    straight = load_file(str(setup / "rejection" / "final" / "model.safetensors"))
+    res = train(path, "log.save_every=3", "resume=true")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "resumed from" in res.stderr and "(step 3)" in res.stderr
+    again = load_file(str(setup / "rejection" / "final" / "model.safetensors"))
+    assert all(torch.equal(straight[k], again[k]) for k in straight)
+
+
+def test_bf16_runs_the_frozen_target_in_bf16_and_trains(setup):
+    """mixed_precision=bf16: the target of the training forward is the target loaded in bf16 (as served: its logits
+    close to the fp32 ones), the fp32 one it replaces is left as it was (the drafter's embedding and LM head); a bf16
+    run on CPU trains and logs every step once, in order."""
+    from dspark.config import load_recipe
+    from train.drafter import target_for_training
+
+    target = load_target(setup / "target")
+    same = target_for_training(target, load_recipe(recipe(setup, "fp32")), "cpu")
+    assert same is target
+    bf16 = target_for_training(target, load_recipe(recipe(setup, "bf16", mixed_precision="bf16")), "cpu")
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in bf16.parameters())
+    assert all(p.dtype == torch.float32 for p in target.parameters())
+    x = torch.randint(5, 300, (2, 24))
+    with torch.no_grad():
+        ref, got = target(x), bf16(x)
+    assert got.dtype == torch.bfloat16 and (got.float() - ref).abs().max() < 0.05 * ref.abs().max()
+    res = train(recipe(setup, "bf16", mixed_precision="bf16"), "max_steps=4")
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = [json.loads(ln) for ln in (setup / "bf16" / "train_log.jsonl").read_text().splitlines()]
+    assert [ln["step"] for ln in lines] == [1, 2, 3, 4] and all(ln["loss"] > 0 for ln in lines)
+    assert [ln["seconds"] for ln in lines] == sorted(ln["seconds"] for ln in lines)
+    assert json.loads((setup / "bf16" / "final_metrics.json").read_text())["final"]["tau"] >= 1.0
+
+
+def test_chat_prompts_regenerate_chat_template_turns(setup, tmp_path):
+    """data.regenerate.chat_prompts=1: every train prompt is a user turn of the target's chat template, the target
+    answers after the assistant header and only its answer is a loss token; the holdout prompts stay plain. A target
+    without a chat template is refused in one line before any work."""
+    from transformers import AutoTokenizer
+
+    regen = {"dataset": str(setup / "data.jsonl"), "seq_len": 64, "holdout_sequences": 3,
+             "regenerate": {"enabled": True, "num_sequences": 4, "prompt_tokens": 12, "new_tokens": 6,
+                            "chat_prompts": 1.0}}
+    res = train(recipe(setup, "chat", max_steps=1, data=regen))
+    assert res.returncode == 0, res.stderr[-2000:]
+    tok = AutoTokenizer.from_pretrained(str(setup / "target"))
+    seqs = torch.load(setup / "chat" / "sequences.pt")
+    for row, mask in zip(seqs["train"], seqs["train_mask"]):
+        start = int(mask.int().argmax())
+        text = tok.decode(row[:start])
+        assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+        assert int(mask.sum()) == 6
+    assert not any(tok.decode(r[:12]).startswith("<|im_start|>") for r in seqs["holdout"])
+    import shutil
+
+    shutil.copytree(setup / "target", tmp_path / "t")
+    cfg = json.loads((tmp_path / "t" / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (tmp_path / "t" / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "t" / "chat_template.jinja").unlink(missing_ok=True)
+    res = train(recipe(setup, "nochat", max_steps=1, target=str(tmp_path / "t"), data=regen))
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 2 and "data.regenerate.chat_prompts: the target tokenizer" in last, last
+    assert not (setup / "nochat").exists() or not any((setup / "nochat").iterdir())

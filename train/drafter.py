@@ -2,7 +2,9 @@
 
 Data: sequences from a local dataset or the corpus (tokenised with the target's tokenizer); `regenerate` lets the
 target write the continuations the drafter learns from. Each step computes the target features online (no disk),
-picks `anchors_per_seq` random anchors per sequence and trains all their blocks in one block-sparse pass.
+picks `anchors_per_seq` anchors per sequence (train/anchors.py) and trains all their blocks in one block-sparse pass.
+Under mixed_precision=bf16 the frozen target's training forward runs in bf16 (loaded again after regeneration),
+as it is served.
 """
 from __future__ import annotations
 
@@ -16,10 +18,11 @@ from dspark.checkpoint_io import read_config
 from dspark.config import DrafterRecipe
 from dspark.drafter_json import K3_DEFAULT_ROPE_THETA
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
+from train.anchors import DecodeStarts, sample_anchors, to_device
 from train.loop import LoopSpec, make_accelerator, run
 from train.losses import LossWeights, drafter_loss
 from train.outputs import preflight, start_run
-from train.sequences import Sequences, load_sequences
+from train.sequences import Sequences, check_chat_template, load_sequences
 
 log = logging.getLogger(__name__)
 
@@ -72,29 +75,29 @@ def _k3_fields(m, tc) -> dict:
             "logit_scale": float(getattr(m, "logit_scale", None) or 1.0)}
 
 
-def sample_anchors(loss_mask: torch.Tensor, num: int, drafts: int, generator: torch.Generator) -> torch.Tensor:
-    """loss_mask: [B, T] (True where a token is a training label). Anchors a in [1, T-1-drafts] whose first label
-    a+1 is in the mask; `num` per row, without replacement (rows with fewer valid anchors repeat some)."""
-    B, T = loss_mask.shape
-    pos = torch.arange(T)
-    ok = loss_mask.roll(-1, dims=1) & (pos >= 1) & (pos <= T - 1 - drafts)
-    if not bool(ok.any(1).all()):
-        raise ValueError("data: a sequence has no position to anchor a block (too short or no loss tokens)")
-    scores = torch.rand(B, T, generator=generator) + ok.float() * 2  # valid first, random among them
-    idx = scores.topk(min(num, T), dim=1).indices
-    valid = ok.gather(1, idx)
-    first = idx[:, :1].expand_as(idx)
-    return torch.where(valid, idx, first)[:, :num]
-
-
-def block_targets(target_logits, input_ids, anchors, drafts: int, labels: str):
-    """Per anchor a and draft d (predicting position a+1+d): the label and the target logits there."""
+def block_targets(target_logits, input_ids, anchors, drafts: int, labels: str, with_logits: bool = True):
+    """Per anchor a and draft d (predicting position a+1+d): the label and the target logits there ([B, A, D, V];
+    None unless with_logits: only the terms that read the target's distribution need them)."""
     offs = anchors[..., None] + torch.arange(drafts, device=anchors.device)  # [B, A, D]: position a+d
     B = input_ids.shape[0]
     rows = torch.arange(B, device=anchors.device)[:, None, None]
-    tl = target_logits[rows, offs]  # [B, A, D, V]: target's distribution for position a+d+1
-    lab = tl.argmax(-1) if labels == "target" else input_ids[rows, offs + 1]
+    tl = target_logits[rows, offs] if with_logits else None  # [B, A, D, V]: target's distribution for a+d+1
+    if labels == "target":
+        lab = tl.argmax(-1) if tl is not None else target_logits.argmax(-1)[rows, offs]
+    else:
+        lab = input_ids[rows, offs + 1]
     return lab, tl
+
+
+def target_for_training(target, recipe: DrafterRecipe, device):
+    """The target whose forward gives the training features. mixed_precision=bf16: the target loaded again in bf16,
+    as it is served (load_target keeps what each model keeps in fp32, e.g. K3's A_log), instead of an fp32 forward
+    outside the drafter's autocast; the fp32 one (regeneration, the drafter's embedding and LM head) is dropped.
+    Otherwise (no, fp16) the fp32 target as loaded."""
+    if recipe.mixed_precision != "bf16":
+        return target
+    log.info("mixed_precision=bf16: the frozen target runs in bf16")
+    return load_target(recipe.target, device=device, dtype="bfloat16").requires_grad_(False)
 
 
 def train_drafter(recipe: DrafterRecipe) -> dict:
@@ -111,6 +114,7 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
     target = load_target(recipe.target, device="cpu" if shard else accelerator.device)
     target.requires_grad_(False)
     tok = target.tokenizer
+    check_chat_template(recipe, tok)
     cfg = drafter_config(recipe, target, tok)
     emb, head = target.model.embed_tokens.weight, target.lm_head.weight
     if shard:  # the drafter keeps whole copies of the frozen embedding and LM head; the target's get sharded
@@ -118,10 +122,11 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
     drafter = DSparkDrafter(cfg, emb, head)
     start_run(recipe, accelerator)  # overwrite=true clears the earlier run only now, with everything checked
     seqs: Sequences = load_sequences(recipe, target, tok, accelerator)  # regenerated by all processes, in parts
+    target = target_for_training(target, recipe, "cpu" if shard else accelerator.device)
     if shard:
         shard_target(target, accelerator)
     D, A, ids = cfg.num_drafts, recipe.anchors_per_seq, cfg.target_layer_ids
-    weights = LossWeights(recipe.loss.ce, recipe.loss.distill, recipe.loss.confidence, recipe.loss.decay_gamma)
+    weights = LossWeights.from_recipe(recipe.loss)
     bs = recipe.optim.batch_size // accelerator.num_processes
     log.info("drafter (%s, block %d, %d layers, layer ids %s): %.2fM trainable params; %d train sequences",
              cfg.mode, cfg.block_size, cfg.num_hidden_layers, ids,
@@ -130,21 +135,33 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
     mask = {"flex": True, "dense": False}.get(recipe.block_mask, accelerator.device.type == "cuda")
 
     def forward(m, x, anchors, flex=None):
-        x, anchors = x.to(accelerator.device), anchors.to(accelerator.device)
+        """-> (loss, metrics, accepted [B, A])."""
+        x, anchors = to_device(x, accelerator.device), to_device(anchors, accelerator.device)
         with torch.no_grad():
             logits, aux = target(x, aux_layer_ids=ids)
-        lab, tl = block_targets(logits, x, anchors, D, recipe.data.labels)
+        lab, tl = block_targets(logits, x, anchors, D, recipe.data.labels, with_logits=weights.needs_target_logits)
         h = m(aux, x, anchors, flex=mask if flex is None else flex)  # through the DDP-wrapped module: synced grads
         return drafter_loss(accelerator.unwrap_model(m), h, x.gather(1, anchors), lab, tl, weights)
+
+    starts = None
+    if recipe.anchors == "rejection":
+        starts = DecodeStarts(len(seqs.train), seqs.train.shape[1], recipe.rejection_share, accelerator.device)
+        accelerator.register_for_checkpointing(starts)  # a resume continues with the same starts
 
     def loss_step(m, step):
         """Rows and anchors are drawn for the global batch, then sliced per process: N processes see exactly the
         blocks one process would (data parallel == single process with the same global batch)."""
         g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step)
         idx = torch.randint(0, len(seqs.train), (recipe.optim.batch_size,), generator=g)
-        anchors = sample_anchors(seqs.train_mask[idx], A, D, g)
+        if starts is None:
+            anchors = sample_anchors(seqs.train_mask[idx], A, D, g)
+        else:
+            anchors = starts.sample(idx, seqs.train_mask[idx], A, D, g)
         mine = slice(accelerator.process_index * bs, (accelerator.process_index + 1) * bs)
-        return forward(m, seqs.train[idx][mine], anchors[mine])
+        loss, metrics, accepted = forward(m, seqs.train[idx][mine], anchors[mine])
+        if starts is not None:
+            starts.update(idx, anchors, accelerator.gather(accepted) if accelerator.num_processes > 1 else accepted)
+        return loss, metrics
 
     if mask and recipe.block_mask == "auto":  # compile flex once (forward + backward) before training relies on it
         mask = _flex_compiles(lambda: forward(drafter, seqs.train[:bs], sample_anchors(
@@ -154,7 +171,8 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
         g = torch.Generator().manual_seed(12345)
         anchors = sample_anchors(seqs.holdout_mask, A, D, g)
         out = [forward(m, seqs.holdout[i:i + bs], anchors[i:i + bs])[1] for i in range(0, len(seqs.holdout), bs)]
-        return {k: sum(o[k] for o in out) / len(out) for k in out[0]}
+        vals = torch.stack([torch.stack(list(o.values())) for o in out]).tolist()  # one read: [chunks][metrics]
+        return {k: sum(v[j] for v in vals) / len(vals) for j, k in enumerate(out[0])}
 
     def save_final(m, path: Path):
         export_drafter(m, path, layout=recipe.export.layout or cfg.mode, tokenizer=tok)

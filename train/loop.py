@@ -45,6 +45,25 @@ def out_of_time(max_minutes: float | None, t_budget: float | None, accelerator) 
     return over
 
 
+class Deadline:
+    """max_minutes in the loop: out_of_time's one decision for all processes, without a host sync per step. With
+    several processes each step all-reduces the processes' clock flags and the loop reads the flag of two steps
+    earlier (complete by then; reading this step's would make the host wait for the device every step). Every process
+    reads the same flags at the same step, so all stop together, at most two steps after the first clock passed."""
+
+    def __init__(self, max_minutes: float | None, accelerator):
+        self.max_minutes, self.accelerator, self.flags = max_minutes, accelerator, []
+
+    def passed(self, t_budget: float | None) -> bool:
+        acc = self.accelerator
+        if self.max_minutes is None or t_budget is None or acc.num_processes == 1:
+            return out_of_time(self.max_minutes, t_budget, acc)
+        over = (time.time() - t_budget) / 60 > self.max_minutes
+        flag = torch.full((), float(over), device=acc.device)  # a fill, not a host->device copy (which syncs)
+        self.flags.append(acc.reduce(flag, reduction="sum"))
+        return len(self.flags) > 2 and self.flags.pop(0).item() > 0
+
+
 def cosine_lr(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:
     if step < warmup:
         return (step + 1) / warmup
@@ -113,17 +132,30 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
     # max_minutes counts from the end of this run's first step: that step compiles and autotunes (fla's KDA kernels
     # took 256 s of it on a fresh H200), a one-off that would otherwise eat a short run's budget
     t0, metrics, step = time.time(), {}, start_step
-    t_budget, prof = None, None
+    t_budget, prof, deadline = None, None, Deadline(recipe.max_minutes, accelerator)
+    pending = None  # the last step's (step, loss, metrics, seconds, lr): read once the next step is queued
+
+    def record(step_, loss_, values, seconds, lr) -> dict:
+        """One step's line in train_log.jsonl, the bar and wandb; its tensors read in one device->host copy."""
+        out = _read_values({"loss": loss_, "lr": lr, **values})
+        if step_log is not None:
+            step_log.write(json.dumps({"step": step_, "loss": out["loss"], "seconds": seconds}) + "\n")
+            step_log.flush()
+        bar.set_postfix(loss=f"{out['loss']:.3f}")
+        if step_ % recipe.log.log_every == 0 and wandb_run is not None:
+            wandb_run.log({f"train/{k}": v for k, v in out.items()}, step=step_)
+        return out
+
     bar = tqdm(total=recipe.max_steps, initial=start_step, desc=f"train {Path(recipe.output_dir).name}",
                disable=not accelerator.is_main_process, dynamic_ncols=True)
     model.train()
     while step < recipe.max_steps:
-        if out_of_time(recipe.max_minutes, t_budget, accelerator):
+        if deadline.passed(t_budget):
             log.info("max_minutes=%s reached at step %d", recipe.max_minutes, step)
             break
         for micro in range(oc.grad_accum):
             with accelerator.accumulate(model):
-                loss, metrics = spec.loss_step(model, step * oc.grad_accum + micro)
+                loss, step_metrics = spec.loss_step(model, step * oc.grad_accum + micro)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and oc.grad_clip > 0:
                     accelerator.clip_grad_norm_(model.parameters(), oc.grad_clip)
@@ -141,16 +173,17 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
                 prof = _StepProfile(accelerator.device, step + 1, recipe.log.profile_steps)
         elif prof is not None and prof.done(step, out):
             prof = None
+        # the step's loss and metrics stay on the device until the next step is queued: reading them now would make
+        # the host wait for this step before it can prepare the next one
         global_loss = accelerator.reduce(loss.detach().float(), reduction="mean")
-        metrics = {"loss": float(global_loss), "lr": sched.get_last_lr()[0], **metrics}
-        if step_log is not None:
-            step_log.write(json.dumps({"step": step, "loss": metrics["loss"], "seconds": time.time() - t0}) + "\n")
-            step_log.flush()
+        if pending is not None:
+            metrics = record(*pending)
+        pending = (step, global_loss, step_metrics, time.time() - t0, sched.get_last_lr()[0])
         bar.update(1)
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-        if step % recipe.log.log_every == 0 and wandb_run is not None:
-            wandb_run.log({f"train/{k}": v for k, v in metrics.items()}, step=step)
-        if step % recipe.log.eval_every == 0 or step == recipe.max_steps:
+        evaluate_now = step % recipe.log.eval_every == 0 or step == recipe.max_steps
+        if evaluate_now or step % recipe.log.save_every == 0:  # the log is complete up to an eval or checkpoint
+            metrics, pending = record(*pending), None
+        if evaluate_now:
             ev = _evaluate(spec, model, accelerator)
             history.append({"step": step, "minutes": (time.time() - t0) / 60, **ev})
             bar.write(f"step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in ev.items()))
@@ -161,6 +194,8 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         if step % recipe.log.save_every == 0 and step < recipe.max_steps:
             _save_checkpoint(accelerator, ckpt_root, step, {"history": history, "best": best,
                                                             "recipe": asdict(recipe)})
+    if pending is not None:  # stopped by max_minutes
+        metrics = record(*pending)
     bar.close()
     if prof is not None:  # training ended before the last profiled step
         prof.done(step, out, end=True)
@@ -184,6 +219,15 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         wandb_run.finish()
     accelerator.end_training()  # data parallel: destroys the process group, so no process exits mid-teardown
     return summary
+
+
+def _read_values(values: dict) -> dict:
+    """The tensor values (0-d) as floats, read in one device->host copy; other values kept as they are."""
+    keys = [k for k, v in values.items() if isinstance(v, torch.Tensor)]
+    if not keys:
+        return values
+    got = torch.stack([values[k].detach().float().reshape(()) for k in keys]).tolist()
+    return {**values, **dict(zip(keys, got))}
 
 
 def _evaluate(spec: LoopSpec, model, accelerator) -> dict:

@@ -1,4 +1,5 @@
-"""Drafter losses: decayed CE on what the target says, distillation, teacher-forced Markov, confidence BCE."""
+"""Drafter losses: decayed CE on what the target says, distillation (TV) and soft targets (KL) to the target's
+distribution, teacher-forced Markov, confidence BCE (against 0/1 correctness or 1 - TV)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,18 +14,35 @@ class LossWeights:
     distill: float = 0.0  # TV distance to the target's distribution at the aligned position
     confidence: float = 0.1
     decay_gamma: float | None = None  # w_d = exp(-d / gamma); None = block_size (DFlash: 7 for 16, 4 for 8)
+    kl: float = 0.0  # KL(p_target || q_draft) at the aligned position
+    confidence_target: str = "correct"  # "correct": 0/1 greedy correctness; "tv": 1 - TV(q_draft, p_target)
+
+    @classmethod
+    def from_recipe(cls, loss) -> LossWeights:
+        """From a recipe's LossConfig."""
+        return cls(loss.ce, loss.distill, loss.confidence, loss.decay_gamma, loss.kl, loss.confidence_target)
+
+    @property
+    def needs_target_logits(self) -> bool:
+        """Whether a term reads the target's distribution (not only its argmax)."""
+        return bool(self.distill or self.kl or (self.confidence and self.confidence_target == "tv"))
 
 
 def drafter_loss(drafter, h: torch.Tensor, anchor_tokens: torch.Tensor, labels: torch.Tensor,
-                 target_logits: torch.Tensor | None, w: LossWeights) -> tuple[torch.Tensor, dict]:
+                 target_logits: torch.Tensor | None, w: LossWeights) -> tuple[torch.Tensor, dict, torch.Tensor]:
     """h: [B, A, D, H] draft hidden states; anchor_tokens: [B, A]; labels: [B, A, D] (token each draft should
-    be, -100 = ignore); target_logits: [B, A, D, V] at the aligned positions (for distillation) or None.
+    be, -100 = ignore); target_logits: [B, A, D, V] at the aligned positions (for the terms that read the target's
+    distribution: w.needs_target_logits) or None.
 
     The Markov head is teacher-forced: prev_0 = anchor, prev_d = labels[d-1] (what an accepted draft is).
-    Returns the loss and metrics, incl. the greedy accepted length per block under that teacher forcing, which
-    equals the real greedy accepted length: while every earlier draft is correct, the drafter's own previous
-    draft is the label."""
+    Returns (loss, metrics, accepted): metrics are 0-d tensors (read them once per step, not one sync each), incl.
+    tau, the greedy accepted length per block under that teacher forcing, which equals the real greedy accepted
+    length: while every earlier draft is correct, the drafter's own previous draft is the label. accepted: [B, A]
+    the accepted drafts of each block (a greedy decode from anchor a starts its next block at a + accepted + 1)."""
     B, A, D, _ = h.shape
+    if w.needs_target_logits and target_logits is None:
+        raise ValueError("loss: distill, kl and confidence_target=tv read the target's distribution; "
+                         "drafter_loss got no target_logits")
     prev = torch.cat([anchor_tokens[..., None], labels[..., :-1].clamp(min=0)], dim=-1)  # [B, A, D]
     bias, m = drafter.markov(prev)
     logits = drafter.base_logits(h) + bias  # [B, A, D, V] fp32
@@ -33,20 +51,39 @@ def drafter_loss(drafter, h: torch.Tensor, anchor_tokens: torch.Tensor, labels: 
     pos_w = torch.exp(-torch.arange(D, device=h.device, dtype=torch.float32) / gamma)
     wgt = pos_w * valid  # [B, A, D]
     denom = wgt.sum().clamp(min=1.0)
+
+    def decayed(x):  # [B, A, D] -> the position-decayed mean over the valid drafts
+        return (x * wgt).sum() / denom
+
+    loss = logits.new_zeros(())
     ce = F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0), reduction="none").view(B, A, D)
-    loss = w.ce * (ce * wgt).sum() / denom
-    metrics = {"ce": float((ce.detach() * wgt).sum() / denom)}
-    if w.distill and target_logits is not None:
-        tv = 0.5 * (logits.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)  # [B, A, D]
-        loss = loss + w.distill * (tv * wgt).sum() / denom
-        metrics["tv"] = float((tv.detach() * wgt).sum() / denom)
+    if w.ce:
+        loss = loss + w.ce * decayed(ce)
+    metrics = {"ce": decayed(ce.detach())}  # also without the term: comparable between recipes
+    p = q = tv = None
+    if w.needs_target_logits:
+        p, q = target_logits.float().softmax(-1), logits.softmax(-1)  # [B, A, D, V]
+    if w.distill:
+        tv = 0.5 * (q - p).abs().sum(-1)  # [B, A, D]
+        loss = loss + w.distill * decayed(tv)
+        metrics["tv"] = decayed(tv.detach())
+    if w.kl:
+        p_log, q_log = target_logits.float().log_softmax(-1), logits.log_softmax(-1)
+        kl = F.kl_div(q_log, p_log, log_target=True, reduction="none").sum(-1)  # sum_v p (log p - log q): [B, A, D]
+        loss = loss + w.kl * decayed(kl)
+        metrics["kl"] = decayed(kl.detach())
     correct = (logits.argmax(-1) == labels) & valid  # [B, A, D]
     conf = drafter.confidence(h.detach(), None if m is None else m.detach())
     if conf is not None and w.confidence:
-        bce = F.binary_cross_entropy_with_logits(conf, correct.float(), reduction="none")
+        if w.confidence_target == "tv":  # the acceptance probability of a draft sampled from q: sum_v min(p, q)
+            goal = 1 - (tv.detach() if tv is not None else 0.5 * (q.detach() - p).abs().sum(-1))
+        else:
+            goal = correct.float()
+        bce = F.binary_cross_entropy_with_logits(conf, goal, reduction="none")
         loss = loss + w.confidence * (bce * valid).sum() / valid.sum().clamp(min=1)
-        metrics["conf_bce"] = float((bce.detach() * valid).sum() / valid.sum().clamp(min=1))
-    accepted = correct.long().cumprod(-1).sum(-1).float()  # [B, A]
-    metrics["tau"] = float(1 + accepted.mean())
-    metrics.update({f"acc{d}": float(correct[..., d].sum() / valid[..., d].sum().clamp(min=1)) for d in range(D)})
-    return loss, metrics
+        metrics["conf_bce"] = (bce.detach() * valid).sum() / valid.sum().clamp(min=1)
+    accepted = correct.long().cumprod(-1).sum(-1)  # [B, A]
+    metrics["tau"] = 1 + accepted.float().mean()
+    per_draft = correct.sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)  # [D]
+    metrics.update({f"acc{d}": per_draft[d] for d in range(D)})
+    return loss, metrics, accepted

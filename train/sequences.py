@@ -62,6 +62,13 @@ def load_records(spec: str) -> list[dict]:
     return list(ds)
 
 
+def chat_ids(tok, msgs: list[dict], add_generation_prompt: bool = False) -> list[int]:
+    """The token ids of `msgs` rendered by the tokenizer's chat template (a plain list, whatever the transformers
+    version returns by default)."""
+    return list(tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                        return_dict=False))
+
+
 def encode_record(rec: dict, tok) -> tuple[list[int], list[bool], list[int]]:
     """-> (ids, loss mask, prompt ids for regeneration). Chat records ('messages' or ShareGPT 'conversations')
     go through the chat template; only assistant tokens are loss tokens."""
@@ -76,13 +83,13 @@ def encode_record(rec: dict, tok) -> tuple[list[int], list[bool], list[int]]:
             for m in msgs]
     ids, mask = [], []
     for i, m in enumerate(msgs):  # render incrementally so the mask follows the template exactly
-        before = tok.apply_chat_template(msgs[:i], tokenize=True) if i else []
-        after = tok.apply_chat_template(msgs[: i + 1], tokenize=True)
+        before = chat_ids(tok, msgs[:i]) if i else []
+        after = chat_ids(tok, msgs[: i + 1])
         new = list(after)[len(before):]
         ids += new
         mask += [m["role"] == "assistant"] * len(new)
     last_user = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=0)
-    prompt = list(tok.apply_chat_template(msgs[: last_user + 1], tokenize=True, add_generation_prompt=True))
+    prompt = chat_ids(tok, msgs[: last_user + 1], add_generation_prompt=True)
     return ids, mask, prompt
 
 
@@ -173,6 +180,25 @@ def _train_prompts(recipe, items, points, n: int, lens: list[int], g: torch.Gene
     return [prompts[i] for i in torch.randperm(len(prompts), generator=gc).tolist()]
 
 
+def check_chat_template(recipe, tok) -> None:
+    """data.regenerate.chat_prompts > 0 needs a target tokenizer with a chat template (checked before any work)."""
+    if recipe.data.regenerate.enabled and recipe.data.regenerate.chat_prompts > 0 and not getattr(
+            tok, "chat_template", None):
+        raise ValueError(f"data.regenerate.chat_prompts: the target tokenizer ({recipe.target}) has no chat template "
+                         "to wrap prompts in; set data.regenerate.chat_prompts=0, or give the target dir a "
+                         "chat_template (tokenizer_config.json or chat_template.jinja)")
+
+
+def wrap_chat_prompts(prompts: list[list[int]], share: float, tok, g: torch.Generator) -> list[list[int]]:
+    """data.regenerate.chat_prompts: round(share * n) of the prompts, chosen at random, become one user turn of
+    the tokenizer's chat template followed by the assistant's generation prompt (the text of the prompt is the
+    turn's content; the template adds its own tokens). The others are kept as they are."""
+    n = round(share * len(prompts))
+    chosen = set(torch.randperm(len(prompts), generator=g)[:n].tolist())
+    return [chat_ids(tok, [{"role": "user", "content": tok.decode(p)}], add_generation_prompt=True)
+            if i in chosen else p for i, p in enumerate(prompts)]
+
+
 def regenerate(target, tokenizer, prompts: list[list[int]], new_tokens: int, temperature: float, batch_size: int,
                seeds: list[int]) -> list[list[int]]:
     """The target continues every prompt (the field's standard recipe: learn from what the target says) through the
@@ -238,6 +264,11 @@ def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
         if d.regenerate.enabled:
             if split == "train":
                 prompts = _train_prompts(recipe, items, points, n, lens, g)
+                if d.regenerate.chat_prompts > 0:
+                    prompts = wrap_chat_prompts(prompts, d.regenerate.chat_prompts, tok,
+                                                torch.Generator().manual_seed(recipe.seed + 3))
+                    log.info("regenerate: %d of the %d train prompts are user turns of the chat template",
+                             round(d.regenerate.chat_prompts * len(prompts)), len(prompts))
             else:  # its own generator: the holdout prompts do not depend on how the train prompts were drawn
                 prompts = pick_prompts(items, n, lens, torch.Generator().manual_seed(recipe.seed + 1),
                                        passes=d.dataset is None)

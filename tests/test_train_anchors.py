@@ -1,0 +1,79 @@
+"""Training anchors: uniform, and `anchors: rejection` (DecodeStarts) drawn toward where a greedy decode starts."""
+import pytest
+import torch
+
+from train.anchors import DecodeStarts, sample_anchors, valid_anchors
+
+T, DRAFTS, HARD = 64, 4, 5  # in these tests the drafter misses exactly the tokens at positions 0 mod HARD
+
+
+def accepted_at(anchors: torch.Tensor) -> torch.Tensor:
+    """Greedy accepted drafts of a block at each anchor for a drafter that gets every token right except those at
+    positions 0 mod HARD: the drafts run up to the next such position (at most DRAFTS)."""
+    nxt = (anchors // HARD + 1) * HARD  # the next hard position after a
+    return (nxt - anchors - 1).clamp(max=DRAFTS)
+
+
+def decode_walk(start: int) -> list[int]:
+    """The anchors a greedy decode visits from `start`: a, then a + accepted + 1, ..."""
+    out, a = [], start
+    while a <= T - 1 - DRAFTS:
+        out.append(a)
+        a += int(accepted_at(torch.tensor(a))) + 1
+    return out
+
+
+def test_uniform_anchors_are_distinct_valid_positions():
+    mask = torch.zeros(3, T, dtype=torch.bool)
+    mask[:, 10:] = True
+    a = sample_anchors(mask, 8, DRAFTS, torch.Generator().manual_seed(0))
+    ok = valid_anchors(mask, DRAFTS)
+    assert a.shape == (3, 8) and bool(ok.gather(1, a).all())
+    assert all(len(set(r)) == 8 for r in a.tolist()) and a.min() >= 9 and a.max() <= T - 1 - DRAFTS
+
+
+def test_rejection_anchors_follow_the_decode_walk():
+    """After a row is trained once, share x num of its anchors are where that step's blocks ended (a + accepted + 1):
+    for this drafter, only hard positions, which is where a greedy decode starts its blocks after the first. The
+    other anchors are uniform, and a row not yet trained gets uniform anchors only."""
+    n_rows, num = 4, 8
+    mask = torch.ones(n_rows, T, dtype=torch.bool)
+    starts = DecodeStarts(n_rows, T, share=0.5, device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([0, 1])
+    first = starts.sample(rows, mask[rows], num, DRAFTS, g)
+    starts.update(rows, first, accepted_at(first))
+    ends = [set(r) for r in (first + accepted_at(first) + 1).tolist()]
+    decode_starts = {p for s in range(1, HARD + 1) for p in decode_walk(s)[1:]}  # every start after the first
+    assert decode_starts == set(range(HARD, T - DRAFTS, HARD))
+    assert all(e <= decode_starts | {T - 1} for e in ends)  # T - 1: a block that ran past the row's end
+    again = starts.sample(torch.tensor([0, 1, 2]), mask[:3], num, DRAFTS, g)
+    for row, row_ends in zip(again.tolist()[:2], ends):
+        assert len(set(row)) == num and all(1 <= p <= T - 1 - DRAFTS for p in row)
+        assert len(row_ends & decode_starts) >= 4 and len(set(row) & row_ends) >= 4, (row, row_ends)
+    assert sum(p % HARD == 0 for p in again[2].tolist()) < num // 2  # the untrained row: no pull toward them
+
+
+def test_rejection_share_one_draws_every_recorded_start_first():
+    mask = torch.ones(1, T, dtype=torch.bool)
+    starts = DecodeStarts(1, T, share=1.0, device=torch.device("cpu"))
+    starts.update(torch.tensor([0]), torch.tensor([[3, 20, 40]]), torch.tensor([[1, 4, 0]]))
+    assert starts.starts[0].nonzero().flatten().tolist() == [5, 25, 41]
+    a = starts.sample(torch.tensor([0]), mask, 5, DRAFTS, torch.Generator().manual_seed(1))
+    assert set(a[0, :3].tolist()) == {5, 25, 41} and len(set(a[0].tolist())) == 5
+    starts.update(torch.tensor([0]), torch.tensor([[10]]), torch.tensor([[2]]))  # a row's starts are replaced
+    assert starts.starts[0].nonzero().flatten().tolist() == [13]
+    state = starts.state_dict()
+    fresh = DecodeStarts(1, T, share=1.0, device=torch.device("cpu"))
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.starts, starts.starts)
+
+
+def test_recipe_anchor_fields_are_validated():
+    from dspark.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"anchors: expected one of \['uniform', 'rejection'\]"):
+        load_recipe("recipes/quickstart.yaml", ["anchors=walked"])
+    with pytest.raises(RecipeError, match=r"rejection_share: expected a share in \[0, 1\]"):
+        load_recipe("recipes/quickstart.yaml", ["anchors=rejection", "rejection_share=2"])
+    assert load_recipe("recipes/quickstart.yaml").anchors == "uniform"

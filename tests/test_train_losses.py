@@ -1,0 +1,98 @@
+"""Drafter loss options: soft targets (loss.kl) and the confidence head's target (loss.confidence_target)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.targets import make_target
+from tests.test_engine import make_drafter
+from train.losses import LossWeights, drafter_loss
+
+B, A, D, H, V = 2, 3, 4, 64, 300
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return make_drafter(make_target("qwen3", vocab=V), block_size=D)
+
+
+def inputs(drafter, seed=0):
+    """Hidden states, anchor tokens, the target's logits and its argmax labels at the drafted positions."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(B, A, D, H, generator=g)
+    anchors = torch.randint(2, V, (B, A), generator=g)
+    target_logits = drafter.base_logits(torch.randn(B, A, D, H, generator=g)).detach() * 4.0  # a few likely tokens
+    return h, anchors, target_logits.argmax(-1), target_logits
+
+
+def draft_logits(drafter, h, anchors, labels):
+    prev = torch.cat([anchors[..., None], labels[..., :-1]], dim=-1)
+    return drafter.base_logits(h) + drafter.markov(prev)[0]
+
+
+def test_kl_is_the_decayed_kl_to_the_target_distribution(drafter):
+    """loss.kl alone: the loss is sum_d w_d KL(p_d || q_d) / sum_d w_d over the valid drafts, w_d = exp(-d/gamma)
+    like the CE's; the default weights (kl 0) give the same loss as before the option existed (CE + confidence)."""
+    h, anchors, labels, tl = inputs(drafter)
+    labels[0, 0, 2] = -100  # an ignored draft counts in neither sum
+    loss, m, _ = drafter_loss(drafter, h, anchors, labels, tl, LossWeights(ce=0.0, kl=1.0, confidence=0.0))
+    q_log = draft_logits(drafter, h, anchors, labels.clamp(min=0)).log_softmax(-1)
+    p_log = tl.log_softmax(-1)
+    kl = (p_log.exp() * (p_log - q_log)).sum(-1)  # [B, A, D]
+    w = torch.exp(-torch.arange(D) / D) * (labels >= 0)
+    assert loss.item() == pytest.approx(((kl * w).sum() / w.sum()).item(), rel=1e-5)
+    assert m["kl"].item() == pytest.approx(loss.item(), rel=1e-6)
+    base, _, _ = drafter_loss(drafter, h, anchors, labels, None, LossWeights())
+    with_kl_off, _, _ = drafter_loss(drafter, h, anchors, labels, tl, LossWeights(kl=0.0))
+    assert torch.equal(base, with_kl_off)
+
+
+def test_soft_targets_learn_the_target_distribution_where_ce_learns_its_argmax(drafter):
+    """Fitting the draft hidden states by each loss: KL brings q to the target's spread-out distribution p (KL -> 0),
+    CE on the argmax sharpens q toward one token and stays far from p (KL > 10x that)."""
+    h0, anchors, labels, tl = inputs(drafter)
+    p = tl.softmax(-1)
+
+    def fit(w: LossWeights) -> torch.Tensor:
+        h = h0.clone().requires_grad_(True)
+        opt = torch.optim.Adam([h], lr=0.05)
+        for _ in range(300):
+            loss, _, _ = drafter_loss(drafter, h, anchors, labels, tl, w)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        q_log = draft_logits(drafter, h.detach(), anchors, labels).log_softmax(-1)
+        return (p * (p.log() - q_log)).sum(-1).mean()  # KL(p || q) after the fit
+
+    kl_fit, ce_fit = fit(LossWeights(ce=0.0, kl=1.0, confidence=0.0)), fit(LossWeights(ce=1.0, confidence=0.0))
+    assert kl_fit < 0.1 < ce_fit and ce_fit > 10 * kl_fit, (kl_fit, ce_fit)
+
+
+def test_confidence_target_tv_is_one_minus_the_tv_distance(drafter):
+    """confidence_target=tv: the head's BCE target is 1 - TV(q, p) (the chance a draft sampled from q is accepted
+    against p), not the greedy draft's 0/1 correctness; the default stays 0/1 correctness."""
+    h, anchors, labels, tl = inputs(drafter)
+    conf = drafter.confidence(h, drafter.markov(torch.cat([anchors[..., None], labels[..., :-1]], -1))[1])
+    logits = draft_logits(drafter, h, anchors, labels)
+    tv = 0.5 * (logits.softmax(-1) - tl.softmax(-1)).abs().sum(-1)
+    correct = (logits.argmax(-1) == labels).float()
+    only_conf = dict(ce=0.0, confidence=1.0)
+    got_tv, m, _ = drafter_loss(drafter, h, anchors, labels, tl, LossWeights(**only_conf, confidence_target="tv"))
+    got_01, _, _ = drafter_loss(drafter, h, anchors, labels, tl, LossWeights(**only_conf))
+    assert got_tv.item() == pytest.approx(F.binary_cross_entropy_with_logits(conf, 1 - tv).item(), rel=1e-5)
+    assert got_01.item() == pytest.approx(F.binary_cross_entropy_with_logits(conf, correct).item(), rel=1e-5)
+    assert 0 < tv.min() and tv.max() < 1 and abs(got_tv.item() - got_01.item()) > 1e-3
+    with pytest.raises(ValueError, match="confidence_target=tv read the target's distribution"):
+        drafter_loss(drafter, h, anchors, labels, None, LossWeights(confidence_target="tv"))
+
+
+def test_recipe_loss_fields_are_validated():
+    from dspark.config import RecipeError, load_recipe
+
+    with pytest.raises(RecipeError, match=r"loss.confidence_target: expected one of \['correct', 'tv'\]"):
+        load_recipe("recipes/quickstart.yaml", ["loss.confidence_target=soft"])
+    with pytest.raises(RecipeError, match="loss.kl: expected >= 0.0"):
+        load_recipe("recipes/quickstart.yaml", ["loss.kl=-1"])
+    r = load_recipe("recipes/quickstart.yaml", ["loss.ce=0", "loss.kl=1.0"])  # KL instead of CE is a recipe
+    assert LossWeights.from_recipe(r.loss) == LossWeights(ce=0.0, distill=0.0, confidence=0.1, kl=1.0)
+    with pytest.raises(RecipeError, match="loss.ce: expected > 0 when distill and kl are 0"):
+        load_recipe("recipes/quickstart.yaml", ["loss.ce=0"])
