@@ -2,12 +2,14 @@
 import os
 
 import pytest
+import torch
 
 # fp32 tests compare against plain torch: on a GPU, Triton's fp32 dots (ours and fla's) default to TF32, whose
 # rounding flips greedy near-ties of the tiny random models. Run them in IEEE fp32, as fla's own tests do. (Read when
 # a kernel compiles, so set before any test runs one.)
 if os.environ.get("DSPARK_TEST_DEVICE", "cpu").startswith("cuda"):
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+    torch.backends.cudnn.allow_tf32 = False  # cuDNN convs (the KDA short conv) likewise; matmuls are fp32 already
 
 from tests.targets import write_tiny_pair, write_tiny_target_and_data
 
