@@ -12,13 +12,11 @@ models import kernels, kernels never import models. Modules:
                  also the MXFP4 codec: quantize_mxfp4, dequantize_mxfp4
   markov_sample  the sequential Markov-head draft sampling loop of one draft step, one launch
   decode_gemv    bs=1 decode matvec with the RMSNorm / silu*mul prologue and the residual add fused in (Qwen3)
-  decode_attention  one Qwen3 attention decode step: q/k norm + RoPE + cache write + GQA attention, one launch
   rms_norm, rope    torch definitions several kernels fuse (no kernel of their own)
 Where they run, on CUDA without autograd: the K3 layers dispatch kda_decode (cached steps of <= 17 tokens), attn_res
 (inference) and the MoE's grouped_gemv (decode_gemv.py); the engine's draft step runs markov_sample for greedy drafts.
-decode_gemv's Qwen3 matvecs and decode_attention (a contiguous per-request cache) are not used by the engine's paged
-step; they are tested against their references and timed by bench/gpu_kernels.py. DSPARK_KERNELS=0 turns all of them
-off (the torch modules run instead).
+decode_gemv's Qwen3 matvecs are not used by the engine's paged step; they are tested against their references and
+timed by bench/gpu_kernels.py. DSPARK_KERNELS=0 turns all of them off (the torch modules run instead).
 
 TRITON_INTERPRET=1 is read by `triton.jit` when a kernel is *decorated* (triton 3.9: knobs.runtime.interpret), so it
 must be in the environment before these modules are imported; tests/test_kernels.py runs the interpreter checks in a
