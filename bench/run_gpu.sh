@@ -22,6 +22,12 @@
 #   serve          the server under load (bench/serve_bench.py): concurrency 1, 4, 16, 64 on code and prose prompts,
 #                  greedy and at temperature 0.7 -> $OUT/serve.json
 #   flex           the drafter's flex-attention block mask against the dense mask (bench/check_flex_cuda.py --diagnose)
+#   ablate         drafter-training ablation on the k3-mini target (bench/ablate_drafter.py): baseline, KL targets, the
+#                  1 - TV confidence target, rejection anchors and the DFlash layout, same sequences and budget, each
+#                  evaluated by python -m eval -> $OUT/ablate/ablation.{json,md}; ARGS go to every row (`max_minutes=3`)
+#   peer           ours against speculators' DSpark trainer on one Qwen3 target (bench/peer_speculators.py; carry the
+#                  speculators wheels in .whl); PEER_TARGET (default runs/peer-target/final) must exist; ARGS go to the
+#                  script
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   exec CMD ...   any command in this environment (the carried wheels, multicast off, the autotune cache)
@@ -30,7 +36,8 @@
 # pair and serve (`--prompts 8`). pair, serve and train-drafter take the pair from TARGET_DIR
 # (default runs/k3-mini/final) and DRAFTER_DIR (default runs/k3-mini-drafter/best, else .../final).
 #
-# Environment: NGPU (GPUs to use; default: every visible one), OUT (where logs and results go; default runs/gpu).
+# Environment: NGPU (GPUs to use; default: every visible one), OUT (where logs and results go; default runs/gpu; a
+# run that outlives the shell that started it needs an OUT of its own: a remote runner may empty its OUT between calls).
 # Carried inputs, when present: .whl/*.whl (fla-core and other wheels the machine cannot download; installed into
 # .cache/gpu-site, which goes first on PYTHONPATH: without fla-core the KDA layers train on the torch fallback, several
 # times slower), .cache/triton-autotune.tgz (Triton autotune picks from an earlier run on the same GPU / triton / fla:
@@ -41,7 +48,7 @@ cd "$(dirname "$0")/.."
 target=${1:-}
 [ $# -gt 0 ] && shift
 case "$target" in
-  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|k3-mini|exec) ;;
+  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|ablate|peer|k3-mini|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
@@ -171,6 +178,15 @@ case "$target" in
     ;;
   flex)
     log flex python3 bench/check_flex_cuda.py --diagnose "$@" || rc=$?
+    ;;
+  ablate)
+    # shellcheck disable=SC2046 # train_cmd and code_prompts are word lists
+    log ablate python3 bench/ablate_drafter.py recipes/k3-mini.yaml --target "$TARGET_DIR" --out "$OUT/ablate" \
+      --train-cmd "$(train_cmd)" --num-prompts 16 --max-tokens 128 --set $(code_prompts) "$@" || rc=$?
+    ;;
+  peer)
+    log peer python3 bench/peer_speculators.py --target "${PEER_TARGET:-runs/peer-target/final}" --out "$OUT/peer" \
+      "$@" || rc=$?
     ;;
   k3-mini)
     # shellcheck disable=SC2086 # the ARGS variables are word lists
