@@ -25,13 +25,19 @@ def _k3(vocab):
 TARGETS = {"qwen3": _qwen3, "k3": _k3}
 
 
-def make_target(kind: str, vocab: int = 300, seed: int = 0):
+def make_target(kind: str, vocab: int = 300, seed: int = 0, device: str | None = None):
+    """A tiny random target on `device` (default DSPARK_TEST_DEVICE, else the CPU)."""
     torch.manual_seed(seed)
-    model = TARGETS[kind](vocab).eval().to(os.environ.get("DSPARK_TEST_DEVICE", "cpu"))
+    model = TARGETS[kind](vocab).eval().to(device or os.environ.get("DSPARK_TEST_DEVICE", "cpu"))
     # sharpen the random model a little so greedy continuations are not dominated by near-ties
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)
     return model
+
+
+def device_of(model: torch.nn.Module) -> torch.device:
+    """Where a model's parameters are: the tensors a test feeds it are made there."""
+    return next(model.parameters()).device
 
 
 def add_tokenizer(target_dir, vocab: int = 300):
@@ -75,23 +81,23 @@ def write_tiny_target_and_data(root):
     return root / "target", root / "data.jsonl"
 
 
-def propose_after_prefix(drafter, aux, input_ids, anchor: int, layer_offset: int = 0):
+def propose_after_prefix(drafter, aux, input_ids, anchor: int, layer_offset: int = 0, confidence: bool = False):
     """Draft one block the way the engine does: the context rows of positions < anchor written into a fresh paged
     cache through a DraftRunner, then the block [x_anchor, mask...] proposed greedily through the device step's
-    view of the cache. Returns (runner, Proposal)."""
+    view of the cache (with the confidences when `confidence`). Returns (runner, Proposal)."""
     from dspark.cache.paged import PagedCache
     from dspark.spec.draft import DraftRunner
 
+    dev = device_of(drafter)
     runner = DraftRunner(drafter, layer_offset=layer_offset)
-    cache = PagedCache(runner.cache_layout(), {}, num_blocks=8, block_size=16)
+    cache = PagedCache(runner.cache_layout(), {}, num_blocks=8, block_size=16, device=dev)
     cache.add_request("r")
     runner.write_context(cache.batch(["r"], [anchor]), aux[:, :anchor])
     cache.commit()
     num_cached, tables, slots = cache.step_rows(["r"], 1, width=8)
-    view = cache.device_view(torch.tensor(num_cached), torch.tensor([1]), torch.tensor(tables), torch.tensor(slots),
-                             1, record=False)
+    view = cache.device_view(*(torch.tensor(x, device=dev) for x in (num_cached, [1], tables, slots)), 1, record=False)
     anchor_tok = input_ids[0, anchor:anchor + 1]
-    return runner, runner.propose(view, anchor_tok, drafter.config.num_drafts)
+    return runner, runner.propose(view, anchor_tok, drafter.config.num_drafts, confidence=confidence)
 
 
 SERVE_MAX_LEN = 256  # the tiny pair's context (tests/test_serve*.py)

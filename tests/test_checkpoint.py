@@ -13,7 +13,7 @@ from dspark.drafter_json import resolve_mask_token_id, resolve_target_layer_ids
 from dspark.engine import Engine
 from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
 from dspark.request import SamplingParams
-from tests.targets import add_tokenizer, make_target
+from tests.targets import add_tokenizer, device_of, make_target
 from tests.test_engine import make_drafter, reference_greedy
 
 
@@ -99,10 +99,11 @@ def _rewrite(d: Path, drop=(), **changes) -> dict:
 
 
 def _same_drafts(a, b, target):
-    x = torch.randint(3, 300, (1, 14), generator=torch.Generator().manual_seed(0))
+    dev = device_of(target)
+    x = torch.randint(3, 300, (1, 14), generator=torch.Generator().manual_seed(0)).to(dev)
     with torch.no_grad():
         _, aux = target(x, aux_layer_ids=a.config.target_layer_ids)
-        anchors = torch.tensor([[4, 9]])
+        anchors = torch.tensor([[4, 9]], device=dev)
         return torch.equal(a.train_forward(aux, x, anchors), b.train_forward(aux, x, anchors))
 
 

@@ -1,4 +1,5 @@
-"""dspark.data: real offline sources, the corpus builder, the tokenizer, packing and unigram entropy."""
+"""dspark.data: real offline sources, the corpus builder, the tokenizer, packing and unigram entropy. Tests marked
+`sources` read the installed corpus sources (`make data-sources`)."""
 from __future__ import annotations
 
 import dataclasses
@@ -55,6 +56,7 @@ def test_stdlib_source_is_sorted_and_skips_tests():
     assert not any({"test", "idle_test", "site-packages"} & set(p.split("/")) for p in paths)
 
 
+@pytest.mark.sources
 def test_kjv_is_one_document_per_book():
     docs = list(SOURCES["kjv_bible"].documents())
     assert len(docs) == 66
@@ -63,6 +65,7 @@ def test_kjv_is_one_document_per_book():
     assert docs[-1][1].rstrip().endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
 
 
+@pytest.mark.sources
 def test_gcide_chunks_cover_the_dictionary_at_entry_boundaries():
     chunks = list(SOURCES["gcide"].documents())
     whole = gzip.open(SOURCES["gcide"].root()).read().decode("utf-8", errors="replace")
@@ -90,6 +93,7 @@ def test_missing_pip_source_names_pip_command(monkeypatch):
 
 # --- corpus -------------------------------------------------------------------------------------------------
 
+@pytest.mark.sources
 def test_split_is_by_file(small_corpus):
     corpus = load_corpus(small_corpus)
     train = {(s, p) for s, p, _ in _rows(corpus["train"])}
@@ -100,6 +104,7 @@ def test_split_is_by_file(small_corpus):
     assert {s for s, _ in train | holdout} == {"python_stdlib", "fortunes"}
 
 
+@pytest.mark.sources
 def test_card_records_sources_sizes_and_args(small_corpus):
     card = read_card(small_corpus)
     corpus = load_corpus(small_corpus)
@@ -121,6 +126,7 @@ def test_card_records_sources_sizes_and_args(small_corpus):
     assert "| python_stdlib | code |" in readme and "PSF-2.0" in readme
 
 
+@pytest.mark.sources
 def test_build_is_deterministic_and_reused(small_corpus, tmp_path):
     again = build_corpus(tmp_path / "again", **SMALL)
     a, b = load_corpus(small_corpus), load_corpus(again)
@@ -155,6 +161,7 @@ def test_not_a_corpus(tmp_path):
     assert (tmp_path / "precious.txt").read_text() == "keep me"
 
 
+@pytest.mark.sources
 def test_cli_card_and_errors(small_corpus, tmp_path, capsys, monkeypatch):
     assert cli(["card", str(small_corpus)]) == 0
     assert "| fortunes | prose |" in capsys.readouterr().out
@@ -168,6 +175,7 @@ def test_cli_card_and_errors(small_corpus, tmp_path, capsys, monkeypatch):
 
 # --- tokenizer ----------------------------------------------------------------------------------------------
 
+@pytest.mark.sources
 def test_tokenizer_loads_offline_with_autotokenizer(tokenizer_dir, small_corpus):
     assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"} <= set(os.listdir(tokenizer_dir))
     code = next(t for s, _, t in _rows(load_corpus(small_corpus)["holdout"]) if s == "python_stdlib")
@@ -198,6 +206,7 @@ print(json.dumps({{
     assert r["prefix_space"] is False
 
 
+@pytest.mark.sources
 def test_pack_tokens(tokenizer_dir):
     from transformers import AutoTokenizer
 
@@ -264,6 +273,7 @@ def test_completion_points_end_at_each_function_body():
     assert completion_points("def f(:\n    pass\n") == []
 
 
+@pytest.mark.sources
 def test_completion_prompts_are_the_context_before_each_point(small_corpus, tokenizer_dir):
     """Real stdlib files of the corpus: each prompt decodes to the text just before a completion point (at most
     n_tokens tokens of it); a context that reaches the file's start begins with the document separator."""
@@ -284,6 +294,7 @@ def test_completion_prompts_are_the_context_before_each_point(small_corpus, toke
         assert (ids[0] == tok.eos_token_id) == (len(tok(text[:p])["input_ids"]) < 48)
 
 
+@pytest.mark.sources
 def test_code_prompts_are_cached_next_to_the_tokenizer(small_corpus, tokenizer_dir, tmp_path):
     """train.data.prepare_code_prompts builds the prompts once, into the tokenizer dir; a second call (e.g. on a GPU
     box that carries the tokenizer dir but not the corpus texts) reads the same prompts back."""

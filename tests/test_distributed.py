@@ -1,5 +1,6 @@
 """Data parallel training: 2 gloo processes (torchrun, the same code path accelerate uses on GPUs) give the same
-result as 1 process with the same global batch."""
+result as 1 process with the same global batch. The processes run on the CPU (recipe device: cpu), also where GPUs
+are visible."""
 import json
 import os
 import subprocess
@@ -163,15 +164,19 @@ def test_fsdp_sharded_target_equals_the_whole_target(tmp_path):
 
 def test_max_minutes_is_one_decision_for_all_processes(tmp_path):
     """Rank 1's clock is past max_minutes and rank 0's is not: both stop (real gloo processes). Deciding apart, rank 0
-    would take one more step and wait forever in its gradient all-reduce."""
+    would take one more step and wait forever in its gradient all-reduce. The closing barrier is train.sync's, under
+    a torch that reports CUDA as a CUDA build does (GPUs or not): accelerate's would put its tensor on cuda:<rank>."""
     code = ("import time\n"
             "from accelerate import Accelerator\n"
             "from train.loop import out_of_time\n"
+            "from train.sync import wait_for_everyone\n"
             "acc = Accelerator(cpu=True)\n"
             "start = time.time() - (120 if acc.process_index == 1 else 0)\n"
             "res = f'{out_of_time(1.0, start, acc)} {out_of_time(None, start, acc)}'\n"
             "open(__file__ + f'.{acc.process_index}', 'w').write(res)\n"
-            "acc.wait_for_everyone()\n"
+            "import torch\n"
+            "torch._C._get_accelerator = lambda *a: torch.device('cuda')\n"
+            "wait_for_everyone(acc)\n"
             "import torch.distributed as dist\n"
             "dist.destroy_process_group() if dist.is_initialized() else None  # a clean exit, no gloo teardown race\n")
     script = tmp_path / "clock.py"

@@ -7,7 +7,7 @@ from safetensors.torch import load_file
 
 from dspark.checkpoint import export_drafter, load_drafter
 from dspark.spec.draft import sample_markov
-from tests.targets import add_tokenizer, make_target, propose_after_prefix
+from tests.targets import add_tokenizer, device_of, make_target, propose_after_prefix
 from tests.test_engine import make_drafter
 from train.losses import LossWeights, drafter_loss
 
@@ -24,23 +24,26 @@ def test_block_sparse_training_pass_equals_inference_pass(target, mode):
     """All anchors of a sequence in one masked pass give exactly what the engine's incremental draft step gives."""
     d = make_drafter(target, block_size=4, mode=mode)
     torch.nn.init.normal_(d.markov_head.markov_w2.weight, std=0.5) if d.markov_head is not None else None
-    x = torch.randint(2, 300, (1, 40))
+    dev = device_of(target)
+    x = torch.randint(2, 300, (1, 40)).to(dev)
     with torch.no_grad():
         _, aux = target(x, aux_layer_ids=d.config.target_layer_ids)
-        anchors = torch.tensor([[5, 17, 30]])
+        anchors = torch.tensor([[5, 17, 30]], device=dev)
         h_train = d.train_forward(aux, x, anchors)  # [1, 3, D, H]
         for i, a in enumerate(anchors[0].tolist()):
-            _, prop = propose_after_prefix(d, aux, x, a)
+            _, prop = propose_after_prefix(d, aux, x, a)  # greedy Markov drafts: the Triton kernel on CUDA
             ref = sample_markov(d, h_train[:, i], x[0, a:a + 1])
             assert torch.equal(prop.draft_ids, ref.draft_ids)
-            if mode == "dspark":
+            if mode == "dspark":  # the confidences come from the torch loop
+                _, prop = propose_after_prefix(d, aux, x, a, confidence=True)
+                assert torch.equal(prop.draft_ids, ref.draft_ids)
                 assert torch.allclose(prop.confidence, ref.confidence, atol=1e-5)
 
 
 def test_loss_tau_counts_greedy_acceptance(target):
     d = make_drafter(target, block_size=3)
-    h = torch.randn(2, 5, 3, 64)
-    anchors = torch.randint(0, 300, (2, 5))
+    h = torch.randn(2, 5, 3, 64, device=device_of(target))
+    anchors = torch.randint(0, 300, (2, 5), device=h.device)
     with torch.no_grad():
         logits = d.base_logits(h)  # markov_w2 starts at zero: logits are the base logits
     labels = logits.argmax(-1).clone()
@@ -73,10 +76,10 @@ def test_export_layout_matches_vllm_contract(target, tmp_path, layout):
         assert cfg["dflash_config"] == {"mask_token_id": 1, "target_layer_ids": [0, 2]}
         assert not any(n.startswith(("markov", "confidence")) for n in names)
     loaded = load_drafter(out, target)
-    x = torch.randint(2, 300, (1, 12))
+    x = torch.randint(2, 300, (1, 12)).to(device_of(target))
     with torch.no_grad():
         _, aux = target(x, aux_layer_ids=[0, 2])
-        anchors = torch.tensor([[4, 7]])
+        anchors = torch.tensor([[4, 7]], device=x.device)
         assert torch.equal(loaded.train_forward(aux, x, anchors), d.train_forward(aux, x, anchors))
 
 
@@ -139,10 +142,10 @@ def test_tensor_parallel_problems():
 def test_flex_block_mask_equals_dense_mask(target, mode):
     """The block-sparse training pass: flex attention's BlockMask (the CUDA path; eager on CPU) == dense SDPA mask."""
     d = make_drafter(target, block_size=4, mode=mode)
-    x = torch.randint(2, 300, (2, 40))
+    x = torch.randint(2, 300, (2, 40)).to(device_of(target))
     with torch.no_grad():
         _, aux = target(x, aux_layer_ids=d.config.target_layer_ids)
-    anchors = torch.tensor([[5, 17, 30], [1, 9, 33]])
+    anchors = torch.tensor([[5, 17, 30], [1, 9, 33]], device=x.device)
     with torch.no_grad():  # flex attention has no CPU backward; the CUDA training path compiles it
         dense = d.train_forward(aux, x, anchors, flex=False)
         flex = d.train_forward(aux, x, anchors, flex=True)
@@ -162,6 +165,6 @@ def test_bf16_pair_drafts_with_the_confidence_head(kind):
     engine = Engine(t, d, adaptive_verification=True)
     out = engine.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert len(out.token_ids) == 12 and out.num_steps >= 1
-    h = torch.randn(2, d.config.hidden_size, dtype=torch.bfloat16)
+    h = torch.randn(2, d.config.hidden_size, dtype=torch.bfloat16, device=device_of(t))
     c = d.confidence(h, None)
     assert c.dtype == torch.float32 and c.shape == (2,)

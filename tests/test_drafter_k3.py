@@ -12,7 +12,7 @@ from dspark.engine import Engine
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.request import SamplingParams
 from dspark.spec.draft import sample_markov
-from tests.targets import make_target, propose_after_prefix
+from tests.targets import device_of, make_target, propose_after_prefix
 from tests.test_engine import reference_greedy
 from train.drafter import drafter_config
 
@@ -21,7 +21,7 @@ LAYER_IDS = [1, 3]
 
 
 def make_k3_drafter(target, block_size=4, markov_rank=8, seed=1, **overrides):
-    """A small k3-backbone drafter on a K3 target (MLA dims = the tiny target's)."""
+    """A small k3-backbone drafter on a K3 target (MLA dims = the tiny target's), on the target's device."""
     torch.manual_seed(seed)
     c = target.config
     kw = dict(vocab_size=V, hidden_size=c.hidden_size, target_hidden_size=c.hidden_size,
@@ -31,7 +31,8 @@ def make_k3_drafter(target, block_size=4, markov_rank=8, seed=1, **overrides):
               q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank, qk_nope_head_dim=c.qk_nope_head_dim,
               qk_rope_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim)
     kw.update(overrides)
-    return DSparkDrafter(DrafterConfig(**kw), target.model.embed_tokens.weight, target.lm_head.weight).eval()
+    d = DSparkDrafter(DrafterConfig(**kw), target.model.embed_tokens.weight, target.lm_head.weight)
+    return d.to(device_of(target)).eval()
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +51,9 @@ def test_context_rows_follow_the_contract_equations(target):
     d = make_k3_drafter(target)
     cfg = d.config
     assert d.row_width == cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    aux = torch.randn(1, 6, cfg.target_hidden_size * len(LAYER_IDS))
-    pos = torch.tensor([0, 1, 2, 7, 30, 100])
+    dev = device_of(target)
+    aux = torch.randn(1, 6, cfg.target_hidden_size * len(LAYER_IDS), device=dev)
+    pos = torch.tensor([0, 1, 2, 7, 30, 100], device=dev)
     with torch.no_grad():
         ctx = d.context(aux)
         rows = d.context_rows(ctx, pos)
@@ -63,8 +65,8 @@ def test_context_rows_follow_the_contract_equations(target):
             kv = ref_ctx @ a.kv_a_proj_with_mqa.weight.T
             kv_c, k_pe = kv[..., :cfg.kv_lora_rank], kv[..., cfg.kv_lora_rank:]
             R = cfg.qk_rope_head_dim
-            freq = cfg.rope_theta ** (-torch.arange(0, R, 2).float() / R)  # [R/2]
-            rot = torch.polar(torch.ones(len(pos), R // 2), pos[:, None].float() * freq)  # [L, R/2]
+            freq = cfg.rope_theta ** (-torch.arange(0, R, 2, device=dev).float() / R)  # [R/2]
+            rot = torch.polar(torch.ones(len(pos), R // 2, device=dev), pos[:, None].float() * freq)  # [L, R/2]
             k_rot = torch.view_as_real(torch.view_as_complex(k_pe.reshape(1, len(pos), R // 2, 2)) * rot).flatten(-2)
             ref = torch.cat([_rms(kv_c, a.kv_a_layernorm.weight, cfg.rms_norm_eps), k_rot], -1)
             assert r.shape == (1, len(pos), d.row_width)
@@ -83,21 +85,23 @@ def test_block_sparse_training_pass_equals_inference_pass(target, opts):
             torch.nn.init.normal_(p, std=0.3)
     seen = []  # the inference pass's block hidden states
     d.backbone = lambda *a, _bb=d.backbone: seen.append(_bb(*a)) or seen[-1]
-    x = torch.randint(2, V, (1, 40))
+    x = torch.randint(2, V, (1, 40)).to(device_of(target))
     with torch.no_grad():
         _, aux = target(x, aux_layer_ids=LAYER_IDS)
-        anchors = torch.tensor([[5, 17, 30]])
+        anchors = torch.tensor([[5, 17, 30]], device=x.device)
         h_train = d.train_forward(aux, x, anchors)  # [1, 3, N, H]
         assert h_train.shape == (1, 3, 4, 64)
         for i, a in enumerate(anchors[0].tolist()):
-            runner, prop = propose_after_prefix(d, aux, x, a, layer_offset=10)
+            runner, prop = propose_after_prefix(d, aux, x, a, layer_offset=10)  # the Markov kernel on CUDA
             assert runner.cache_layout() == {10: 40, 11: 40}  # kv_lora 32 + rope 8 per token
             ref = sample_markov(d, h_train[:, i], x[0, a:a + 1])
             assert torch.allclose(seen[-1], h_train[:, i], atol=1e-5)
             assert torch.equal(prop.draft_ids, ref.draft_ids)
+            _, prop = propose_after_prefix(d, aux, x, a, layer_offset=10, confidence=True)  # the torch loop
+            assert torch.equal(prop.draft_ids, ref.draft_ids)
             assert torch.allclose(prop.confidence, ref.confidence, atol=1e-5)
         # the context really matters: a block that sees less context drafts from different hidden states
-        h_short = d.train_forward(aux, x, torch.tensor([[4, 17, 30]]))
+        h_short = d.train_forward(aux, x, torch.tensor([[4, 17, 30]], device=x.device))
         assert not torch.allclose(h_short[:, 0], h_train[:, 0], atol=1e-4)
 
 
@@ -142,10 +146,10 @@ def test_load_round_trip_reproduces_outputs(target, tmp_path):
     torch.nn.init.normal_(d.markov_head.markov_w2.weight, std=0.5)
     loaded = load_drafter(export_drafter(d, tmp_path / "d", layout="dspark"), target)
     assert type(loaded) is type(d) and loaded.config == d.config
-    x = torch.randint(2, V, (1, 16))
+    x = torch.randint(2, V, (1, 16)).to(device_of(target))
     with torch.no_grad():
         _, aux = target(x, aux_layer_ids=LAYER_IDS)
-        anchors = torch.tensor([[3, 9]])
+        anchors = torch.tensor([[3, 9]], device=x.device)
         h, h2 = d.train_forward(aux, x, anchors), loaded.train_forward(aux, x, anchors)
         assert torch.equal(h, h2)
         a, b = (sample_markov(m, hh[:, 1], x[0, 9:10]) for m, hh in ((d, h), (loaded, h2)))
@@ -234,10 +238,10 @@ def test_speculative_greedy_with_k3_drafter_equals_plain_greedy(target):
 def test_k3_flex_block_mask_equals_dense_mask():
     target = make_target("k3", vocab=V)
     d = make_k3_drafter(target)
-    x = torch.randint(2, V, (2, 40))
+    x = torch.randint(2, V, (2, 40)).to(device_of(target))
     with torch.no_grad():
         _, aux = target(x, aux_layer_ids=d.config.target_layer_ids)
-    anchors = torch.tensor([[5, 17, 30], [1, 9, 33]])
+    anchors = torch.tensor([[5, 17, 30], [1, 9, 33]], device=x.device)
     with torch.no_grad():  # flex attention has no CPU backward; the CUDA training path compiles it
         assert torch.allclose(d.train_forward(aux, x, anchors, flex=False),
                               d.train_forward(aux, x, anchors, flex=True), atol=1e-5)

@@ -1,5 +1,6 @@
 """The held-out tasks (heldout_code, heldout_prose): shipped records, their form, their card, no overlap with the
-corpus, a rebuild from the pinned packages, and `python -m eval --tasks heldout_code,heldout_prose`."""
+corpus, a rebuild from the pinned packages, and `python -m eval --tasks heldout_code,heldout_prose`. Tests marked
+`sources` read the held-out tasks' installed sources (`make data-sources`)."""
 from __future__ import annotations
 
 import ast
@@ -93,6 +94,7 @@ def test_heldout_prose_prompts_are_entry_prefixes():
 
 
 # ------------------------------------------------------------------------------------------ disjoint from the corpus
+@pytest.mark.sources
 def test_heldout_sources_are_not_corpus_sources_and_share_no_window_with_the_quickstart_corpus():
     """The held-out packages are no corpus source's package, none of their files is a document of the quickstart
     corpus's source (python_stdlib, all of it), and no shipped record shares a 50-char window with that source
@@ -116,6 +118,7 @@ def test_heldout_sources_are_not_corpus_sources_and_share_no_window_with_the_qui
     assert set(MANIFEST["overlap_check"]["corpus_sources"]) == set(SOURCES)  # the build checked every source
 
 
+@pytest.mark.sources
 def test_rebuild_from_the_pinned_packages_gives_the_shipped_records():
     code, prose, sources = H.final_records({d["id"] for d in MANIFEST["dropped"]})
     assert code == CODE and prose == PROSE and sources == MANIFEST["sources"]

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from dspark.checkpoint import export_drafter, load_drafter, load_target
 from dspark.models.k3 import K3ForCausalLM, K3TextConfig
 from dspark.models.k3.config import k3_tiny_config
-from tests.targets import make_target
+from tests.targets import device_of, make_target
 from tests.test_checkpoint import shard
 from tests.test_drafter_k3 import make_k3_drafter
 
@@ -170,17 +170,17 @@ def test_k3_dspark_drafter_loads_from_each_vllm_form(k3_target, tmp_path, fields
     (out / "config.json").write_text(json.dumps({**cfg, **fields}))
     loaded = load_drafter(out, k3_target)
     assert loaded.config == d.config
-    x = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1))
+    x = torch.randint(3, 300, (1, 12), generator=torch.Generator().manual_seed(1)).to(device_of(k3_target))
     with torch.no_grad():
         _, aux = k3_target(x, aux_layer_ids=[1, 3])
-        anchors = torch.tensor([[3, 7]])
+        anchors = torch.tensor([[3, 7]], device=x.device)
         assert torch.equal(loaded.train_forward(aux, x, anchors), d.train_forward(aux, x, anchors))
 
 
 def test_aux_layer_ids_follow_one_rule_on_both_targets(k3_target):
     """Unsorted or repeated aux ids are an error on K3 as on Qwen3 (K3 used to sort them silently)."""
     qwen3 = make_target("qwen3", vocab=300)
-    ids = IDS.clamp(max=299)
+    ids = IDS.clamp(max=299).to(device_of(k3_target))
     for model in (k3_target, qwen3):
         for bad in ([2, 0], [1, 1]):
             with pytest.raises(ValueError, match=r"aux_layer_ids: .* must be strictly increasing"):

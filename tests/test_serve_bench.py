@@ -1,5 +1,8 @@
 """bench/serve_bench.py end to end on CPU: two `python -m serve` subprocesses (AR, then DSpark) over a tiny random
-Qwen3 target with a real BPE tokenizer and a random DSpark drafter, driven by the script's streaming clients."""
+Qwen3 target with a real BPE tokenizer and a random DSpark drafter, driven by the script's streaming clients. The
+servers run on the CPU, also where a GPU is visible: the test compares fp32 greedy texts with and without the drafter,
+and a CPU step drafts the whole block (with CUDA graphs the engine picks k by measured step times and may verify no
+drafts at all for a random drafter, leaving a level without tau)."""
 from __future__ import annotations
 
 import importlib.util
@@ -19,7 +22,7 @@ def test_serve_bench_end_to_end(models, tmp_path):
     cmd = [sys.executable, "bench/serve_bench.py", "--target", str(target), "--drafter", str(drafter),
            "--tasks", ",".join(TASKS), "--temperatures", "0,0.7", "--concurrency", "1,2", "--requests-per-level", "2",
            "--max-tokens", "8", "--max-prompt-tokens", "48", "--num-prompts", "4", "--startup-timeout", "120",
-           "--time-limit", "240", "--out", str(out)]
+           "--time-limit", "240", "--out", str(out), "--", "--device", "cpu"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]

@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from train.outputs import latest_checkpoint
+from train.sync import wait_for_everyone
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +206,7 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         history.append({"step": step, "minutes": (time.time() - t0) / 60, **_evaluate(spec, model, accelerator)})
         if recipe.log.keep_best:
             best = _keep_best(recipe, spec, model, accelerator, history[-1], step, best)
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator)
     summary = {"steps": step, "train_minutes": (time.time() - t0) / 60, "final": history[-1], "history": history,
                "last_train_metrics": metrics, "num_processes": accelerator.num_processes, **spec.info}
     if best is not None:
@@ -287,7 +288,7 @@ def _keep_best(recipe, spec: LoopSpec, model, accelerator, ev: dict, step: int, 
         spec.save_final(accelerator.unwrap_model(model), tmp)
         shutil.rmtree(out / "best", ignore_errors=True)
         os.replace(tmp, out / "best")
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator)
     return {"step": step, name: ev[name]}
 
 
@@ -297,7 +298,7 @@ def _save_checkpoint(accelerator, ckpt_root: Path, step: int, state: dict) -> No
     tmp = ckpt_root / f".step-{step}.tmp"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator)
     accelerator.save_state(str(tmp))
     if accelerator.is_main_process:
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}) + "\n")
@@ -305,7 +306,7 @@ def _save_checkpoint(accelerator, ckpt_root: Path, step: int, state: dict) -> No
         os.replace(tmp, final)
         for old in sorted(ckpt_root.glob("step-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
             shutil.rmtree(old, ignore_errors=True)
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator)
 
 
 def _init_wandb(recipe, accelerator):

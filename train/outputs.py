@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dspark.config import RecipeError
+from train.sync import wait_for_everyone
 
 log = logging.getLogger(__name__)
 
@@ -153,4 +154,4 @@ def start_run(recipe, accelerator) -> None:
     """After the checks, before the work: overwrite=true clears the earlier run (main process; all wait)."""
     if recipe.overwrite and accelerator.is_main_process:
         clear_earlier_run(Path(recipe.output_dir))
-    accelerator.wait_for_everyone()
+    wait_for_everyone(accelerator)

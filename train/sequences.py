@@ -13,6 +13,7 @@ from dspark.data.tokenizer import pack_tokens
 from dspark.engine import Engine
 from dspark.request import SamplingParams
 from train.data import file_digest, prepare_code_prompts, prepare_corpus, prepare_tokens, save_atomic
+from train.sync import main_process_first, wait_for_everyone
 
 log = logging.getLogger(__name__)
 
@@ -224,11 +225,11 @@ def _regenerate_shared(recipe, target, tok, prompts: list[list[int]], split: str
              split)
     parts = [Path(recipe.output_dir) / f"regenerated-{split}.{r}.pt" for r in range(world)]
     save_atomic(mine, parts[rank])
-    acc.wait_for_everyone()
+    wait_for_everyone(acc)
     out: list = [None] * len(prompts)
     for r, part in enumerate(parts):
         out[r::world] = torch.load(part)
-    acc.wait_for_everyone()  # every process has read every part
+    wait_for_everyone(acc)  # every process has read every part
     if rank == 0:
         for part in parts:
             part.unlink()
@@ -247,7 +248,7 @@ def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
     g = torch.Generator().manual_seed(recipe.seed)
     lens = d.regenerate.prompt_tokens
     lens = [lens] if isinstance(lens, int) else lens
-    with accelerator.main_process_first() if accelerator is not None else nullcontext():  # one process packs
+    with main_process_first(accelerator) if accelerator is not None else nullcontext():  # one process packs
         if d.dataset is None:
             enc = _from_corpus(recipe, tok)
             points = _code_points(recipe, tok, max(lens))

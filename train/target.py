@@ -15,6 +15,7 @@ from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config
 from train.data import TokenData, batch_for_step, prepare_tokens
 from train.loop import LoopSpec, make_accelerator, run
 from train.outputs import preflight, start_run
+from train.sync import main_process_first
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def train_target(recipe: TargetRecipe) -> dict:
     torch.manual_seed(recipe.seed)
     accelerator = make_accelerator(recipe)
     start_run(recipe, accelerator)
-    with accelerator.main_process_first():  # rank 0 builds corpus/tokenizer/packed rows, the others reuse them
+    with main_process_first(accelerator):  # rank 0 builds corpus/tokenizer/packed rows, the others reuse them
         data: TokenData = prepare_tokens(recipe.data)
     torch.manual_seed(recipe.seed)  # same initial weights on every rank and however the data was prepared
     model = build_target(recipe.arch, recipe.model, data.tokenizer)
