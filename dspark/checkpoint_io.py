@@ -12,6 +12,7 @@ sits above both.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,21 +28,17 @@ WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 
 
-def save_checkpoint_dir(out_dir: str | Path, config: dict, state: dict[str, torch.Tensor],
-                        extra_files: dict[str, Path] | None = None) -> Path:
-    """Write config.json + model.safetensors (+ copies of extra files) to a temp dir beside out_dir, then rename it
-    into place (an existing out_dir is replaced whole), so a crash never leaves a half-written checkpoint."""
+@contextlib.contextmanager
+def atomic_dir(out_dir: str | Path):
+    """Yields a temp dir beside out_dir to fill; on success it is renamed into place (an existing out_dir is replaced
+    whole), on any error removed: a crash never leaves a half-written dir."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise ValueError(f"checkpoint dir {str(out)!r} exists and is not a directory")
+        raise ValueError(f"{str(out)!r} exists and is not a directory")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
-        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        for name, src in (extra_files or {}).items():
-            shutil.copy2(src, tmp / name)
+        yield tmp
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
@@ -52,7 +49,18 @@ def save_checkpoint_dir(out_dir: str | Path, config: dict, state: dict[str, torc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+
+
+def save_checkpoint_dir(out_dir: str | Path, config: dict, state: dict[str, torch.Tensor],
+                        extra_files: dict[str, Path] | None = None) -> Path:
+    """Write config.json + model.safetensors (+ copies of extra files) into out_dir atomically (atomic_dir)."""
+    with atomic_dir(out_dir) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()}
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        for name, src in (extra_files or {}).items():
+            shutil.copy2(src, tmp / name)
+    return Path(out_dir)
 
 
 def read_config(path: str | Path) -> dict:

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import datasets
@@ -29,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from dspark.checkpoint import load_target
+from dspark.checkpoint_io import atomic_dir
 from train.sequences import Sequences
 
 HS_DIR = "hidden_states"
@@ -88,9 +86,7 @@ def export(seqs: Sequences, target, layer_ids: list[int], out: str | Path, batch
         raise ValueError(f"sequences: {n_train} train and {len(keep) - n_train} holdout rows have loss tokens; "
                          "speculators needs both splits non-empty")
     dev = next(target.parameters()).device
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out) as tmp:
         (tmp / HS_DIR).mkdir()
         cols: dict[str, list] = {"input_ids": [], "loss_mask": [], "seq_len": []}
         for start in range(0, len(keep), batch_size):
@@ -115,16 +111,6 @@ def export(seqs: Sequences, target, layer_ids: list[int], out: str | Path, batch
                 "max_seq_len": int(lens[keep].max()),
                 "loss_tokens": int(masks[keep].sum())}
         (tmp / INFO).write_text(json.dumps(info, indent=2) + "\n")
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return info
 
 
