@@ -49,13 +49,14 @@ def _get(cfg: dict, dotted: str, where: str):
     return section.get(tail)
 
 
-def _int(value, field: str, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{where}: {field}: expected an integer, got {value!r}")
+def json_int(value, field: str, where: str, low: int | None = None) -> int:
+    """value as a config.json integer field (at least `low` when given), else a ValueError naming the field."""
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        raise ValueError(f"{where}: {field}: expected an integer{'' if low is None else f' >= {low}'}, got {value!r}")
     return value
 
 
-def _bool(value, field: str, where: str) -> bool:
+def json_bool(value, field: str, where: str) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{where}: {field}: expected true or false, got {value!r}")
     return value
@@ -69,7 +70,7 @@ def resolve_target_layer_ids(cfg: dict, where: str) -> tuple[list[int], str]:
             continue
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{where}: {field}: expected a list of layer ids, got {value!r}")
-        ids = [_int(v, field, where) - offset for v in value]
+        ids = [json_int(v, field, where) - offset for v in value]
         if any(i < 0 for i in ids):
             what = ("aux id 0 is the embedding (aux id j = the output of target layer j-1); the targets here expose "
                     "layer outputs only, so aux ids start at 1") if offset else "layer ids are 0-based"
@@ -86,23 +87,23 @@ def resolve_mask_token_id(cfg: dict, where: str) -> tuple[int, str]:
     for field in MASK_FIELDS:
         value = _get(cfg, field, where)
         if value is not None:
-            return _int(value, field, where), field
+            return json_int(value, field, where), field
     raise ValueError(f"{where}: no mask token id; expected one of {', '.join(MASK_FIELDS)}")
 
 
 def resolve_sample_from_anchor(cfg: dict, arch: str, where: str) -> bool:
     """True: the anchor-as-first layout (our mode "dspark"); False: the 1+N fill-in block (our mode "dflash")."""
     if arch in DFLASH_ARCHS:
-        sfa = _bool(_get(cfg, "dflash_config.sample_from_anchor", where) or False,
+        sfa = json_bool(_get(cfg, "dflash_config.sample_from_anchor", where) or False,
                     "dflash_config.sample_from_anchor", where)
         top = cfg.get("sample_from_anchor")
-        if top is not None and _bool(top, "sample_from_anchor", where) != sfa:
+        if top is not None and json_bool(top, "sample_from_anchor", where) != sfa:
             raise ValueError(f"{where}: sample_from_anchor {top} contradicts dflash_config.sample_from_anchor {sfa} "
                              "(a DFlashDraftModel reads the dflash_config one); make them agree")
         return sfa
-    sfa = _bool(cfg.get("sample_from_anchor", True), "sample_from_anchor", where)
+    sfa = json_bool(cfg.get("sample_from_anchor", True), "sample_from_anchor", where)
     bonus = cfg.get("dspark_bonus_anchor")
-    if bonus is not None and _bool(bonus, "dspark_bonus_anchor", where) == sfa:
+    if bonus is not None and json_bool(bonus, "dspark_bonus_anchor", where) == sfa:
         raise ValueError(f"{where}: dspark_bonus_anchor {bonus} contradicts sample_from_anchor {sfa}"
                          f"{'' if 'sample_from_anchor' in cfg else ' (its default)'}; dspark_bonus_anchor is its "
                          "negation: set both (sample_from_anchor true = anchor-as-first, false = 1+N fill-in)")
@@ -111,7 +112,7 @@ def resolve_sample_from_anchor(cfg: dict, arch: str, where: str) -> bool:
 
 def _check_draft_vocab(cfg: dict, where: str) -> None:
     draft = cfg.get("draft_vocab_size")
-    if draft is not None and _int(draft, "draft_vocab_size", where) != cfg.get("vocab_size"):
+    if draft is not None and json_int(draft, "draft_vocab_size", where) != cfg.get("vocab_size"):
         raise ValueError(f"{where}: draft_vocab_size {draft} != vocab_size {cfg.get('vocab_size')} (a reduced draft "
                          "vocabulary is not supported)")
 
@@ -142,8 +143,8 @@ def drafter_config_from_json(cfg: dict, where: str) -> DrafterConfig:
     if arch in DSPARK_ARCHS:
         if "markov_rank" not in cfg:
             raise ValueError(f"{where}: markov_rank: required for a {arch} drafter")
-        markov = _int(cfg["markov_rank"], "markov_rank", where)
-        confidence = _bool(cfg.get("enable_confidence_head", False), "enable_confidence_head", where)
+        markov = json_int(cfg["markov_rank"], "markov_rank", where)
+        confidence = json_bool(cfg.get("enable_confidence_head", False), "enable_confidence_head", where)
         if not anchor_first and (markov or confidence):
             raise ValueError(f"{where}: sample_from_anchor false (the 1+N fill-in block) with a Markov or confidence "
                              "head is not supported; only the anchor-as-first layout has them here")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from transformers import Qwen3Config
 
+from dspark.drafter_json import json_bool, json_int
 from dspark.models.drafter_config import DrafterConfig
 
 MODEL_TYPE = "dspark"
@@ -35,18 +36,6 @@ REDUCED_VOCAB_TENSORS = ("t2d", "d2t", "lm_head.weight")
 def is_speculators_config(cfg: dict) -> bool:
     """True for a speculators-format config.json (any speculators model type)."""
     return isinstance(cfg, dict) and "speculators_model_type" in cfg
-
-
-def _int(value, field: str, where: str, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{where}: {field}: expected an integer >= {low}, got {value!r}")
-    return value
-
-
-def _bool(value, field: str, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}: {field}: expected true or false, got {value!r}")
-    return value
 
 
 def _layer_config(raw: dict, where: str) -> Qwen3Config:
@@ -96,7 +85,7 @@ def drafter_config_from_speculators(raw: dict, where: str, num_target_layers: in
     tl = _layer_config(raw, where)
     _check_layers(tl, raw, where)
     vocab, hidden = tl.vocab_size, tl.hidden_size
-    draft_vocab = _int(raw.get("draft_vocab_size", 32000), "draft_vocab_size", where, 1)  # their default
+    draft_vocab = json_int(raw.get("draft_vocab_size", 32000), "draft_vocab_size", where, 1)  # their default
     if draft_vocab != vocab:
         raise ValueError(f"{where}: draft_vocab_size {draft_vocab} != transformer_layer_config.vocab_size {vocab}: "
                          "a reduced draft vocabulary (t2d/d2t, an own lm_head) is not supported; our drafter "
@@ -109,20 +98,20 @@ def drafter_config_from_speculators(raw: dict, where: str, num_target_layers: in
     aux = raw.get(field)
     if not isinstance(aux, list) or not aux:
         raise ValueError(f"{where}: {field}: expected a non-empty list of HF hidden_states indices, got {aux!r}")
-    aux = [_int(i, field, where) for i in aux]
+    aux = [json_int(i, field, where, 0) for i in aux]
     if min(aux) < offset:
         raise ValueError(f"{where}: {field}: {aux} has id 0, the embedding output; our targets expose decoder layer "
                          "outputs only (ids 1..num_hidden_layers)")
     if raw.get("mask_token_id") is None:
         raise ValueError(f"{where}: mask_token_id: required (the token the draft block's queries are filled with)")
-    anchor_first = _bool(raw.get("sample_from_anchor", True), "sample_from_anchor", where)
-    markov = _int(raw.get("markov_rank", 256), "markov_rank", where)
+    anchor_first = json_bool(raw.get("sample_from_anchor", True), "sample_from_anchor", where)
+    markov = json_int(raw.get("markov_rank", 256), "markov_rank", where, 0)
     head_type = raw.get("markov_head_type", "vanilla")
     if markov and head_type != "vanilla":
         raise ValueError(f"{where}: markov_head_type {head_type!r}: only 'vanilla' (the first-order Markov bias) is "
                          "supported")
-    confidence = _bool(raw.get("enable_confidence_head", True), "enable_confidence_head", where)
-    with_markov = _bool(raw.get("confidence_head_with_markov", True), "confidence_head_with_markov", where)
+    confidence = json_bool(raw.get("enable_confidence_head", True), "enable_confidence_head", where)
+    with_markov = json_bool(raw.get("confidence_head_with_markov", True), "confidence_head_with_markov", where)
     if confidence and with_markov and not markov:
         raise ValueError(f"{where}: confidence_head_with_markov true needs markov_rank > 0")
     if not anchor_first and (markov or confidence):
@@ -130,8 +119,8 @@ def drafter_config_from_speculators(raw: dict, where: str, num_target_layers: in
                          "head is not supported; only the anchor-as-first layout has them here")
     return DrafterConfig(
         vocab_size=vocab, hidden_size=hidden, target_hidden_size=hidden, target_layer_ids=[i - offset for i in aux],
-        num_target_layers=num_target_layers, mask_token_id=_int(raw["mask_token_id"], "mask_token_id", where),
-        block_size=_int(raw.get("block_size", 8), "block_size", where, 1), num_hidden_layers=tl.num_hidden_layers,
+        num_target_layers=num_target_layers, mask_token_id=json_int(raw["mask_token_id"], "mask_token_id", where, 0),
+        block_size=json_int(raw.get("block_size", 8), "block_size", where, 1), num_hidden_layers=tl.num_hidden_layers,
         num_attention_heads=tl.num_attention_heads, num_key_value_heads=tl.num_key_value_heads,
         head_dim=tl.head_dim or hidden // tl.num_attention_heads, intermediate_size=tl.intermediate_size,
         rms_norm_eps=tl.rms_norm_eps, rope_theta=float((tl.rope_parameters or {}).get("rope_theta", 10000.0)),
