@@ -40,9 +40,24 @@ def _recipe(root: Path, **over) -> Path:
     return path
 
 
+def _launch(nproc: int) -> list[str]:
+    """The command that starts nproc gloo processes (torchrun), or one plain process."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] \
+        if nproc > 1 else [sys.executable]
+
+
+def _run_script(tmp_path: Path, name: str, code: str, nproc: int) -> subprocess.CompletedProcess:
+    """Run a script of code on nproc processes (the repo on PYTHONPATH); asserts it exits 0."""
+    script = tmp_path / name
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    res = subprocess.run(_launch(nproc) + [str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
 def _run(nproc: int, recipe: Path, out: Path) -> dict:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd = (torchrun if nproc > 1 else [sys.executable]) + ["-m", "train", str(recipe), f"output_dir={out}"]
+    cmd = _launch(nproc) + ["-m", "train", str(recipe), f"output_dir={out}"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return load_file(str(out / "final" / "model.safetensors"))
@@ -126,10 +141,9 @@ def test_processes_regenerate_a_part_each_and_hold_the_same_sequences(tmp_path):
     r["data"]["regenerate"] = {"enabled": True, "num_sequences": 6, "prompt_tokens": [8, 12], "new_tokens": 5}
     recipe = tmp_path / "drafter.yaml"
     recipe.write_text(yaml.safe_dump(r))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
     runs = {}
-    for n, cmd in ((1, [sys.executable]), (2, torchrun)):
-        res = subprocess.run(cmd + ["-m", "train", str(recipe), f"output_dir={tmp_path / str(n)}"],
+    for n in (1, 2):
+        res = subprocess.run(_launch(n) + ["-m", "train", str(recipe), f"output_dir={tmp_path / str(n)}"],
                              capture_output=True, text=True, timeout=300)
         assert res.returncode == 0, res.stderr[-3000:]
         runs[n] = res.stderr
@@ -180,14 +194,10 @@ def test_max_minutes_is_one_decision_for_all_processes(tmp_path):
             "import torch.distributed as dist\n"
             "dist.destroy_process_group() if dist.is_initialized() else None  # a clean exit, no gloo teardown race\n")
     script = tmp_path / "clock.py"
-    script.write_text(code)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    res = subprocess.run(torchrun + [str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _run_script(tmp_path, script.name, code, 2)
     assert [Path(f"{script}.{r}").read_text() for r in (0, 1)] == ["True False", "True False"]
-    one = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert one.returncode == 0 and Path(f"{script}.0").read_text() == "False False", one.stderr[-2000:]
+    _run_script(tmp_path, script.name, code, 1)
+    assert Path(f"{script}.0").read_text() == "False False"
 
 
 
@@ -202,14 +212,11 @@ def test_the_loop_deadline_stops_all_processes_at_the_same_step(tmp_path):
             "d = Deadline(1.0, acc)\n"
             "res = [d.passed(None)] + [d.passed(start) for _ in range(4)]\n"
             "open(__file__ + f'.{acc.process_index}', 'w').write(str(res))\n"
-            "acc.wait_for_everyone()\n"
+            "from train.sync import wait_for_everyone\n"
+            "wait_for_everyone(acc)\n"
             "import torch.distributed as dist\n"
             "dist.destroy_process_group() if dist.is_initialized() else None\n")
     script = tmp_path / "deadline.py"
-    script.write_text(code)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    res = subprocess.run(torchrun + [str(script)], capture_output=True, text=True, timeout=300, env=env)
-    assert res.returncode == 0, res.stderr[-3000:]
+    _run_script(tmp_path, script.name, code, 2)
     want = str([False, False, False, True, True])
     assert [Path(f"{script}.{r}").read_text() for r in (0, 1)] == [want, want]
