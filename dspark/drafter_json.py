@@ -21,6 +21,7 @@ The export writes the form vLLM reads first for each field it writes (nothing of
 """
 from __future__ import annotations
 
+from dspark.fields import check_bool, check_int
 from dspark.models.drafter_config import DrafterConfig
 
 DSPARK_ARCHS = ("Qwen3DSparkModel", "DSparkDraftModel")
@@ -50,16 +51,11 @@ def _get(cfg: dict, dotted: str, where: str):
 
 
 def json_int(value, field: str, where: str, low: int | None = None) -> int:
-    """value as a config.json integer field (at least `low` when given), else a ValueError naming the field."""
-    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
-        raise ValueError(f"{where}: {field}: expected an integer{'' if low is None else f' >= {low}'}, got {value!r}")
-    return value
+    return check_int(f"{where}: {field}", value, low)
 
 
 def json_bool(value, field: str, where: str) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{where}: {field}: expected true or false, got {value!r}")
-    return value
+    return check_bool(f"{where}: {field}", value)
 
 
 def resolve_target_layer_ids(cfg: dict, where: str) -> tuple[list[int], str]:

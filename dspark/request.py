@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from enum import Enum
 
+from dspark.fields import check_int
 from dspark.spec.sampling import request_seed
 
 SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS): 1/T would overflow the logits
@@ -27,8 +28,8 @@ class SamplingParams:
         """Check every field (ValueError naming it), then normalise like vLLM: a temperature below SAMPLING_EPS or a
         top_p below MIN_TOP_P means greedy (temperature 0, top_p 1, top_k 0), so no 1/T overflow or empty nucleus
         ever reaches the batched sampling step."""
-        _int("max_tokens", self.max_tokens, lo=1)
-        _int("top_k", self.top_k, lo=0)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("top_k", self.top_k, 0)
         for name in ("temperature", "top_p"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -38,19 +39,13 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: expected in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            _int("seed", self.seed, *SEED_RANGE)
+            check_int("seed", self.seed, *SEED_RANGE)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop: expected non-empty strings")
         for t in self.stop_token_ids:
-            _int("stop_token_ids", t, lo=0)
+            check_int("stop_token_ids", t, 0)
         if self.temperature < SAMPLING_EPS or self.top_p < MIN_TOP_P:
             self.temperature, self.top_p, self.top_k = 0.0, 1.0, 0
-
-
-def _int(name: str, v, lo: int, hi: int | None = None) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v >= hi):
-        want = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi})"
-        raise ValueError(f"{name}: expected {want}, got {v!r}")
 
 
 class Status(Enum):

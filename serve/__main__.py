@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.device import DTYPES, resolve_device, resolve_dtype
+from dspark.fields import check_int
 from serve import check_max_model_len, load_server, shutdown, target_positions
 from serve.vllm import load_serve_section
 
@@ -79,11 +80,6 @@ class Options:
     adaptive_verification: bool
 
 
-def _at_least(flag: str, value, lo: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < lo):
-        raise ValueError(f"{flag}: expected an integer >= {lo}, got {value!r}")
-
-
 def _check_listen(host: str, port: int) -> None:
     """Bind host:port once so that a bad host or a busy port fails now, not after the models load."""
     try:
@@ -128,7 +124,8 @@ def check_options(args, sec: dict) -> Options:
                             ("--num-speculative-tokens", o.num_speculative_tokens, 1),
                             ("--max-model-len", o.max_model_len, 1), ("--draft-top-k", o.draft_top_k, 0),
                             ("--max-prompt-bytes", args.max_prompt_bytes, 1)]:
-        _at_least(flag, value, lo)
+        if value is not None:
+            check_int(flag, value, lo)
     check_max_model_len(o.max_model_len, target_positions(args.target), "--max-model-len")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key: empty; give a key or leave the flag out")
