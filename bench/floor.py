@@ -3,10 +3,11 @@ real model shape (nothing to train first).
 
     python3 bench/floor.py --shape qwen3-8b [--tokens 128] [--hf]     H200
     python3 bench/floor.py --shape k3                                 H200 (13.3B K3-shape hybrid, 64 experts top-4)
+    python3 bench/floor.py --shape k3-mini --compile both             H200 (recipes/targets/k3-mini.yaml's shape)
     python3 bench/floor.py --shape qwen3-tiny                         CPU check of the script, no claims
 
 Timed: ms per token of the engine's decode steps (CUDA graphs of the whole step, one host read per step), median of
---runs runs after a warm-up run. Floor = bytes one token must read (every weight but the embedding table, of which
+--runs runs after a warm-up run; --compile both times the engine with and without torch.compile of the step. Floor = bytes one token must read (every weight but the embedding table, of which
 one row; for K3 only the top-k of the routed experts) / the measured device copy bandwidth. --hf also times
 transformers' `generate` on the same Qwen3 weights for scale.
 """
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark import Engine, SamplingParams  # noqa: E402
@@ -30,6 +32,7 @@ from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config  # noqa: E402
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
                 intermediate_size=12288, max_position_embeddings=40960, rope_theta=1e6)
+K3_MINI = Path(__file__).resolve().parents[1] / "recipes/targets/k3-mini.yaml"
 L = 24
 K3 = dict(
     vocab_size=163840, hidden_size=4096, intermediate_size=11264, num_hidden_layers=L, num_attention_heads=32,
@@ -46,7 +49,9 @@ SHAPES = {"qwen3-8b": ("qwen3", QWEN3_8B),
           "qwen3-tiny": ("qwen3", {**QWEN3_8B, "vocab_size": 512, "hidden_size": 64, "num_layers": 3, "num_heads": 4,
                                    "num_kv_heads": 2, "head_dim": 16, "intermediate_size": 96,
                                    "max_position_embeddings": 512}),
-          "k3": ("k3", K3)}
+          "k3": ("k3", K3),
+          "k3-mini": ("k3", {**yaml.safe_load(K3_MINI.read_text())["model"], "vocab_size": 8192,
+                             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0})}
 
 
 def build(kind: str, shape: dict, device: str, dtype):
@@ -112,6 +117,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--compile", choices=("on", "off", "both"), default="on",
+                    help="torch.compile of the engine's step (on a GPU; both: each way, same weights)")
     ap.add_argument("--hf", action="store_true", help="also transformers' generate (Qwen3 shapes)")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args(argv)
@@ -121,13 +128,24 @@ def main(argv=None) -> None:
     model = build(kind, shape, dev, dtype)
     prompt = torch.randint(3, model.config.vocab_size, (a.prompt_len,), generator=torch.Generator().manual_seed(1))
     prompt = prompt.tolist()
-    engine = Engine(model, None, max_batch_size=1, max_model_len=a.prompt_len + a.tokens + 1)
-    engine_ms_per_token(engine, prompt, min(a.tokens, 16))  # warm-up: graph capture, autotuning
-    runs = [engine_ms_per_token(engine, prompt, a.tokens) for _ in range(a.runs)]
-    ms = statistics.median(r[0] for r in runs)
     res = {"shape": a.shape, "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-           "params": sum(p.numel() for p in model.parameters()), "engine_ms_per_token": ms,
+           "params": sum(p.numel() for p in model.parameters()),
            "command": "python3 bench/floor.py " + " ".join(argv or sys.argv[1:])}
+    ways = {"on": [True], "off": [False], "both": [False, True]}[a.compile]
+    for compiled in ways:
+        engine = Engine(model, None, max_batch_size=1, max_model_len=a.prompt_len + a.tokens + 1, compile=compiled)
+        t0 = time.perf_counter()
+        engine_ms_per_token(engine, prompt, min(a.tokens, 16))  # warm-up: compile, graph capture, autotuning
+        warm_s = time.perf_counter() - t0
+        runs = [engine_ms_per_token(engine, prompt, a.tokens) for _ in range(a.runs)]
+        ms = statistics.median(r[0] for r in runs)
+        tag = "" if compiled == ways[-1] else "_eager"  # the last way is the headline figure
+        res.update({f"engine_ms_per_token{tag}": ms, f"warmup_s{tag}": warm_s,
+                    f"compiled{tag}": engine.runner.compiled, f"tokens{tag}": runs[0][1]})
+    if "tokens_eager" in res:
+        res["same_tokens_eager"] = sum(x == y for x, y in zip(res.pop("tokens_eager"), res["tokens"]))
+    ms = res["engine_ms_per_token"]
+    runs = [(ms, res.pop("tokens"))]
     if cuda:
         bw, read = copy_bandwidth(), read_bytes(model)
         res.update(copy_bandwidth_tb_s=bw / 1e12, read_gb=read / 1e9, floor_ms=read / bw * 1e3,

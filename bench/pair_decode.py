@@ -97,6 +97,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="", help="also throughput vs batch size, e.g. 1,4,16,64 (first task)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--compile", choices=("auto", "off"), default="auto",
+                    help="torch.compile of the engine step: auto (the engine's default: on with CUDA graphs) or off")
     ap.add_argument("--out", help="write every figure as JSON here")
     ap.add_argument("--profile", help="also write the device kernels of 32 bs=1 steps per engine (torch.profiler, "
                     "by device time) to this text file")
@@ -111,16 +113,23 @@ def main(argv=None) -> None:
     longest = max(len(p) for ps in tasks.values() for p in ps)
     mml = longest + a.max_tokens + drafter.config.num_drafts + 1
     mbs = max([1, *batches])
-    engines = {"AR": Engine(target, None, max_batch_size=mbs, max_model_len=mml),
-               "DSpark": Engine(target, drafter, num_speculative_tokens=k, max_batch_size=mbs, max_model_len=mml)}
+    comp = None if a.compile == "auto" else False
+    engines = {"AR": Engine(target, None, max_batch_size=mbs, max_model_len=mml, compile=comp),
+               "DSpark": Engine(target, drafter, num_speculative_tokens=k, max_batch_size=mbs, max_model_len=mml,
+                                compile=comp)}
     first = next(iter(tasks.values()))
-    for e in engines.values():  # warm-up: every step graph, then a short run (autotuning, allocator)
+    warm = {}
+    for m, e in engines.items():  # warm-up: compile, every step graph, then a short run (autotuning, allocator)
+        t0 = time.perf_counter()
         e.warmup()
+        warm[m] = {"graphs": len(e.runner.steps), "seconds": time.perf_counter() - t0, "compiled": e.runner.compiled}
+        print(f"{m}: {warm[m]['graphs']} step graphs in {warm[m]['seconds']:.0f} s (compiled: {e.runner.compiled})",
+              flush=True)
         for b in sorted({1, *batches}):
             decode_run(e, [first[i % len(first)] for i in range(b)], min(a.max_tokens, 16))
     res = {"command": "python3 bench/pair_decode.py " + " ".join(argv or sys.argv[1:]), "device": dev,
            "gpu": torch.cuda.get_device_name() if dev.startswith("cuda") else platform.processor(),
-           "torch": torch.__version__, "tasks": {}, "batches": {}}
+           "torch": torch.__version__, "warmup": warm, "tasks": {}, "batches": {}}
     print("| task | prompts | AR tok/s | DSpark tok/s | speedup | τ | mean k | AR ms/step | DSpark ms/step | "
           "AR host µs/step | DSpark host µs/step | identical to AR |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")

@@ -30,6 +30,14 @@
 #                  script
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
+#   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
+#                  trained (train-target, train-drafter) while the CUDA tests and the compiled step on random k3-mini
+#                  weights (bench/floor.py --shape k3-mini --compile both) run beside it; then the pair through the
+#                  engine (pair, with the kernel profile) and through python -m serve; then the quickstart pair
+#                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve -> $OUT/serve-quickstart.json
+#   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
+#                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
+#                  only what its own OUT holds)
 #   exec CMD ...   any command in this environment (the carried wheels, multicast off, the autotune cache)
 #
 # ARGS go to the command the target runs: recipe overrides for train-* and ddp-compare (`max_minutes=5.5`), flags for
@@ -48,7 +56,7 @@ cd "$(dirname "$0")/.."
 target=${1:-}
 [ $# -gt 0 ] && shift
 case "$target" in
-  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|ablate|peer|k3-mini|exec) ;;
+  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|ablate|peer|k3-mini|served|wait|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
@@ -192,6 +200,33 @@ case "$target" in
     # shellcheck disable=SC2086 # the ARGS variables are word lists
     bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} \
       && { bash "$0" pair --profile "$OUT/profile.txt" || rc=$?; bash "$0" serve || rc=$?; } || rc=$?
+    ;;
+  served)
+    # shellcheck disable=SC2086 # the ARGS variables are word lists
+    {
+      log floor python3 bench/floor.py --shape k3-mini --compile both --out "$OUT/floor-k3-mini.json"
+      bash "$0" tests-cuda -n 4 --timeout 300
+    } > "$OUT/side.txt" 2>&1 &
+    side=$!
+    bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} || rc=1
+    wait $side
+    if [ $rc = 0 ]; then
+      bash "$0" pair --profile "$OUT/profile.txt" || rc=$?
+      bash "$0" serve || rc=$?
+    fi
+    TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
+      bash "$0" serve --out "$OUT/serve-quickstart.json" || rc=$?
+    echo "served: done rc=$rc" | tee "$OUT/DONE"
+    ;;
+  wait)
+    run_out=${RUN_OUT:-runs/gpu}
+    end=$((SECONDS + ${1:-60}))
+    while [ ! -f "$run_out/DONE" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+    tar -czf "$OUT/results.tgz" -C "$run_out" --exclude="*.tgz" . && ls -la "$run_out"
+    tail -n 4 "$run_out"/side.txt "$run_out"/train-*.txt 2>/dev/null
+    cat "$run_out"/floor-k3-mini.json "$run_out"/pair.txt 2>/dev/null
+    grep -h "^|" "$run_out"/serve.txt 2>/dev/null | tail -n 40
+    cat "$run_out/DONE" 2>/dev/null || echo "not done yet"
     ;;
   exec)
     [ $# -gt 0 ] || { echo "run_gpu.sh exec: give the command to run" >&2; exit 2; }

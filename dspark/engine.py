@@ -49,7 +49,8 @@ class Engine:
                  max_batch_size: int = 32, max_model_len: int | None = None, num_blocks: int | None = None,
                  block_size: int = 16, prefill_chunk: int = 512, adaptive_verification: bool = False,
                  draft_sample: bool = True, draft_top_k: int = 0, rejection: str = "standard",
-                 prefix_caching: bool | PrefixCacheConfig = False, graphs: bool | None = None):
+                 prefix_caching: bool | PrefixCacheConfig = False, graphs: bool | None = None,
+                 compile: bool | None = None):
         self.target, self.drafter = target, drafter
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.device = next(target.parameters()).device
@@ -80,7 +81,7 @@ class Engine:
         self.cache = PagedCache(attn, kda, num_blocks, block_size, max_batch_size, dtype=dtype, device=self.device,
                                 prefix_cache=PrefixCacheConfig() if prefix_caching is True else prefix_caching or None)
         self.runner = ModelRunner(target, self.drafts, self.cache, max_batch_size, self.k, rejection, draft_sample,
-                                  adaptive_verification, graphs)
+                                  adaptive_verification, graphs, compile)
         self.k_choices = sorted({0, self.k} | {1 << i for i in range(8) if 1 << i < self.k}) if self.k else [0]
         self.step_requests: list[Request] = []  # the rows of the device step in flight, in order
         self.waiting: collections.deque[Request] = collections.deque()

@@ -7,6 +7,12 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
     uniforms) -> KDA commit of a + 1 tokens -> packed [a, n, emitted tokens]
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
 eagerly. k = 0 is plain decoding (the drafter's context rows are still written, so speculation can resume).
+
+Compiled (the default with graphs): the target forward and the drafter's parallel pass inside the step go through
+torch.compile (dynamic shapes: batch, tokens and context are symbols, so a handful of compiles serve every key;
+the Triton launches stay graph breaks) before the graph captures them, which fuses the elementwise chains between
+the GEMMs and kernels. A compile that fails falls back to the eager forward, with a warning. DSPARK_COMPILE=0 makes
+uncompiled graphs the default (as DSPARK_KERNELS=0 turns the Triton kernels off).
 Prefill stays eager (chunked, through the paged cache's PagedView), and samples its first token on the device too.
 
 Random numbers: a request's uniforms are a pure function of its seed and position (dspark.spec.sampling
@@ -14,7 +20,9 @@ Random numbers: a request's uniforms are a pure function of its seed and positio
 """
 from __future__ import annotations
 
+import os
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -84,12 +92,16 @@ class _Step:
 class ModelRunner:
     def __init__(self, target, drafts: DraftRunner | None, cache: PagedCache, max_batch_size: int, max_k: int,
                  rejection: str = "standard", draft_sample: bool = False, adaptive: bool = False,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, compile: bool | None = None):
         self.target, self.drafts, self.cache = target, drafts, cache
         self.device = cache.device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise ValueError("graphs: CUDA graphs need the model on a CUDA device")
+        self.compiled = False
+        self._forward = self.forward  # the step's target forward (compiled or not)
+        if (self.graphs and os.environ.get("DSPARK_COMPILE", "1") != "0") if compile is None else compile:
+            self._compile()
         self.buckets = buckets(max_batch_size)
         self.rejection, self.draft_sample, self.adaptive = rejection, draft_sample, adaptive
         self.aux_ids = list(drafts.drafter.config.target_layer_ids) if drafts is not None else None
@@ -109,6 +121,34 @@ class ModelRunner:
         logits, aux = self.target(ids, batch=batch, aux_layer_ids=self.aux_ids)
         self.drafts.write_context(batch, aux)
         return logits
+
+    def _compile(self) -> None:
+        dyn = torch._dynamo.config  # symbolic shapes still specialise sizes 0/1 and the MoE paths: a few recompiles
+        for name, n in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 1024),
+                        ("accumulated_cache_size_limit", 1024)):
+            if hasattr(dyn, name):
+                setattr(dyn, name, max(getattr(dyn, name), n))
+        self._forward = torch.compile(self.forward, dynamic=True)
+        if self.drafts is not None:
+            self.drafts.compile()
+        self.compiled = True
+
+    def _uncompile(self, err: Exception) -> None:
+        warnings.warn(f"torch.compile failed in the decode step ({type(err).__name__}: {err}); running it eagerly",
+                      RuntimeWarning, stacklevel=3)
+        self._forward, self.compiled = self.forward, False
+        if self.drafts is not None:
+            self.drafts.uncompile()
+
+    def _run(self, st: _Step) -> torch.Tensor:
+        """The step function; a compiled one that raises is retried eagerly (and compilation is turned off)."""
+        try:
+            return self._step_fn(st)
+        except Exception as err:  # noqa: BLE001 - dynamo / inductor errors have no common base across versions
+            if not self.compiled:
+                raise
+            self._uncompile(err)
+            return self._step_fn(st)
 
     @staticmethod
     def sample_first(logits: torch.Tensor, sampling: RowSampling, seed: torch.Tensor, position: torch.Tensor
@@ -131,7 +171,7 @@ class ModelRunner:
                                    st.floats[:, 1] if filt else 1.0)
         u = None if sampling is None else counter_uniform(ints[:, _I["seed"]], num_cached * COUNTER_STRIDE, 2 * k + 1)
         if k == 0:
-            logits = self.forward(pending[:, None], view)[:, 0]  # [B, V]
+            logits = self._forward(pending[:, None], view)[:, 0]  # [B, V]
             nxt = logits.argmax(-1) if sampling is None else sample_from(
                 process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u[:, 0])
             return torch.stack([torch.zeros_like(nxt), torch.zeros_like(nxt), nxt], 1)
@@ -141,7 +181,7 @@ class ModelRunner:
         if self.adaptive:
             n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))
         drafts = prop.draft_ids
-        logits = self.forward(torch.cat([pending[:, None], drafts], 1), view)  # [B, k+1, V]
+        logits = self._forward(torch.cat([pending[:, None], drafts], 1), view)  # [B, k+1, V]
         a, nxt = verify_greedy(drafts, logits, n)
         if sampling is not None:
             p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
@@ -187,7 +227,7 @@ class ModelRunner:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(warmup):
-                self._step_fn(st)
+                self._run(st)
         torch.cuda.current_stream().wait_stream(side)
         st.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(st.graph, pool=self.pool), torch.no_grad():
@@ -228,7 +268,7 @@ class ModelRunner:
             st.graph.replay()
             out = st.out
         else:
-            out = self._step_fn(st)
+            out = self._run(st)
         t0 = time.perf_counter()
         res = out[:B].tolist()  # the step's one host read
         self.wait_s += time.perf_counter() - t0

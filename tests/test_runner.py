@@ -157,8 +157,29 @@ def test_cuda_graph_step_equals_eager(prompts, pair):
     for d in (None, drafter):
         k = None if d is None else 3
         eager = Engine(target, d, num_speculative_tokens=k, graphs=False).generate(prompts, params)
-        engine = Engine(target, d, num_speculative_tokens=k, graphs=True)
+        engine = Engine(target, d, num_speculative_tokens=k, graphs=True, compile=False)
         graphed = engine.generate(prompts, params)
         assert engine.runner.steps and all(st.graph is not None for st in engine.runner.steps.values())
         assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
         assert [o.accepted_per_step for o in graphed] == [o.accepted_per_step for o in eager]
+
+
+def test_compiled_step_equals_eager(targets, prompts):
+    """torch.compile of the step's target forward and drafter pass (dynamic shapes; Triton launches as graph breaks)
+    gives the eager step's tokens and accepted counts: the K3 pair, plain and speculative, greedy and seeded-sampled
+    rows in one batch, then one row alone. On CUDA (DSPARK_TEST_DEVICE=cuda) the compiled step is also captured."""
+    target = targets["k3"]
+    drafter = live_markov(k3_drafter(target))
+    params = [SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=1.0, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True)]
+    for d in (None, drafter):
+        k = None if d is None else 3
+        eager = Engine(target, d, num_speculative_tokens=k, graphs=False, compile=False)
+        compiled = Engine(target, d, num_speculative_tokens=k, compile=True)
+        assert compiled.runner.compiled
+        for batch, ps in ((prompts, params), (prompts[:1], params[:1])):
+            want, got = eager.generate(batch, ps), compiled.generate(batch, ps)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want]
+            assert [o.accepted_per_step for o in got] == [o.accepted_per_step for o in want]
+        assert compiled.runner.compiled  # no fallback to the eager forward happened

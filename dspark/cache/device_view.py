@@ -22,19 +22,26 @@ class DeviceView:
                  block_size: int, num_cached: torch.Tensor, num_new: torch.Tensor, table: torch.Tensor,
                  slots: torch.Tensor, T: int, record: bool):
         self.kv, self.S, self.conv = kv, kda_S, kda_conv
-        self.bs, self.T, self.record = block_size, T, record
+        self.bs, self.record = block_size, record
         self.num_cached, self.num_new, self.table, self.slots = num_cached, num_new, table, slots
-        self.L = table.shape[1] * block_size
         self.cache = self  # a ForwardBatch whose cache is itself
         self.device = table.device
         dev = self.device
         self._pos = num_cached[:, None] + torch.arange(T, device=dev)  # [B, T]
-        keys = torch.arange(self.L, device=dev)
+        keys = torch.arange(self.L, device=dev)  # T and L come from tensor shapes: symbolic under torch.compile
         self._valid = torch.arange(T, device=dev)[None] < num_new[:, None]  # [B, T]
         self._mask = (keys[None, None, :] <= self._pos[:, :, None])[:, None]  # [B, 1, T, L]
         self._dest = self._rows(self._pos).flatten()  # [B*T] flat pool rows of the new tokens
         self._gather = self._rows(keys[None].expand(table.shape[0], -1))  # [B, L] flat pool rows of positions 0..L-1
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def T(self) -> int:
+        return self._pos.shape[1]
+
+    @property
+    def L(self) -> int:
+        return self.table.shape[1] * self.bs
 
     def _rows(self, pos: torch.Tensor) -> torch.Tensor:  # pos [B, *] -> flat rows of the pool
         blk = (pos // self.bs).clamp(max=self.table.shape[1] - 1)

@@ -76,6 +76,13 @@ class DraftRunner:
         cfg = drafter.config
         self.layers = [layer_offset + i for i in range(cfg.num_hidden_layers)]
         self.row_width = drafter.row_width  # qwen3: 2*n_kv*head_dim ([k | v]); k3: kv_lora+rope (MLA latent)
+        self.hidden = draft_hidden  # the parallel pass (torch.compile'd by compile())
+
+    def compile(self) -> None:
+        self.hidden = torch.compile(draft_hidden, dynamic=True)
+
+    def uncompile(self) -> None:
+        self.hidden = draft_hidden
 
     def cache_layout(self) -> dict[int, int]:
         return {layer: self.row_width for layer in self.layers}
@@ -97,7 +104,7 @@ class DraftRunner:
         confidences: confidence=True keeps the torch loop."""
         d = self.drafter
         ctx_rows = [view.attn_rows(layer) for layer in self.layers]
-        h = draft_hidden(d, anchors, view.num_cached, ctx_rows)[:, :k]  # [B, k, H]
+        h = self.hidden(d, anchors, view.num_cached, ctx_rows)[:, :k]  # [B, k, H]
         if sampling is None and d.markov_head is not None and not confidence and not self.draft_top_k \
                 and use_triton(h):
             w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
