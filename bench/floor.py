@@ -7,9 +7,9 @@ real model shape (nothing to train first).
     python3 bench/floor.py --shape qwen3-tiny                         CPU check of the script, no claims
 
 Timed: ms per token of the engine's decode steps (CUDA graphs of the whole step, one host read per step), median of
---runs runs after a warm-up run; --compile both times the engine with and without torch.compile of the step. Floor = bytes one token must read (every weight but the embedding table, of which
-one row; for K3 only the top-k of the routed experts) / the measured device copy bandwidth. --hf also times
-transformers' `generate` on the same Qwen3 weights for scale.
+--runs runs after a warm-up run; --compile on / both: with torch.compile of the step / each way. Floor = bytes one
+token must read (every weight but the embedding table, of which one row; for K3 only the top-k of the routed
+experts) / the measured device copy bandwidth. --hf also times transformers' `generate` on the same Qwen3 weights.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def main(argv=None) -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--compile", choices=("on", "off", "both"), default="on",
+    ap.add_argument("--compile", choices=("on", "off", "both"), default="off",
                     help="torch.compile of the engine's step (on a GPU; both: each way, same weights)")
     ap.add_argument("--hf", action="store_true", help="also transformers' generate (Qwen3 shapes)")
     ap.add_argument("--out", help="write the figures as JSON here")

@@ -97,8 +97,7 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="", help="also throughput vs batch size, e.g. 1,4,16,64 (first task)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--compile", choices=("auto", "off"), default="auto",
-                    help="torch.compile of the engine step: auto (the engine's default: on with CUDA graphs) or off")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
     ap.add_argument("--out", help="write every figure as JSON here")
     ap.add_argument("--profile", help="also write the device kernels of 32 bs=1 steps per engine (torch.profiler, "
                     "by device time) to this text file")
@@ -113,10 +112,9 @@ def main(argv=None) -> None:
     longest = max(len(p) for ps in tasks.values() for p in ps)
     mml = longest + a.max_tokens + drafter.config.num_drafts + 1
     mbs = max([1, *batches])
-    comp = None if a.compile == "auto" else False
-    engines = {"AR": Engine(target, None, max_batch_size=mbs, max_model_len=mml, compile=comp),
+    engines = {"AR": Engine(target, None, max_batch_size=mbs, max_model_len=mml, compile=a.compile),
                "DSpark": Engine(target, drafter, num_speculative_tokens=k, max_batch_size=mbs, max_model_len=mml,
-                                compile=comp)}
+                                compile=a.compile)}
     first = next(iter(tasks.values()))
     warm = {}
     for m, e in engines.items():  # warm-up: compile, every step graph, then a short run (autotuning, allocator)

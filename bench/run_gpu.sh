@@ -131,7 +131,9 @@ case "$target" in
     log kernels python3 bench/gpu_k3_kernels.py || rc=$?
     ;;
   tests-cuda)
-    DSPARK_TEST_DEVICE=cuda log tests-cuda python3 -m pytest tests/ -q -p no:cacheprovider -p no:warnings -m "not sources" "$@" || rc=$?
+    # -v: a line per test as it ends, so a run stopped early still names its failures
+    DSPARK_TEST_DEVICE=cuda log tests-cuda python3 -m pytest tests/ -v -rfE --tb=line -p no:cacheprovider -p no:warnings \
+      -m "not sources" "$@" || rc=$?
     ;;
   train-quickstart)
     CUDA_VISIBLE_DEVICES=0 log train-quickstart python3 -m train recipes/targets/qwen3-tiny.yaml \

@@ -31,6 +31,7 @@ from dspark.runner import ModelRunner, RowInput
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
 
+PREFILL_ALIGN = 64  # on CUDA a prefill's width is a multiple of this: few shapes, all met by the warm-up's prefills
 PROBE_EVERY = 64  # plain steps after which the k policy drafts once more, to refresh its acceptance statistics
 REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 
@@ -50,12 +51,13 @@ class Engine:
                  block_size: int = 16, prefill_chunk: int = 512, adaptive_verification: bool = False,
                  draft_sample: bool = True, draft_top_k: int = 0, rejection: str = "standard",
                  prefix_caching: bool | PrefixCacheConfig = False, graphs: bool | None = None,
-                 compile: bool | None = None):
+                 compile: bool = False):
         self.target, self.drafter = target, drafter
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.device = next(target.parameters()).device
         self.max_model_len = max_model_len or target.config.max_position_embeddings
         self.max_batch_size, self.block_size, self.prefill_chunk = max_batch_size, block_size, prefill_chunk
+        self.prefill_align = PREFILL_ALIGN if self.device.type == "cuda" else 1
         self.k, self.pinned_k = 0, 0  # k: the most drafts a step may verify (what requests reserve room for)
         if drafter is not None:
             self.k = drafter.config.num_drafts
@@ -187,12 +189,13 @@ class Engine:
         """One eager forward over every prefilling request's next chunk; the requests whose prompt is done sample
         their first token on the device."""
         chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
-        ids = torch.zeros(len(reqs), max(len(c) for c in chunks), dtype=torch.long)
+        width = -(-max(len(c) for c in chunks) // self.prefill_align) * self.prefill_align  # padding: not committed
+        ids = torch.zeros(len(reqs), width, dtype=torch.long)
         for b, c in enumerate(chunks):
             ids[b, : len(c)] = torch.tensor(c)
         fb = self.cache.batch([r.id for r in reqs], [len(c) for c in chunks], record=False)
         self.counters["target_forwards"] += 1
-        logits = self.runner.forward(ids.to(self.device), fb)
+        logits = self.runner.prefill(ids.to(self.device), fb)
         self.cache.commit()
         done = []
         for b, (r, chunk) in enumerate(zip(reqs, chunks)):
@@ -261,11 +264,13 @@ class Engine:
         return len(keys)
 
     def _warm_prefill(self) -> None:
-        """One short request end to end, its statistics then forgotten: the first prefill on a device loads its
-        kernels (CUDA's lazy module loading, library handles), a one-off ~0.15 s no request should pay."""
+        """Short requests end to end, their statistics then forgotten: the first prefill on a device loads its
+        kernels (CUDA's lazy module loading, library handles) and each new kind of shape compiles Triton
+        specialisations (a full chunk alone; two rows of one aligned block), one-off costs no request should pay."""
         saved = copy.deepcopy((self.counters, self._reached, self._accepted, self._plain_steps))
         n = max(1, min(self.prefill_chunk, self.max_model_len - self.k - 3))
-        self.generate([[0] * n], SamplingParams(max_tokens=2, ignore_eos=True))
+        for prompts in ([[0] * n], [[0] * min(n, self.prefill_align)] * 2):
+            self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
         self.counters, self._reached, self._accepted, self._plain_steps = saved
         self._k_memo.clear()
 

@@ -8,11 +8,11 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
 eagerly. k = 0 is plain decoding (the drafter's context rows are still written, so speculation can resume).
 
-Compiled (the default with graphs): the target forward and the drafter's parallel pass inside the step go through
-torch.compile (dynamic shapes: batch, tokens and context are symbols, so a handful of compiles serve every key;
-the Triton launches stay graph breaks) before the graph captures them, which fuses the elementwise chains between
-the GEMMs and kernels. A compile that fails falls back to the eager forward, with a warning. DSPARK_COMPILE=0 makes
-uncompiled graphs the default (as DSPARK_KERNELS=0 turns the Triton kernels off).
+compile=True (opt-in): the target forward and the drafter's parallel pass inside the step go through torch.compile
+(dynamic shapes: batch, tokens and context are symbols; the Triton launches stay graph breaks) before the graph
+captures them, which fuses the elementwise chains between the GEMMs and kernels. Sizes 1 and the attention's batch
+ranges still specialise, so a server's start compiles about a dozen variants. A compile that fails falls back to the
+eager forward, with a warning.
 Prefill stays eager (chunked, through the paged cache's PagedView), and samples its first token on the device too.
 
 Random numbers: a request's uniforms are a pure function of its seed and position (dspark.spec.sampling
@@ -20,12 +20,12 @@ Random numbers: a request's uniforms are a pure function of its seed and positio
 """
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.cache.paged import PagedCache
 from dspark.models.k3.moe import LatentMoE, set_static_moe
@@ -33,6 +33,7 @@ from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
 from dspark.spec.verify import choose_verify_lengths_device, verify_block, verify_greedy, verify_rejection
 
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one
 MIN_CONTEXT = 128  # the smallest context bucket (positions a step sees)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
@@ -92,7 +93,7 @@ class _Step:
 class ModelRunner:
     def __init__(self, target, drafts: DraftRunner | None, cache: PagedCache, max_batch_size: int, max_k: int,
                  rejection: str = "standard", draft_sample: bool = False, adaptive: bool = False,
-                 graphs: bool | None = None, compile: bool | None = None):
+                 graphs: bool | None = None, compile: bool = False):
         self.target, self.drafts, self.cache = target, drafts, cache
         self.device = cache.device
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
@@ -100,7 +101,7 @@ class ModelRunner:
             raise ValueError("graphs: CUDA graphs need the model on a CUDA device")
         self.compiled = False
         self._forward = self.forward  # the step's target forward (compiled or not)
-        if (self.graphs and os.environ.get("DSPARK_COMPILE", "1") != "0") if compile is None else compile:
+        if compile:
             self._compile()
         self.buckets = buckets(max_batch_size)
         self.rejection, self.draft_sample, self.adaptive = rejection, draft_sample, adaptive
@@ -149,6 +150,12 @@ class ModelRunner:
                 raise
             self._uncompile(err)
             return self._step_fn(st)
+
+    def prefill(self, ids: torch.Tensor, batch) -> torch.Tensor:
+        """The eager forward of a prefill chunk. Without cuDNN's attention: it builds an execution graph for every
+        new shape, and each prompt length is one (the decode graphs see few shapes and keep the default choice)."""
+        with sdpa_kernel(PREFILL_ATTENTION):
+            return self.forward(ids, batch)
 
     @staticmethod
     def sample_first(logits: torch.Tensor, sampling: RowSampling, seed: torch.Tensor, position: torch.Tensor

@@ -54,8 +54,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recipe", default=None, help="recipe YAML with a serve: section (e.g. recipes/k3.yaml)")
     p.add_argument("--device", default="auto", help="ours: auto (the GPU when there is one), cpu, cuda or cuda:N")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="ours: auto (bfloat16 on a GPU, float32 on CPU)")
-    p.add_argument("--enforce-eager", action="store_true", help="ours: no CUDA graphs and no torch.compile of the "
-                   "decode step (vLLM's flag; for debugging: much slower on a GPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="ours: no CUDA graphs (vLLM's flag; for debugging: "
+                   "much slower on a GPU)")
+    p.add_argument("--compile", action="store_true", help="ours: torch.compile the decode step before its graphs are "
+                   "captured (a longer start: bench/RESULTS.md)")
     p.add_argument("--dry-run", action="store_true", help="vllm: print the command only; ours: load and exit")
     return p.parse_args(argv)
 
@@ -151,7 +153,7 @@ def _run_ours(args) -> int:
                       adaptive_verification=o.adaptive_verification, draft_top_k=o.draft_top_k,
                       served_model_name=o.served_model_name, max_concurrent=args.max_concurrent, device=o.device,
                       dtype=o.dtype, api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes,
-                      enforce_eager=args.enforce_eager)
+                      enforce_eager=args.enforce_eager, compile=args.compile)
     cfg, eng = app.state.cfg, app.state.runner.engine
     print(f"serving {cfg.served_model_name!r} on http://{o.host}:{o.port}/v1 ({o.device}, {o.dtype}, k={eng.k}, "
           f"max_model_len={eng.max_model_len}, max_batch_size={eng.max_batch_size}, "

@@ -10,9 +10,6 @@ import torch
 if os.environ.get("DSPARK_TEST_DEVICE", "cpu").startswith("cuda"):
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     torch.backends.cudnn.allow_tf32 = False  # cuDNN convs (the KDA short conv) likewise; matmuls are fp32 already
-    # engines on CUDA capture uncompiled step graphs unless a test asks for compile=True (test_runner does): a compile
-    # per tiny test model would dominate the suite's time
-    os.environ.setdefault("DSPARK_COMPILE", "0")
 
 from tests.targets import write_tiny_pair, write_tiny_target_and_data
 

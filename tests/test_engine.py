@@ -87,6 +87,17 @@ def test_ar_engine_matches_plain_forward(target, prompts, refs):
     assert [o.token_ids for o in outs] == refs
 
 
+def test_aligned_prefill_equals_plain_forward(target, prompts, refs):
+    """Prefill chunks padded to an aligned width (on CUDA: engine.PREFILL_ALIGN), wider here than every chunk, commit
+    only their own tokens: AR and speculative greedy output equal the reference, and every block is freed."""
+    for drafter in (None, make_drafter(target)):
+        engine = Engine(target, drafter, max_batch_size=3, prefill_chunk=7)
+        engine.prefill_align = 16
+        outs = engine.generate(prompts, SamplingParams(max_tokens=24))
+        assert [o.token_ids for o in outs] == refs
+        assert engine.cache.pool.num_used == 0
+
+
 @pytest.mark.parametrize("quality", ["oracle", "random", "adversarial", "partial", "trained-random-weights"])
 def test_speculative_greedy_equals_autoregressive(target, prompts, refs, quality):
     drafter = make_drafter(target)

@@ -157,7 +157,7 @@ def test_cuda_graph_step_equals_eager(prompts, pair):
     for d in (None, drafter):
         k = None if d is None else 3
         eager = Engine(target, d, num_speculative_tokens=k, graphs=False).generate(prompts, params)
-        engine = Engine(target, d, num_speculative_tokens=k, graphs=True, compile=False)
+        engine = Engine(target, d, num_speculative_tokens=k, graphs=True)
         graphed = engine.generate(prompts, params)
         assert engine.runner.steps and all(st.graph is not None for st in engine.runner.steps.values())
         assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
@@ -175,7 +175,7 @@ def test_compiled_step_equals_eager(targets, prompts):
               SamplingParams(max_tokens=12, ignore_eos=True)]
     for d in (None, drafter):
         k = None if d is None else 3
-        eager = Engine(target, d, num_speculative_tokens=k, graphs=False, compile=False)
+        eager = Engine(target, d, num_speculative_tokens=k, graphs=False)
         compiled = Engine(target, d, num_speculative_tokens=k, compile=True)
         assert compiled.runner.compiled
         for batch, ps in ((prompts, params), (prompts[:1], params[:1])):

@@ -311,3 +311,9 @@ def test_cli_defaults_and_host_warning(models, capsys, caplog):
         assert serve_main(base + ["--host", "0.0.0.0", "--port", str(free_port()), "--api-key", "k"]) == 0
         assert serve_main(base + ["--host", "127.0.0.1", "--port", str(free_port())]) == 0
     assert not [r for r in caplog.records if "without --api-key" in r.getMessage()]
+    capsys.readouterr()
+    graphs = "on" if torch.cuda.is_available() else "off"  # CUDA graphs by default where there is a GPU
+    assert serve_main(base + ["--port", str(free_port()), "--compile"]) == 0
+    assert f"graphs={graphs}, compiled=on" in capsys.readouterr().out
+    assert serve_main(base + ["--port", str(free_port()), "--enforce-eager"]) == 0
+    assert "graphs=off, compiled=off" in capsys.readouterr().out

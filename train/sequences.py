@@ -204,9 +204,8 @@ def regenerate(target, tokenizer, prompts: list[list[int]], new_tokens: int, tem
                seeds: list[int]) -> list[list[int]]:
     """The target continues every prompt (the field's standard recipe: learn from what the target says) through the
     engine, batch_size rows at a time (CUDA graphs on a GPU). seeds: one per prompt (sampling at temperature > 0)."""
-    # CUDA graphs without torch.compile: in a one-off batch run the compile would cost about what it saves
     engine = Engine(target, None, tokenizer=tokenizer, max_batch_size=batch_size,
-                    max_model_len=max(len(p) for p in prompts) + new_tokens + 1, compile=False)
+                    max_model_len=max(len(p) for p in prompts) + new_tokens + 1)
     params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
                              seed=seed if temperature > 0 else None) for seed in seeds]
     outs = engine.generate(prompts, params, progress=True)
