@@ -31,10 +31,11 @@
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
-#                  trained (train-target, train-drafter) while the CUDA tests and the compiled step on random k3-mini
-#                  weights (bench/floor.py --shape k3-mini --compile both) run beside it; then the pair through the
-#                  engine (pair, with the kernel profile) and through python -m serve; then the quickstart pair
-#                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve -> $OUT/serve-quickstart.json
+#                  trained (train-target, train-drafter) with the CUDA tests beside it (stopped when the training
+#                  ends); then, on a quiet GPU, the pair through python -m serve, the quickstart pair
+#                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve -> $OUT/serve-quickstart.json,
+#                  the pair through the engine (pair, with the kernel profile) and the step with and without
+#                  torch.compile (bench/floor.py --shape k3-mini --compile both)
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -205,19 +206,19 @@ case "$target" in
     ;;
   served)
     # shellcheck disable=SC2086 # the ARGS variables are word lists
-    {
-      log floor python3 bench/floor.py --shape k3-mini --compile both --out "$OUT/floor-k3-mini.json"
-      bash "$0" tests-cuda -n 4 --timeout 300
-    } > "$OUT/side.txt" 2>&1 &
-    side=$!
-    bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} || rc=1
-    wait $side
-    if [ $rc = 0 ]; then
-      bash "$0" pair --profile "$OUT/profile.txt" || rc=$?
-      bash "$0" serve || rc=$?
-    fi
+    bash "$0" tests-cuda -n 8 --timeout 200 > "$OUT/side.txt" 2>&1 &
+    trained=0
+    bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} && trained=1 || rc=1
+    pkill -f "[p]ytest tests/" && echo "served: CUDA tests stopped at the end of the training (see tests-cuda.txt)"
+    wait
+    [ $trained = 1 ] && { bash "$0" serve --time-limit 420 || rc=$?; }
     TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
-      bash "$0" serve --out "$OUT/serve-quickstart.json" || rc=$?
+      bash "$0" serve --time-limit 270 --out "$OUT/serve-quickstart.json" || rc=$?
+    if [ $trained = 1 ]; then
+      bash "$0" pair --profile "$OUT/profile.txt" || rc=$?
+      python3 bench/floor.py --shape k3-mini --compile both --out "$OUT/floor-k3-mini.json" 2>&1 \
+        | tee -a "$OUT/floor.txt" || rc=$?
+    fi
     echo "served: done rc=$rc" | tee "$OUT/DONE"
     ;;
   wait)
