@@ -130,8 +130,9 @@ def test_dflash_mode_is_lossless_too(target, prompts, refs):
     assert [o.token_ids for o in outs] == refs
 
 
-@pytest.mark.parametrize("policy", ["interval", "second_hit"])
-def test_prefix_cache_on_equals_off_with_eviction_and_no_leak(target, policy):
+@pytest.mark.parametrize("policy,align", [("interval", 1), ("second_hit", 1), ("interval", 16)])
+def test_prefix_cache_on_equals_off_with_eviction_and_no_leak(target, policy, align):
+    """align 16: prefill chunks padded to an aligned width, as on CUDA (they end at the cache's checkpoints)."""
     g = torch.Generator().manual_seed(3)
     systems = [torch.randint(2, V, (40,), generator=g).tolist() for _ in range(2)]
     prompts = [systems[s] + torch.randint(2, V, (n,), generator=g).tolist()
@@ -144,6 +145,7 @@ def test_prefix_cache_on_equals_off_with_eviction_and_no_leak(target, policy):
     # a pool of 12 blocks for requests of up to 9: the other system prompt's cached blocks must be evicted
     on = Engine(target, drafter, max_batch_size=1, prefill_chunk=16, block_size=8, num_blocks=12,
                 prefix_caching=cfg)
+    on.prefill_align = align
     outs = on.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in off]
     stats = on.cache.prefix.stats
