@@ -31,8 +31,8 @@
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
-#                  trained (train-target, train-drafter) with the CUDA tests beside it (stopped when the training
-#                  ends); then, on a quiet GPU, the pair through python -m serve, the quickstart pair
+#                  trained (train-target, train-drafter) with the CUDA tests beside it until the drafter's timed
+#                  training begins; then, on a quiet GPU, the pair through python -m serve, the quickstart pair
 #                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve -> $OUT/serve-quickstart.json,
 #                  the pair through the engine (pair, with the kernel profile) and the step with and without
 #                  torch.compile (bench/floor.py --shape k3-mini --compile both)
@@ -207,9 +207,14 @@ case "$target" in
   served)
     # shellcheck disable=SC2086 # the ARGS variables are word lists
     bash "$0" tests-cuda -n 8 --timeout 200 > "$OUT/side.txt" 2>&1 &
+    # the tests share the GPU with the target's training and the regeneration, not with the drafter's timed steps
+    ( until grep -qs "trainable params" "$OUT/train-drafter.txt"; do sleep 5; done
+      pkill -f "[p]ytest tests/" && echo "served: CUDA tests stopped as the drafter's training began" ) &
+    watcher=$!
     trained=0
     bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} && trained=1 || rc=1
-    pkill -f "[p]ytest tests/" && echo "served: CUDA tests stopped at the end of the training (see tests-cuda.txt)"
+    kill $watcher 2>/dev/null
+    pkill -f "[p]ytest tests/"
     wait
     [ $trained = 1 ] && { bash "$0" serve --time-limit 420 || rc=$?; }
     TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
