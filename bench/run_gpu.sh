@@ -80,6 +80,7 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export TQDM_MININTERVAL=30  # progress bars at most every 30 s in the logs (tqdm reads TQDM_* defaults)
 # NVLink multicast stays off, for this shell and every process it starts (accelerate's workers included)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
