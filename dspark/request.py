@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -70,6 +71,16 @@ class RequestOutput:
 _ids = itertools.count()
 
 
+def text_decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> tokenizer.decode(ids, skip_special_tokens=True). For a fast tokenizer that would not clean up spaces,
+    the Rust backend's decode itself: what transformers calls, without its Python wrapping (most of a call's time,
+    paid per request per step by streaming)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class Request:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                  prompt_text: str | None = None, tokenizer=None, seed: int | None = None):
@@ -88,6 +99,7 @@ class Request:
         self.num_drafts_per_step: list[int] = []
         self.finish_reason: str | None = None
         self.tokenizer = tokenizer  # decodes `text` on demand
+        self._decode = text_decoder(tokenizer) if tokenizer is not None else None
         # incremental detokenization: output_ids[:_read] decode to _stable and end on a character boundary;
         # output_ids[_prefix:_read] is the window the next tokens are decoded after (vLLM's detokenizer)
         self._stable, self._prefix, self._read = "", 0, 0
@@ -100,10 +112,10 @@ class Request:
         """The decoded output (special tokens skipped; a trailing partial UTF-8 character shows as '\ufffd'). Each
         call decodes only the tokens since the last character boundary, with the window before them as context,
         so a stream costs O(new tokens) per step rather than the whole output."""
-        if self._text_at != len(self.output_ids) and self.tokenizer is not None:
-            ids, dec = self.output_ids, self.tokenizer.decode
-            before = dec(ids[self._prefix:self._read], skip_special_tokens=True)
-            tail = dec(ids[self._prefix:], skip_special_tokens=True)[len(before):]
+        if self._text_at != len(self.output_ids) and self._decode is not None:
+            ids, dec = self.output_ids, self._decode
+            before = dec(ids[self._prefix:self._read])
+            tail = dec(ids[self._prefix:])[len(before):]
             if tail and not tail.endswith("\ufffd"):  # a boundary: the next window starts at the old read point
                 self._stable += tail
                 self._prefix, self._read, tail = self._read, len(ids), ""

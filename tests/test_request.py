@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from dspark.request import Request, SamplingParams
+from dspark.request import Request, SamplingParams, text_decoder
 from tests.targets import add_tokenizer
 
 MULTIBYTE = "naïve café — 東京の天気は晴れ 🌤️👩‍💻 Ωμέγα ∑∫≈ done.\n"
@@ -59,3 +59,17 @@ def test_text_pinned_by_a_stop_string_cut(tokenizers_):
     assert req.text.endswith("return x\n")
     req.text = "def f(x):"
     assert req.text == "def f(x):" and req.output().text == "def f(x):"
+
+
+@pytest.mark.parametrize("cleanup", [False, True])
+def test_decoder_skips_transformers_wrapping_only_when_equal(tokenizers_, monkeypatch, cleanup):
+    """A fast tokenizer decodes through its Rust backend, unless transformers would also clean up spaces: then the
+    tokenizer's own decode runs. Either way the text is the tokenizer's decode."""
+    tok = tokenizers_["metaspace"]
+    monkeypatch.setattr(tok, "clean_up_tokenization_spaces", cleanup)
+    ids = tok.encode(MULTIBYTE + " a , b . c ' d", add_special_tokens=False) + [tok.eos_token_id]
+    want = tok.decode(ids, skip_special_tokens=True)
+    calls = []
+    monkeypatch.setattr(tok, "decode", lambda *a, **k: calls.append(a) or want)
+    assert text_decoder(tok)(ids) == want
+    assert bool(calls) == cleanup
