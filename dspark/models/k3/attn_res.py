@@ -20,11 +20,12 @@ from dspark.models.layers import RMSNorm
 
 def attn_res(sources: list[torch.Tensor], res_norm: RMSNorm, res_proj: nn.Linear) -> torch.Tensor:
     """sources: n+1 tensors [B, T, d] (completed blocks then the live prefix) -> mix [B, T, d] in the sources' dtype.
-    Inference on CUDA: one kernel per read site; else its torch reference (dspark/kernels/attn_res.py)."""
+    Inference on CUDA: one kernel per read site; else its torch reference (dspark/kernels/attn_res.py), also under
+    torch.compile, which fuses the reference with the ops around it where the kernel would be a graph break."""
     if len(sources) == 1:
         return sources[0]
     B, T, d = sources[-1].shape
-    if not torch.is_grad_enabled() and use_triton(sources[-1]):
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling() and use_triton(sources[-1]):
         blocks = torch.stack(sources[:-1], 2).view(B * T, len(sources) - 1, d)
         return attn_res_mix(blocks, res_norm.weight, res_proj.weight, res_norm.eps,
                             prefix=sources[-1].reshape(B * T, d)).view(B, T, d)
