@@ -34,8 +34,8 @@
 #                  trained (train-target, train-drafter) with the CUDA tests beside it until the drafter's timed
 #                  training begins; then, on a quiet GPU, the pair through python -m serve, the quickstart pair
 #                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve -> $OUT/serve-quickstart.json,
-#                  the pair through the engine (pair, with the kernel profile) and the step with and without
-#                  torch.compile (bench/floor.py --shape k3-mini --compile both)
+#                  the pair through the engine (pair, with the kernel profile), the step with and without
+#                  torch.compile (bench/floor.py --shape k3-mini --compile both) and the compiled AR server at C=1
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -224,6 +224,8 @@ case "$target" in
       bash "$0" pair --profile "$OUT/profile.txt" || rc=$?
       python3 bench/floor.py --shape k3-mini --compile both --out "$OUT/floor-k3-mini.json" 2>&1 \
         | tee -a "$OUT/floor.txt" || rc=$?
+      bash "$0" serve --modes ar --concurrency 1 --temperatures 0 --time-limit 300 --out "$OUT/serve-compiled.json" \
+        -- --compile || rc=$?
     fi
     echo "served: done rc=$rc" | tee "$OUT/DONE"
     ;;
