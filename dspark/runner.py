@@ -7,13 +7,13 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
     uniforms) -> KDA commit of a + 1 tokens -> packed [a, n, emitted tokens]
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
 eagerly. k = 0 is plain decoding (the drafter's context rows are still written, so speculation can resume).
+Prefill stays eager (chunked, through the paged cache's PagedView), and samples its first token on the device too.
 
 compile=True (opt-in): the target forward and the drafter's parallel pass inside the step go through torch.compile
 (dynamic shapes: batch, tokens and context are symbols; the Triton launches stay graph breaks) before the graph
 captures them, which fuses the elementwise chains between the GEMMs and kernels. Sizes 1 and the attention's batch
 ranges still specialise, so a server's start compiles about a dozen variants. A compile that fails falls back to the
 eager forward, with a warning.
-Prefill stays eager (chunked, through the paged cache's PagedView), and samples its first token on the device too.
 
 Random numbers: a request's uniforms are a pure function of its seed and position (dspark.spec.sampling
 .counter_uniform), so seeded requests give the same tokens whatever batch they run in.
@@ -124,7 +124,7 @@ class ModelRunner:
         return logits
 
     def _compile(self) -> None:
-        dyn = torch._dynamo.config  # symbolic shapes still specialise sizes 0/1 and the MoE paths: a few recompiles
+        dyn = torch._dynamo.config  # room for the variants (module doc) beside other compiled code
         for name, n in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 1024),
                         ("accumulated_cache_size_limit", 1024)):
             if hasattr(dyn, name):

@@ -90,7 +90,6 @@ def _attn_res_kernel(src_ptr, pre_ptr, nw_ptr, q_ptr, ow_ptr, out_ptr,
 
 
 @torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
-@torch.compiler.disable  # a Triton launch: torch.compile graphs break around it
 def attn_res_mix_triton(sources, norm_w, query, eps=1e-5, out_w=None, out_eps=1e-5, prefix=None, block_d=None):
     base = prefix if prefix is not None else sources
     N, d = base.shape[0], base.shape[-1]

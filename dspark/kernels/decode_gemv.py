@@ -99,7 +99,7 @@ if HAS_TRITON:
         _even(_gemv_kernel))
 
 
-@torch.compiler.disable  # a Triton launch: torch.compile graphs break around it
+@torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
 def decode_gemv_triton(x, w, prologue: str = "none", norm_w=None, eps: float = 1e-6, residual=None, out=None,
                        block: tuple[int, int] | None = None):
     """Launcher. x [M, K] ([M, 2K] for silu_mul, rows contiguous), w [N, K] (rows contiguous) -> y [M, N].
@@ -141,7 +141,6 @@ def grouped_gemv_ref(x, w, idx):
 
 
 @torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
-@torch.compiler.disable
 def grouped_gemv_triton(x, w, idx, block: tuple[int, int] | None = None):
     """The matvec kernel with W = w[idx[row]] per row, read in place from the stacked weights (no gathered copy)."""
     P, K = x.shape

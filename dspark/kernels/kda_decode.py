@@ -279,7 +279,6 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 @torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
-@torch.compiler.disable  # a Triton launch: torch.compile graphs break around it
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
                       eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None,
                       merged=True, num_warps=None):

@@ -109,7 +109,6 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, ids_ptr,
 
 
 @torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
-@torch.compiler.disable  # a Triton launch: torch.compile graphs break around it
 def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=None, one_launch=True,
                          programs=None, block_v=None):
     """-> (ids [B, D] int64, logits [B, D] fp32). seed (int) without noise: in-kernel Philox Gumbel noise."""

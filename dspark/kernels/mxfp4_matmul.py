@@ -151,7 +151,7 @@ def _launch(x, packed, scale, y, tiles, n_tiles, M, BM, BN, BK):
     return y
 
 
-@torch.compiler.disable  # a Triton launch: torch.compile graphs break around it
+@torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
 def mxfp4_matmul_triton(x, packed, scale, block=None):
     M, K = x.shape
     if K % 32 or packed.shape[1] * 2 != K:
@@ -162,7 +162,7 @@ def mxfp4_matmul_triton(x, packed, scale, block=None):
     return _launch(x, packed.contiguous(), scale.contiguous(), y, None, triton.cdiv(M, BM), M, BM, BN, BK)
 
 
-@torch.compiler.disable
+@torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
 def mxfp4_grouped_matmul_triton(x, packed, scale, offsets, block=None):
     """Tile list built with torch ops only (no host sync): at most cdiv(M, BM) + min(E, M) tiles."""
     M, K = x.shape
