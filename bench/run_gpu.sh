@@ -34,8 +34,8 @@
 #                  trained (train-target, train-drafter) with the CUDA tests beside it until the drafter's timed
 #                  training begins; then, on a quiet GPU, the pair through python -m serve, the quickstart pair
 #                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve -> $OUT/serve-quickstart.json,
-#                  the pair through the engine (pair, with the kernel profile), the step with and without
-#                  torch.compile (bench/floor.py --shape k3-mini --compile both) and the compiled AR server at C=1
+#                  the pair through the engine (pair, with the kernel profile), then the CUDA tests the side run did
+#                  not reach
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -133,8 +133,8 @@ case "$target" in
     log kernels python3 bench/gpu_k3_kernels.py || rc=$?
     ;;
   tests-cuda)
-    # -v: a line per test as it ends, so a run stopped early still names its failures
-    DSPARK_TEST_DEVICE=cuda log tests-cuda python3 -m pytest tests/ -v -rfE --tb=line -p no:cacheprovider -p no:warnings \
+    # -vv (the -q in pyproject.toml takes one back): a line per test as it ends, so a stopped run names its failures
+    DSPARK_TEST_DEVICE=cuda log tests-cuda python3 -m pytest tests/ -vv -rfE --tb=line -p no:cacheprovider -p no:warnings \
       -m "not sources" "$@" || rc=$?
     ;;
   train-quickstart)
@@ -207,26 +207,28 @@ case "$target" in
     ;;
   served)
     # shellcheck disable=SC2086 # the ARGS variables are word lists
-    bash "$0" tests-cuda -n 8 --timeout 200 > "$OUT/side.txt" 2>&1 &
-    # the tests share the GPU with the target's training and the regeneration, not with the drafter's timed steps
+    # the CUDA tests share the GPU with the target's training and the regeneration, not with the drafter's timed
+    # steps: in a process group of their own (xdist's workers included), stopped when that training begins
+    setsid bash "$0" tests-cuda -n 8 --timeout 200 > "$OUT/side.txt" 2>&1 &
+    tests=$!
     ( until grep -qs "trainable params" "$OUT/train-drafter.txt"; do sleep 5; done
-      pkill -f "[p]ytest tests/" && echo "served: CUDA tests stopped as the drafter's training began" ) &
+      kill -- -$tests 2>/dev/null && echo "served: CUDA tests stopped as the drafter's training began" ) &
     watcher=$!
     trained=0
     bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} && trained=1 || rc=1
     kill $watcher 2>/dev/null
-    pkill -f "[p]ytest tests/"
+    kill -- -$tests 2>/dev/null
     wait
     [ $trained = 1 ] && { bash "$0" serve --time-limit 420 || rc=$?; }
     TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
-      bash "$0" serve --time-limit 270 --out "$OUT/serve-quickstart.json" || rc=$?
-    if [ $trained = 1 ]; then
-      bash "$0" pair --profile "$OUT/profile.txt" || rc=$?
-      python3 bench/floor.py --shape k3-mini --compile both --out "$OUT/floor-k3-mini.json" 2>&1 \
-        | tee -a "$OUT/floor.txt" || rc=$?
-      bash "$0" serve --modes ar --concurrency 1 --temperatures 0 --time-limit 300 --out "$OUT/serve-compiled.json" \
-        -- --compile || rc=$?
-    fi
+      bash "$0" serve --time-limit 300 --out "$OUT/serve-quickstart.json" || rc=$?
+    [ $trained = 1 ] && { bash "$0" pair --prompts 8 --profile "$OUT/profile.txt" || rc=$?; }
+    # the rest of the CUDA suite: every test the side run did not report
+    outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # `-v` lines, with xdist ("[gw0] [ 5%] PASSED id") or without
+    mapfile -t done_ids < <(grep -oE "($outcome) tests/[^ ]+|tests/[^ ]+::[^ ]+ ($outcome)" "$OUT/tests-cuda.txt" \
+      | grep -oE "tests/[^ ]+" | sort -u | sed "s/^/--deselect=/")
+    echo "served: ${#done_ids[@]} tests done beside the training; the rest now"
+    bash "$0" tests-cuda -n 8 --timeout 200 "${done_ids[@]}" > "$OUT/rest.txt" 2>&1 || rc=$?
     echo "served: done rc=$rc" | tee "$OUT/DONE"
     ;;
   wait)
@@ -234,9 +236,8 @@ case "$target" in
     end=$((SECONDS + ${1:-60}))
     while [ ! -f "$run_out/DONE" ] && [ $SECONDS -lt $end ]; do sleep 5; done
     tar -czf "$OUT/results.tgz" -C "$run_out" --exclude="*.tgz" . && ls -la "$run_out"
-    tail -n 4 "$run_out"/side.txt "$run_out"/train-*.txt 2>/dev/null
-    cat "$run_out"/floor-k3-mini.json "$run_out"/pair.txt 2>/dev/null
-    grep -h "^|" "$run_out"/serve.txt 2>/dev/null | tail -n 40
+    tail -n 4 "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt 2>/dev/null
+    grep -h "^|" "$run_out"/serve.txt "$run_out"/pair.txt 2>/dev/null | tail -n 60
     cat "$run_out/DONE" 2>/dev/null || echo "not done yet"
     ;;
   exec)

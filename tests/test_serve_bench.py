@@ -61,11 +61,16 @@ def test_serve_bench_end_to_end(models, tmp_path):
     assert len(lines) == len(rows) + 1 and all(x.split(" | ")[0][2:] in TASKS for x in lines[1:])
 
 
-def test_serve_bench_bad_options(models, capsys):
-    """Bad options are one line on stderr and exit status 2, before any server starts."""
+def _bench():
     spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "bench" / "serve_bench.py")
     bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look the module up
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_serve_bench_bad_options(models, capsys):
+    """Bad options are one line on stderr and exit status 2, before any server starts."""
+    bench = _bench()
     target = str(models[0])
     for args, msg in [(["--concurrency", "1,0"], "--concurrency: expected comma-separated integers >= 1"),
                       (["--modes", "ar,fast"], "--modes"), ([], "--drafter: required for mode dspark"),
@@ -77,3 +82,30 @@ def test_serve_bench_bad_options(models, capsys):
         assert msg in err and len(err.strip().splitlines()) == 1, err
     assert bench.main(["--target", str(models[1].parent / "missing"), "--modes", "ar"]) == 2
     assert "not a checkpoint dir" in capsys.readouterr().err
+
+
+def test_serve_bench_time_limit_shares(models, monkeypatch):
+    """A time limit that cannot fit every level still measures every mode (an equal share each of the time left), and
+    greedy levels come before sampled ones. The servers and clients are replaced by a clock that each level advances
+    by 10 s: this checks the schedule only (the end-to-end test above runs the real servers)."""
+    bench = _bench()
+    now = [0.0]
+
+    async def level(url, a, prompts, temperature, conc, deadline):
+        now[0] += 10.0
+        return {"output_tok_s": 1.0, "tau": None, "errors": 0, "cut_by_time_limit": now[0] > deadline}
+
+    monkeypatch.setattr(bench.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(bench, "run_level", level)
+    monkeypatch.setattr(bench, "wait_healthy", lambda *a: None)
+    monkeypatch.setattr(bench, "stop", lambda proc: None)
+    monkeypatch.setattr(bench.subprocess, "Popen", lambda *a, **k: None)
+    a, extra = bench.parse_args(["--target", str(models[0]), "--drafter", str(models[1]), "--time-limit", "45",
+                                 "--concurrency", "1,4", "--out", ""])
+    report = {"status": "complete", "servers": {}, "levels": []}
+    bench.run(a, extra, {t: ["p"] for t in a.tasks}, report, lambda *x, **k: None)
+    done = [(lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]) for lv in report["levels"]]
+    # ar gets 22.5 s: three 10 s levels start before its share ends; dspark then gets the 15 s left: two levels
+    assert done == [("ar", "humaneval", 0.0, 1), ("ar", "humaneval", 0.0, 4), ("ar", "creative", 0.0, 1),
+                    ("dspark", "humaneval", 0.0, 1), ("dspark", "humaneval", 0.0, 4)]
+    assert report["status"].startswith("failed: ar's share of the time limit")
