@@ -6,7 +6,8 @@
 #   kernels        the CUDA kernel tests (tests/test_kernels.py, tests/test_k3_kda.py), then the kernel timings:
 #                  every Triton kernel against its torch reference (bench/gpu_kernels.py, graph-timed), the KDA
 #                  verify under every autotune config (kda_sweep), fla's KDA kernels against ours (gpu_k3_kernels.py)
-#   tests-cuda     the test suite on the GPU: DSPARK_TEST_DEVICE=cuda python3 -m pytest tests/
+#   tests-cuda     the test suite on the GPU: DSPARK_TEST_DEVICE=cuda python3 -m pytest tests/ (ARGS naming tests/...
+#                  run those instead)
 #   train-quickstart  the quickstart pair (recipes/targets/qwen3-tiny.yaml, recipes/quickstart.yaml) on one GPU ->
 #                  runs/quickstart/{target,drafter}/final (carry .cache/corpus-stdlib/card.json and
 #                  .cache/tokenizer-stdlib-4096 from `make data-sources` + one CPU target run: the packed tokens)
@@ -62,7 +63,7 @@ case "$target" in
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
 OUT=${OUT:-runs/gpu}
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: save_autotune writes it from Triton's cache dir
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$NGPU" -ge 1 ] 2>/dev/null || { echo "run_gpu.sh: no GPU visible (nvidia-smi -L) and NGPU not set" >&2; exit 2; }
 TARGET_DIR=${TARGET_DIR:-runs/k3-mini/final}
@@ -134,8 +135,10 @@ case "$target" in
     ;;
   tests-cuda)
     # -vv (the -q in pyproject.toml takes one back): a line per test as it ends, so a stopped run names its failures
-    DSPARK_TEST_DEVICE=cuda log tests-cuda python3 -m pytest tests/ -vv -rfE --tb=line -p no:cacheprovider -p no:warnings \
-      -m "not sources" "$@" || rc=$?
+    # ARGS that name tests (tests/...) replace the whole suite
+    paths=(tests/); for a in "$@"; do [[ $a == tests/* ]] && paths=(); done
+    DSPARK_TEST_DEVICE=cuda log tests-cuda python3 -m pytest "${paths[@]}" -vv -rfE --tb=line -p no:cacheprovider \
+      -p no:warnings -m "not sources" "$@" || rc=$?
     ;;
   train-quickstart)
     CUDA_VISIBLE_DEVICES=0 log train-quickstart python3 -m train recipes/targets/qwen3-tiny.yaml \

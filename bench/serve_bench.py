@@ -8,9 +8,10 @@ Per mode (ar: no drafter; dspark: with --drafter) the server runs as a subproces
 device and dtype auto unless given after `--`; --max-batch-size defaults to the highest concurrency,
 --max-concurrent to twice it, --max-model-len to the prompt budget + max_tokens + 64), is polled on GET /health,
 measured, then terminated. Per (task, temperature, concurrency C) level: one untimed warm-up request, then C clients each send
-streaming /v1/completions requests back to back until N (--requests-per-level, default max(2C, 8)) have completed.
+streaming /v1/completions requests back to back until N (--requests-per-level, default max(4C, 16)) have completed.
 Request i sends prompt i mod P of the task (text, built as `python -m eval` builds it: raw prefix or --chat template,
-the last --max-prompt-tokens tokens), `max_tokens` with `ignore_eos`, and seed --seed + i when T > 0.
+the last --max-prompt-tokens tokens), `max_tokens` with `ignore_eos`, and with --seed S, seed S + i when T > 0 (no
+seed by default, as vLLM's benchmark_serving: the engine decodes seeded sampled requests plainly unless k is pinned).
 
 Metrics, as vLLM's benchmark_serving defines them (times in ms; p50/p99 are numpy's interpolated percentiles):
 - output tok/s = the requests' completion_tokens (from the usage chunk) / wall time of the level; req/s likewise.
@@ -90,12 +91,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--tasks", default="humaneval,creative")
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--concurrency", default="1,4,16,64")
-    p.add_argument("--requests-per-level", type=int, default=0, help="default max(2 x concurrency, 8)")
+    p.add_argument("--requests-per-level", type=int, default=0, help="default max(4 x concurrency, 16)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per task, evenly spread (0: all)")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="keep the last N prompt tokens")
     p.add_argument("--chat", action="store_true", help="wrap chat tasks' prompts in the chat template")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, help="seed S + i for request i when T > 0 (default: none)")
     p.add_argument("--max-model-len", type=int, default=0, help="0: prompt budget + max_tokens + 64")
     p.add_argument("--port", type=int, default=0, help="0: a free port")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
@@ -290,8 +291,8 @@ def pcts(xs: list[float]) -> dict:
 
 
 async def run_level(url: str, a, prompts: list[str], temperature: float, conc: int, deadline: float) -> dict:
-    n = a.requests_per_level or max(2 * conc, 8)
-    seed = (lambda i: a.seed + i) if temperature > 0 else (lambda i: None)
+    n = a.requests_per_level or max(4 * conc, 16)  # a level long enough that one prefill stall is not its wall time
+    seed = (lambda i: a.seed + i) if temperature > 0 and a.seed is not None else (lambda i: None)
     reqs = [Req(i, i % len(prompts), seed(i)) for i in range(n)]
     limits = httpx.Limits(max_connections=conc + 2, max_keepalive_connections=conc + 2)
     async with httpx.AsyncClient(base_url=url, timeout=a.request_timeout, limits=limits) as client:

@@ -12,7 +12,8 @@ token); a step verifies [pending, d1..dk] and commits pending + the accepted dra
 Drafts per step: `num_speculative_tokens=None` picks k each step (0 .. the drafter's block) by the expected emitted
 tokens per second: the acceptance measured so far against the replay time of each candidate's graph at the current
 batch bucket, so speculation never runs slower than plain decoding; on CPU (no graphs) it drafts the whole block.
-An int pins k.
+An int pins k. Under the policy a sampled request with a seed decodes plainly (its text is then the AR engine's for
+that seed); with a pinned k it drafts like the others.
 """
 from __future__ import annotations
 
@@ -226,12 +227,15 @@ class Engine:
         ps = [r.params for r in reqs]
         mode = sampling_mode(ps)
         longest = max(r.num_computed for r in reqs)
-        k = self._choose_k(len(reqs), longest, mode)
+        # a seeded sampled row decodes plainly unless k is pinned: which tokens it draws depends on where its blocks
+        # start, so under the policy's changing k its seed would not fix its text
+        plain = [self.pinned_k is None and p.seed is not None and p.temperature > 0 for p in ps]
+        k = 0 if all(plain) else self._choose_k(len(reqs), longest, mode)
         key = self.runner.key_for(len(reqs), k, longest + k + 1, mode)
         rids = [r.id for r in reqs]
         num_cached, tables, slots = self.cache.step_rows(rids, k + 1, key.width)
-        rows = [RowInput(r.last_token, max(0, min(k, p.max_tokens - len(r.output_ids) - 1)), r.seed,
-                         p.temperature, p.top_k, p.top_p) for r, p in zip(reqs, ps)]
+        rows = [RowInput(r.last_token, 0 if no else max(0, min(k, p.max_tokens - len(r.output_ids) - 1)), r.seed,
+                         p.temperature, p.top_k, p.top_p) for r, p, no in zip(reqs, ps, plain)]
         self.counters["target_forwards"] += 1
         self.step_requests = reqs
         outs = self.runner.decode(rows, tables, num_cached, slots, key)

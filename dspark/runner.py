@@ -176,6 +176,8 @@ class ModelRunner:
             filt = key.mode == "filter"
             sampling = RowSampling(st.floats[:, 0], ints[:, _I["top_k"]] if filt else 0,
                                    st.floats[:, 1] if filt else 1.0)
+        # a step's uniforms: [next token | k draft samples | k acceptances]; the next token's comes first, so a row
+        # that verifies no drafts draws exactly what a plain (k = 0) step draws
         u = None if sampling is None else counter_uniform(ints[:, _I["seed"]], num_cached * COUNTER_STRIDE, 2 * k + 1)
         if k == 0:
             logits = self._forward(pending[:, None], view)[:, 0]  # [B, V]
@@ -183,7 +185,7 @@ class ModelRunner:
                 process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u[:, 0])
             return torch.stack([torch.zeros_like(nxt), torch.zeros_like(nxt), nxt], 1)
         prop = self.drafts.propose(view, pending, k, sampling if self.draft_sample else None,
-                                   None if u is None else u[:, :k], confidence=self.adaptive)
+                                   None if u is None else u[:, 1:k + 1], confidence=self.adaptive)
         n = num_new - 1  # drafts the host lets each row verify
         if self.adaptive:
             n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))
@@ -193,7 +195,7 @@ class ModelRunner:
         if sampling is not None:
             p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             verify = verify_block if self.rejection == "block" else verify_rejection
-            a_s, nxt_s = verify(drafts, prop.draft_probs, p, n, u[:, k:])
+            a_s, nxt_s = verify(drafts, prop.draft_probs, p, n, torch.cat([u[:, k + 1:], u[:, :1]], 1))
             greedy = sampling.temperature == 0
             a, nxt = torch.where(greedy, a, a_s), torch.where(greedy, nxt, nxt_s)
         view.commit(a + 1)

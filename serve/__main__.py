@@ -37,7 +37,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--drafter", help="drafter dir (vLLM dspark or dflash layout); omit for plain decoding")
     p.add_argument("--host", default=None, help="default 127.0.0.1")
     p.add_argument("--port", type=int, default=None, help="default 8000")
-    p.add_argument("--num-speculative-tokens", type=int, default=None, help="default: the drafter's block")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="pin k drafts per step (default: the engine picks 0 .. the drafter's block each step, and "
+                        "decodes seeded sampled requests plainly so that their seed fixes their text)")
     p.add_argument("--max-batch-size", type=int, default=32, help="engine batch slots (ours)")
     p.add_argument("--max-concurrent", type=int, default=64, help="open requests before answering 429 (ours)")
     p.add_argument("--max-model-len", type=int, default=None, help="default: the target's max_position_embeddings")

@@ -205,6 +205,24 @@ def test_sampling_params_are_respected(target, prompts):
         engine.add_request(list(range(2, 10)) * 1000, SamplingParams(max_tokens=4))
 
 
+def test_seeded_text_does_not_depend_on_the_k_policy(target, prompts):
+    """Under the k policy (on a GPU its k follows step times) a seeded sampled request decodes plainly: its text is
+    the AR engine's for that seed whatever k the policy picks, here made to pick 1, 0 or the whole block. Unseeded
+    sampled rows in the same steps draft as the policy says; a pinned k drafts seeded rows too."""
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=20, seed=7)
+    unseeded = SamplingParams(max_tokens=12, temperature=0.9, top_k=20)
+    ar = [o.token_ids for o in Engine(target).generate(prompts[:2], params)]
+    for picked in (1, 0, 4):
+        engine = Engine(target, make_drafter(target))
+        engine._choose_k = lambda *a, picked=picked: picked
+        outs = engine.generate(prompts[:3], [params, params, unseeded])
+        assert [o.token_ids for o in outs[:2]] == ar
+        assert all(not any(o.num_drafts_per_step) for o in outs[:2])
+        assert max(outs[2].num_drafts_per_step) == picked
+    pinned = Engine(target, make_drafter(target), num_speculative_tokens=2).generate(prompts[:1], params)[0]
+    assert max(pinned.num_drafts_per_step) == 2
+
+
 def test_counters_match_per_request_logs(target, prompts):
     engine = Engine(target, make_drafter(target))
     outs = engine.generate(prompts, SamplingParams(max_tokens=16))

@@ -84,6 +84,7 @@ def test_gathered_moe_equals_loop(mxfp4):
     if mxfp4:
         convert_to_mxfp4(moe)
     x = torch.randn(3, 5, 64)
+    budget, moe.dense_elements = moe.dense_elements, 0  # the reference: the loop path
     with torch.no_grad():
         moe.routed_expert_norm.weight.normal_()
         loop = moe(x)
@@ -95,6 +96,17 @@ def test_gathered_moe_equals_loop(mxfp4):
         assert not called
         moe(torch.cat([x, x], 1))  # 30 tokens > 15: the loop path
         assert called
+        # inference above static_tokens: every expert on every token while its activations fit the budget (30 tokens
+        # here), not with MXFP4 experts (dequantised whole) nor in training
+        called.clear()
+        moe.dense_elements = 30 * moe.experts.num_experts * 2 * moe.experts.intermediate
+        torch.testing.assert_close(moe(torch.cat([x, x], 1)), torch.cat([loop, loop], 1), atol=1e-6, rtol=1e-5)
+        assert bool(called) == mxfp4
+        moe(torch.cat([x, x, x[:, :1]], 1))  # 33 tokens: over the budget
+        with torch.enable_grad():
+            moe(torch.cat([x, x], 1))
+        assert len(called) == 2 + mxfp4
+        moe.dense_elements = budget
         # both graph-safe forms: per-pair gathered weights (N*k < E) and every expert on every token (N*k >= E)
         E, k = moe.num_experts, moe.top_k
         dense = []

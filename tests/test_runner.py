@@ -9,7 +9,7 @@ from dspark.engine import Engine
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
-from dspark.models.k3.moe import set_static_moe
+from dspark.models.k3.moe import LatentMoE, set_static_moe
 from dspark.request import SamplingParams
 from dspark.runner import MODES
 from tests.targets import make_target
@@ -51,7 +51,7 @@ def prompts():
 def test_step_reads_no_tensor_values_on_the_host():
     """On the meta device any .item() / .tolist() / bool(t) / data-dependent shape raises: the K3 + K3-drafter step
     (draft, verify, accept, KDA commit) runs there for every sampling mode, speculative and plain; the MoE loop path
-    (host-side expert counts) is the control that does fail."""
+    (host-side expert counts, taken with the gathered forms turned off) is the control that does fail."""
     with torch.device("meta"):
         target = K3ForCausalLM(k3_tiny_config(vocab_size=V)).eval()
         c = target.config
@@ -72,6 +72,9 @@ def test_step_reads_no_tensor_values_on_the_host():
                     packed = runner._step_fn(st)
                     assert packed.is_meta and packed.shape == (4, k + 3)
     set_static_moe(target, 0)
+    for m in target.modules():  # nor the inference forms' budget: the loop path
+        if isinstance(m, LatentMoE):
+            m.dense_elements = 0
     with pytest.raises((NotImplementedError, RuntimeError)), torch.no_grad():
         runner._step_fn(runner._get(runner.key_for(3, 3, 40, "greedy")))
 

@@ -20,7 +20,9 @@ def inputs(drafter, seed=0):
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(B, A, D, H, generator=g)
     anchors = torch.randint(2, V, (B, A), generator=g)
-    target_logits = drafter.base_logits(torch.randn(B, A, D, H, generator=g)).detach() * 4.0  # a few likely tokens
+    dev = next(drafter.parameters()).device  # DSPARK_TEST_DEVICE's: the inputs are drawn on the CPU, then moved
+    h, anchors = h.to(dev), anchors.to(dev)
+    target_logits = drafter.base_logits(torch.randn(B, A, D, H, generator=g).to(dev)).detach() * 4.0  # a few likely
     return h, anchors, target_logits.argmax(-1), target_logits
 
 
@@ -38,7 +40,7 @@ def test_kl_is_the_decayed_kl_to_the_target_distribution(drafter):
     q_log = draft_logits(drafter, h, anchors, labels.clamp(min=0)).log_softmax(-1)
     p_log = tl.log_softmax(-1)
     kl = (p_log.exp() * (p_log - q_log)).sum(-1)  # [B, A, D]
-    w = torch.exp(-torch.arange(D) / D) * (labels >= 0)
+    w = torch.exp(-torch.arange(D, device=labels.device) / D) * (labels >= 0)
     assert loss.item() == pytest.approx(((kl * w).sum() / w.sum()).item(), rel=1e-5)
     assert m["kl"].item() == pytest.approx(loss.item(), rel=1e-6)
     base, _, _ = drafter_loss(drafter, h, anchors, labels, None, LossWeights())

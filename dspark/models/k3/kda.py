@@ -88,8 +88,10 @@ def kda_chunked(q, k, v, g, beta, initial_state=None, chunk_size: int = 16, scal
     return o, S
 
 
-def fla_available(x: torch.Tensor) -> bool:
-    return x.is_cuda and _fla_chunk_kda is not None
+def fla_available(v: torch.Tensor) -> bool:
+    """fla for half-precision inputs (bf16 models, autocast) on CUDA. fla's chunk form keeps its per-chunk states in
+    bf16, so an fp32 model takes the torch forms and keeps fp32 accuracy."""
+    return v.is_cuda and v.dtype != torch.float32 and _fla_chunk_kda is not None
 
 
 def kda_fla(q, k, v, g, beta, initial_state=None, decode: bool = False):
@@ -177,7 +179,7 @@ class KimiDeltaAttention(nn.Module):
             beta = beta * valid[..., None]
         if record:
             o, S = kda_recurrent(q, k, v, g, beta, S0, return_all_states=True)  # S: [B,T,H,K,V]
-        elif fla_available(x):
+        elif fla_available(v):
             dt = v.dtype  # fla wants q, k, v, beta in one dtype (bf16 under autocast); g stays fp32
             o, S = kda_fla(q.to(dt), k.to(dt), v, g, beta.to(dt), S0, decode=T <= RECURRENT_MAX_T)
         elif T <= RECURRENT_MAX_T:

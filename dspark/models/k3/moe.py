@@ -29,6 +29,8 @@ from dspark.models.layers import GatedMLP, RMSNorm
 from .config import K3TextConfig
 from .experts import RoutedExperts
 
+DENSE_MAX_ELEMENTS = 1 << 27  # the dense path's [N, E, 2I] activations in inference (k3-mini: prefills to 10k tokens)
+
 
 class MoEGate(nn.Module):
     """Router: weight [E, hidden]; e_score_correction_bias [E] fp32 buffer (set by Quantile Balancing, no grad)."""
@@ -69,6 +71,9 @@ class LatentMoE(nn.Module):
         # Quantile Balancing records: (scores [N, E], cutoffs [N]) per training forward since the last update
         self._qb_records: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.static_tokens = 0  # forwards of N <= static_tokens tokens take the gathered (graph-safe) path
+        # inference forwards (a prefill) take it too while every expert on every token stays small: no host read of
+        # the expert counts (the loop path's, one per layer) and one matmul pair instead of a loop over experts
+        self.dense_elements = DENSE_MAX_ELEMENTS
 
     # ---- routing --------------------------------------------------------------------------------------------
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,8 +124,7 @@ class LatentMoE(nn.Module):
         if self.training and torch.isfinite(cutoff).all():
             self._qb_records.append((s.detach(), cutoff.detach()))
         z = self.routed_expert_down_proj(x) if self.latent else x  # [N, R]
-        out = (self._experts_gathered(z, idx, w) if x.shape[0] <= self.static_tokens
-               else self._experts_loop(z, idx, w))
+        out = (self._experts_gathered(z, idx, w) if self._graph_safe(x.shape[0]) else self._experts_loop(z, idx, w))
         y = out.to(x.dtype)
         if self.routed_expert_norm is not None:
             y = self.routed_expert_norm(y)
@@ -129,6 +133,14 @@ class LatentMoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x)
         return y.reshape(shape)
+
+    def _graph_safe(self, n: int) -> bool:
+        """The gathered path for n tokens: up to static_tokens (the captured steps), and in inference while every
+        expert on every token holds at most dense_elements activations (n * E * 2I; MXFP4 experts would be
+        dequantised whole, so they keep the loop)."""
+        ex = self.experts
+        return n <= self.static_tokens or (not torch.is_grad_enabled() and not ex.mxfp4
+                                           and n * ex.num_experts * 2 * ex.intermediate <= self.dense_elements)
 
     def _experts_loop(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """z [N, R], idx / w [N, k] -> sum_j w_j E_idx_j(z) [N, R] fp32, one matmul chain per active expert."""
