@@ -21,7 +21,8 @@ Metrics, as vLLM's benchmark_serving defines them (times in ms; p50/p99 are nump
   many), so DSpark's ITL is the time per step; tokens/event is reported beside it.
 - TPOT = (latency - TTFT) / (completion_tokens - 1) per request, latency = request sent -> `data: [DONE]`.
 - tau = 1 + accepted / drafts (mean tokens per verify) from the deltas of vLLM's spec-decode counters on /metrics
-  over the level (read with the server idle before and after).
+  over the level (read with the server idle before and after); steps per k likewise from our server's
+  dspark:decode_steps_total (how often the engine drafted k tokens per row, 0 = plain).
 - errors: HTTP errors, error events, streams without a finish_reason and [DONE], timeouts.
 The JSON (--out, written whole at the end, also after a failure; the servers' output beside it as FILE.serve-MODE.log)
 holds every request's times and text, the commands and torch/GPU info; greedy DSpark texts are compared with greedy
@@ -274,12 +275,15 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         except httpx.HTTPError as e:
             raise BenchError(f"GET /metrics failed ({type(e).__name__}: {e}); see the server's output") from None
         vals: dict[str, float] = {}
-        for name, _, v in parse_prometheus(text):
+        per_k: dict[int, float] = {}  # our server's decode steps by the k it chose (absent on vLLM)
+        for name, labels, v in parse_prometheus(text):
             vals[name] = vals.get(name, 0.0) + v
+            if name == "dspark:decode_steps_total" and "k" in labels:
+                per_k[int(labels["k"])] = per_k.get(int(labels["k"]), 0.0) + v
         busy = vals.get("vllm:num_requests_running", 0) + vals.get("vllm:num_requests_waiting", 0)
         if not busy or time.monotonic() - t0 > timeout:
             return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
-                    "idle": not busy}
+                    "steps_per_k": per_k, "idle": not busy}
         await asyncio.sleep(0.05)
 
 
@@ -326,6 +330,7 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "tpot_ms": pcts([(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]),
         "tokens_per_event": toks / max(sum(r.events for r in ok), 1), "tau": spec["tau"], "spec_decode": spec,
         "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
+        "steps_per_k": {k: v - c0["steps_per_k"].get(k, 0.0) for k, v in sorted(c1["steps_per_k"].items())},
         "server_idle_at_reads": c0["idle"] and c1["idle"], "client_cpu_fraction": cpu / wall,
         "per_request": [asdict(r) for r in reqs]}
 
@@ -439,7 +444,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 lv = asyncio.run(run_level(f"http://127.0.0.1:{port}", a, prompts[task], temp, conc, deadline))
                 report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
                 log(f"[serve_bench] {where}: {lv['output_tok_s']:.1f} tok/s, "
-                    f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}")
+                    f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
+                    f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})}")
                 if lv["cut_by_time_limit"]:
                     cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) cut {where}")
                     break

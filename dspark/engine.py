@@ -92,7 +92,8 @@ class Engine:
         self.reserved: dict[str, int] = {}
         self.counters = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
-                         "generation_tokens": 0, "target_forwards": 0}
+                         "generation_tokens": 0, "target_forwards": 0,
+                         "decode_steps_per_k": [0] * (self.k + 1)}  # device steps by the drafts they verified
         # the k policy's acceptance statistics, greedy and sampled rows apart (their acceptance differs widely):
         # per draft position j, row-steps that reached it (all drafts before it accepted) and that accepted it
         self._reached = {g: [0] * max(self.k, 1) for g in ("greedy", "sampled")}
@@ -237,6 +238,7 @@ class Engine:
         rows = [RowInput(r.last_token, 0 if no else max(0, min(k, p.max_tokens - len(r.output_ids) - 1)), r.seed,
                          p.temperature, p.top_k, p.top_p) for r, p, no in zip(reqs, ps, plain)]
         self.counters["target_forwards"] += 1
+        self.counters["decode_steps_per_k"][k] += 1
         self.step_requests = reqs
         outs = self.runner.decode(rows, tables, num_cached, slots, key)
         self.cache.advance(rids, [o[0] + 1 for o in outs])

@@ -146,6 +146,14 @@ def check_options(args, sec: dict) -> Options:
 SWITCH_INTERVAL_S = 2e-4
 
 
+def step_times(eng) -> str:
+    """The k policy's view, for the banner: each candidate k's graph replay time for one row at full context."""
+    if not (eng.runner.graphs and eng.drafts is not None):
+        return ""
+    ms = {k: eng.runner.step_ms(eng.runner.key_for(1, k, eng.max_model_len + k + 1, "greedy")) for k in eng.k_choices}
+    return ", step ms at 1 row: " + " ".join(f"k={k} {v:.3f}" for k, v in ms.items())
+
+
 def _run_ours(args) -> int:
     import uvicorn
 
@@ -160,8 +168,8 @@ def _run_ours(args) -> int:
     print(f"serving {cfg.served_model_name!r} on http://{o.host}:{o.port}/v1 ({o.device}, {o.dtype}, k={eng.k}, "
           f"max_model_len={eng.max_model_len}, max_batch_size={eng.max_batch_size}, "
           f"max_concurrent={cfg.max_concurrent}, auth={'on' if cfg.api_key else 'off'}, "
-          f"graphs={'on' if eng.runner.graphs else 'off'}, compiled={'on' if eng.runner.compiled else 'off'})",
-          flush=True)
+          f"graphs={'on' if eng.runner.graphs else 'off'}, compiled={'on' if eng.runner.compiled else 'off'}"
+          f"{step_times(eng)})", flush=True)
     if args.dry_run:
         shutdown(app)
         return 0

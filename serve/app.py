@@ -129,6 +129,8 @@ def metrics_text(runner: EngineRunner, model: str) -> str:
     metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.", [(lab, c["prompt_tokens"])])
     metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
            [(lab, c["generation_tokens"])])
+    metric("dspark:decode_steps_total", "counter", "Decode steps by the drafts per row the engine chose (k).",
+           [(f'{lab},k="{k}"', v) for k, v in enumerate(c["decode_steps_per_k"])])
     for prefix in ("vllm", "dspark"):
         metric(f"{prefix}:num_requests_running", "gauge", "Requests in the running batch.", [(lab, s.running)])
         metric(f"{prefix}:num_requests_waiting", "gauge", "Requests waiting for admission.", [(lab, s.waiting)])

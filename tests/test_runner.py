@@ -112,11 +112,14 @@ def test_k_per_step_follows_measured_step_times(targets, prompts):
         outs = engine.generate(prompts, SamplingParams(max_tokens=N_NEW, ignore_eos=True))
         assert [o.token_ids for o in outs] == refs
         drafted = [[n > 0 for n in o.num_drafts_per_step] for o in outs]
+        per_k = engine.metrics()["decode_steps_per_k"]  # [k=0 .. 4]
         if spec_cost == 0.0:
             assert {key.k for key in engine.runner.steps} == {4}
+            assert per_k[4] == sum(per_k) > 0
         else:  # three rows reach 8 first-position verifies in three steps; every later step is plain
             assert {key.k for key in engine.runner.steps} == {0, 4}
             assert all(sum(d) <= 3 and not any(d[3:]) for d in drafted)
+            assert per_k[4] == 3 and per_k[0] == sum(per_k) - 3 > 0
     pinned = Engine(target, make_drafter(target), num_speculative_tokens=2)
     pinned.runner.step_ms = lambda key: 1.0 + 40.0 * key.k
     pinned.generate(prompts[:1], SamplingParams(max_tokens=N_NEW, ignore_eos=True))

@@ -13,6 +13,7 @@ import torch
 
 from serve import ServerThread, free_port, load_server
 from serve.__main__ import main as serve_main
+from serve.__main__ import step_times
 from tests.targets import SERVE_MAX_LEN
 
 MAX_LEN = SERVE_MAX_LEN
@@ -33,7 +34,7 @@ def metrics(server) -> dict[str, float]:
     for line in httpx.get(server.url + "/metrics").text.splitlines():
         if line and not line.startswith("#"):
             name, val = line.rsplit(" ", 1)
-            pos = re.search(r'position="(\d+)"', name)
+            pos = re.search(r'(?:position|k)="(\d+)"', name)
             out[name.split("{")[0] + (f"[{pos.group(1)}]" if pos else "")] = float(val)
     return out
 
@@ -161,6 +162,9 @@ def test_metrics_agree_with_requests(server, client):
     assert d["vllm:prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in outs)
     eng = server.app.state.runner.engine
     assert after["dspark:cache_blocks_free"] == eng.cache.pool.num_blocks
+    # one row per step here, each drafting the whole block (CPU: no step times, so no k policy)
+    steps = [d[f"dspark:decode_steps_total[{k}]"] for k in range(eng.k + 1)]
+    assert steps[eng.k] == sum(len(o.num_drafts_per_step) for o in outs) and sum(steps) == steps[eng.k]
 
 
 def test_disconnect_aborts_and_frees_cache(server, slow_engine):
@@ -317,3 +321,16 @@ def test_cli_defaults_and_host_warning(models, capsys, caplog):
     assert f"graphs={graphs}, compiled=on" in capsys.readouterr().out
     assert serve_main(base + ["--port", str(free_port()), "--enforce-eager"]) == 0
     assert "graphs=off, compiled=off" in capsys.readouterr().out
+
+
+def test_banner_shows_the_k_policys_step_times(server):
+    """The banner's view of the k policy: each candidate k's graph replay time at one row (graphs only)."""
+    eng = server.app.state.runner.engine
+    assert step_times(eng) == ""  # CPU: no graphs, no step times
+    runner = eng.runner
+    saved = runner.graphs, runner.step_ms
+    try:
+        runner.graphs, runner.step_ms = True, lambda key: 0.1 * (key.k + 1)
+        assert step_times(eng) == ", step ms at 1 row: " + " ".join(f"k={k} {0.1 * (k + 1):.3f}" for k in eng.k_choices)
+    finally:
+        runner.graphs, runner.step_ms = saved

@@ -41,10 +41,13 @@ def test_serve_bench_end_to_end(models, tmp_path):
         for r in lv["per_request"]:
             assert r["completion_tokens"] == 8 and r["text"] and len(r["itl"]) == r["events"] - 1
             assert r["seed"] is None  # no --seed: unseeded, so sampled DSpark rows draft
+        steps = {int(k): v for k, v in lv["steps_per_k"].items()}  # (JSON keys are strings)
         if mode == "dspark":
             assert lv["tau"] >= 1 and lv["spec_decode"]["num_steps"] > 0
+            assert steps[max(steps)] == sum(steps.values()) > 0  # CPU: the whole block every step
         else:
             assert lv["tau"] is None and lv["spec_decode"]["num_steps"] == 0
+            assert set(steps) == {0} and steps[0] > 0
 
     rows = {(r["task"], r["temperature"], r["concurrency"]): r for r in rep["rows"]}
     assert set(rows) == {(t, T, c) for t in TASKS for T in TEMPS for c in CONC}
@@ -93,7 +96,8 @@ def test_serve_bench_time_limit_shares(models, monkeypatch):
 
     async def level(url, a, prompts, temperature, conc, deadline):
         now[0] += 10.0
-        return {"output_tok_s": 1.0, "tau": None, "errors": 0, "cut_by_time_limit": now[0] > deadline}
+        return {"output_tok_s": 1.0, "tau": None, "errors": 0, "steps_per_k": {},
+                "cut_by_time_limit": now[0] > deadline}
 
     monkeypatch.setattr(bench.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(bench, "run_level", level)
