@@ -222,7 +222,7 @@ case "$target" in
     kill $watcher 2>/dev/null
     kill -- -$tests 2>/dev/null
     wait
-    [ $trained = 1 ] && { bash "$0" serve --time-limit 420 || rc=$?; }
+    [ $trained = 1 ] && { bash "$0" serve --time-limit 540 || rc=$?; }
     TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
       bash "$0" serve --time-limit 300 --out "$OUT/serve-quickstart.json" || rc=$?
     [ $trained = 1 ] && { bash "$0" pair --prompts 8 --profile "$OUT/profile.txt" || rc=$?; }
