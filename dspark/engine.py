@@ -305,20 +305,26 @@ class Engine:
         self._plain_steps[group] = self._plain_steps[group] + 1 if best == 0 else 0
         return best
 
+    def step_times(self, num_rows: int, longest: int, mode: str) -> dict[int, float] | None:
+        """What the k policy weighs: each candidate k's graph replay time (ms) for num_rows rows whose longest has
+        `longest` positions cached (graphs captured now if needed); None without graphs."""
+        ms = {k: self.runner.step_ms(self.runner.key_for(num_rows, k, longest + k + 1, mode)) for k in self.k_choices}
+        return None if None in ms.values() else ms
+
     def _best_k(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
+        times = self.step_times(num_rows, longest, mode)
+        if times is None:  # no graphs, no step times: draft the whole block
+            return self.k
         alpha, last = [], 0.5
         for j in range(self.k):
             last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
             alpha.append(last)
         best, best_rate = 0, 0.0
-        for k in self.k_choices:
+        for k, ms in times.items():
             expected, surv = 1.0, 1.0
             for j in range(k):
                 surv *= alpha[j]
                 expected += surv
-            ms = self.runner.step_ms(self.runner.key_for(num_rows, k, longest + k + 1, mode))
-            if ms is None:  # no graphs, no step times: draft the whole block
-                return self.k
             rate = expected / ms
             if rate > best_rate:
                 best, best_rate = k, rate

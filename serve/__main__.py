@@ -148,10 +148,8 @@ SWITCH_INTERVAL_S = 2e-4
 
 def step_times(eng) -> str:
     """The k policy's view, for the banner: each candidate k's graph replay time for one row at full context."""
-    if not (eng.runner.graphs and eng.drafts is not None):
-        return ""
-    ms = {k: eng.runner.step_ms(eng.runner.key_for(1, k, eng.max_model_len + k + 1, "greedy")) for k in eng.k_choices}
-    return ", step ms at 1 row: " + " ".join(f"k={k} {v:.3f}" for k, v in ms.items())
+    ms = eng.step_times(1, eng.max_model_len, "greedy") if eng.drafts is not None else None
+    return "" if ms is None else ", step ms at 1 row: " + " ".join(f"k={k} {v:.3f}" for k, v in ms.items())
 
 
 def _run_ours(args) -> int:
