@@ -283,7 +283,7 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         busy = vals.get("vllm:num_requests_running", 0) + vals.get("vllm:num_requests_waiting", 0)
         if not busy or time.monotonic() - t0 > timeout:
             return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
-                    "steps_per_k": per_k, "idle": not busy}
+                    "steps_per_k": per_k, "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy}
         await asyncio.sleep(0.05)
 
 
@@ -331,6 +331,7 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "tokens_per_event": toks / max(sum(r.events for r in ok), 1), "tau": spec["tau"], "spec_decode": spec,
         "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
         "steps_per_k": {k: v - c0["steps_per_k"].get(k, 0.0) for k, v in sorted(c1["steps_per_k"].items())},
+        "step_host_ms": c1["step_host_ms"],
         "server_idle_at_reads": c0["idle"] and c1["idle"], "client_cpu_fraction": cpu / wall,
         "per_request": [asdict(r) for r in reqs]}
 
@@ -445,7 +446,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
                 log(f"[serve_bench] {where}: {lv['output_tok_s']:.1f} tok/s, "
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
-                    f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})}")
+                    f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})}, "
+                    f"host ms per step {lv.get('step_host_ms')}")
                 if lv["cut_by_time_limit"]:
                     cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) cut {where}")
                     break

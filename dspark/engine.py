@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import copy
 import math
+import time
 from collections.abc import Iterable
 
 import torch
@@ -32,8 +33,9 @@ from dspark.runner import ModelRunner, RowInput
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
 
-PREFILL_ALIGN = 64  # on CUDA a prefill's width is a multiple of this: few shapes, all met by the warm-up's prefills
+PREFILL_ALIGN = 64  # on CUDA an eager prefill's width is a multiple of this: few shapes (graphed ones are powers of 2)
 PROBE_EVERY = 64  # plain steps after which the k policy drafts once more, to refresh its acceptance statistics
+HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
 REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 
 
@@ -100,6 +102,10 @@ class Engine:
         self._accepted = {g: [0] * max(self.k, 1) for g in ("greedy", "sampled")}
         self._plain_steps = {g: 0 for g in ("greedy", "sampled")}  # steps decoded plainly since the last draft
         self._k_memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
+        # a decode step's time beyond its graph's replay (host work: scheduling, the step's inputs and read, the
+        # server's loop), a moving average over back-to-back graph steps: the policy adds it to every candidate
+        self.host_ms, self._host_samples = 0.0, 0
+        self._last_graph_step: tuple[float, float] | None = None  # (perf_counter at its start, replay ms)
         eos = getattr(target.config, "eos_token_id", None)
         self.eos_id = eos if isinstance(eos, int) else None
 
@@ -171,6 +177,7 @@ class Engine:
         decode = [r for r in self.running if r.status is Status.DECODE]
         try:
             if prefill:
+                self._last_graph_step = None  # the next decode step does not follow a decode step
                 emitted += self._prefill(prefill)
             if decode:
                 emitted += self._decode(decode)
@@ -188,17 +195,14 @@ class Engine:
         return min(stops, default=end)
 
     def _prefill(self, reqs: list[Request]):
-        """One eager forward over every prefilling request's next chunk; the requests whose prompt is done sample
-        their first token on the device."""
+        """Every prefilling request's next chunk through the runner (a graph per request on CUDA, one eager forward
+        otherwise); the requests whose prompt is done sample their first token on the device."""
         chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
-        width = -(-max(len(c) for c in chunks) // self.prefill_align) * self.prefill_align  # padding: not committed
-        ids = torch.zeros(len(reqs), width, dtype=torch.long)
-        for b, c in enumerate(chunks):
-            ids[b, : len(c)] = torch.tensor(c)
-        fb = self.cache.batch([r.id for r in reqs], [len(c) for c in chunks], record=False)
+        rids, lens = [r.id for r in reqs], [len(c) for c in chunks]
+        num_cached, tables, slots = self.cache.step_rows(rids, lens, None)
         self.counters["target_forwards"] += 1
-        logits = self.runner.prefill(ids.to(self.device), fb)
-        self.cache.commit()
+        last = self.runner.prefill(chunks, num_cached, tables, slots, self.prefill_align)  # [n, V]
+        self.cache.advance(rids, lens, prefill=True)
         done = []
         for b, (r, chunk) in enumerate(zip(reqs, chunks)):
             r.num_computed += len(chunk)
@@ -209,7 +213,7 @@ class Engine:
             return []
         rows = [reqs[b] for b in done]
         dev = self.device
-        last = torch.stack([logits[b, len(chunks[b]) - 1] for b in done])  # [n, V]
+        last = last[done] if len(done) < len(reqs) else last
         filt = sampling_mode([r.params for r in rows]) == "filter"  # else no sort over the vocabulary
         sampling = RowSampling(torch.tensor([r.params.temperature for r in rows], device=dev),
                                torch.tensor([r.params.top_k for r in rows], device=dev) if filt else 0,
@@ -225,6 +229,7 @@ class Engine:
 
     def _decode(self, reqs: list[Request]):
         """One device step for every decoding request (the runner's graph for this batch bucket)."""
+        self._time_host()
         ps = [r.params for r in reqs]
         mode = sampling_mode(ps)
         longest = max(r.num_computed for r in reqs)
@@ -241,6 +246,8 @@ class Engine:
         self.counters["decode_steps_per_k"][k] += 1
         self.step_requests = reqs
         outs = self.runner.decode(rows, tables, num_cached, slots, key)
+        if self._last_graph_step is not None:
+            self._last_graph_step = (self._last_graph_step[0], self.runner.last_replay_ms)
         self.cache.advance(rids, [o[0] + 1 for o in outs])
         emitted = []
         for r, o in zip(reqs, outs):
@@ -254,20 +261,33 @@ class Engine:
             emitted.append((r, self._emit(r, o[2: a + 3])))
         return emitted
 
+    def _time_host(self) -> None:
+        """At a decode step's start: the time since the last one began, less that one's replay, into host_ms."""
+        now, last = time.perf_counter(), self._last_graph_step
+        if last is not None and last[1] is not None:
+            gap = max(0.0, (now - last[0]) * 1e3 - last[1])
+            if gap < HOST_PAUSE_MS:
+                self.host_ms = gap if self._host_samples == 0 else self.host_ms + 0.05 * (gap - self.host_ms)
+                self._host_samples += 1
+        self._last_graph_step = (now, None)
+
     def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",)) -> int:
-        """Capture now every step graph a run up to max_len tokens per request (default max_model_len) may use: each
-        batch bucket, each k the engine may pick, each context bucket, each sampling mode listed. A server calls it
-        before it takes requests, so no request pays for a capture. Returns the number of graphs; 0 without graphs."""
+        """Capture now every graph a run up to max_len tokens per request (default max_model_len) may use: the
+        prefill of each chunk width and context bucket, and the decode step of each batch bucket, each k the engine
+        may pick, each context bucket, each sampling mode listed. A server calls it before it takes requests, so no
+        request pays for a capture. Returns the number of graphs; 0 without graphs."""
         if not self.runner.graphs:
             return 0
-        self._warm_prefill()
         max_len = max_len or self.max_model_len
+        prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
+                    if self.runner.prefill_graph(key) is not None]
+        self._warm_prefill()
         ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.k_choices
         keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks for mode in modes
                 for n in sorted({min(1 << i, max_len + k + 1) for i in range(7, max(8, (max_len + k).bit_length() + 1))})}
         for key in sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width)):
             self.runner.step_ms(key)
-        return len(keys)
+        return len(keys) + len(prefills)
 
     def _warm_prefill(self) -> None:
         """Short requests end to end, their statistics then forgotten: the first prefill on a device loads its
@@ -279,12 +299,13 @@ class Engine:
             self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
         self.counters, self._reached, self._accepted, self._plain_steps = saved
         self._k_memo.clear()
+        self.host_ms, self._host_samples, self._last_graph_step = 0.0, 0, None
 
     def _choose_k(self, num_rows: int, longest: int, mode: str) -> int:
         """Drafts for this step: the pinned k, else the candidate with the most expected emitted tokens per
-        millisecond of its graph at this batch bucket (k drafts emit 1 + sum_i prod_{j<=i} alpha_j tokens per row,
-        alpha_j the measured acceptance of position j given all before it, for this step's kind of rows; a position
-        never reached takes the one before it). It drafts the whole block until 8 steps have reached the first
+        millisecond of its graph at this batch bucket plus host_ms (k drafts emit 1 + sum_i prod_{j<=i} alpha_j
+        tokens per row, alpha_j the measured acceptance of position j given all before it, for this step's kind of
+        rows; a position never reached takes the one before it). It drafts the whole block until 8 steps have reached the first
         position, and once every PROBE_EVERY plain steps, so the statistics keep coming; a choice is reused for
         REPICK_EVERY steps of the same batch size, context bucket and mode. Without graphs (CPU): the whole block."""
         if self.drafts is None:
@@ -325,7 +346,7 @@ class Engine:
             for j in range(k):
                 surv *= alpha[j]
                 expected += surv
-            rate = expected / ms
+            rate = expected / (ms + self.host_ms)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -416,7 +437,9 @@ class Engine:
         return [r.output() for r in reqs]
 
     def metrics(self) -> dict:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.counters.items()}
+        """The counters, and host_ms (what the k policy adds to each step's replay time)."""
+        return {**{k: (list(v) if isinstance(v, list) else v) for k, v in self.counters.items()},
+                "host_ms": self.host_ms}
 
 
 __all__ = ["Engine", "SamplingParams", "OutOfBlocks"]

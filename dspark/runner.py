@@ -7,7 +7,11 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
     uniforms) -> KDA commit of a + 1 tokens -> packed [a, n, emitted tokens]
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
 eagerly. k = 0 is plain decoding (the drafter's context rows are still written, so speculation can resume).
-Prefill stays eager (chunked, through the paged cache's PagedView), and samples its first token on the device too.
+
+A prefill chunk goes through the same DeviceView: on CUDA each request's chunk is one graph replay, keyed by its
+padded width (a power of two >= PREFILL_MIN) and the context it sees, while the forward is graph-safe (no MoE host
+reads); otherwise, and on CPU, the chunks of a step run in one eager forward. The first token is sampled on the
+device from the last chunk's last logits.
 
 compile=True (opt-in): the target forward and the drafter's parallel pass inside the step go through torch.compile
 (dynamic shapes: batch, tokens and context are symbols; the Triton launches stay graph breaks) before the graph
@@ -28,7 +32,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.cache.paged import PagedCache
-from dspark.models.k3.moe import LatentMoE, set_static_moe
+from dspark.models.k3.moe import LatentMoE, moe_graph_safe, set_static_moe
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
 from dspark.spec.verify import choose_verify_lengths_device, verify_block, verify_greedy, verify_rejection
@@ -36,6 +40,7 @@ from dspark.spec.verify import choose_verify_lengths_device, verify_block, verif
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one
 MIN_CONTEXT = 128  # the smallest context bucket (positions a step sees)
+PREFILL_MIN = 64  # the narrowest prefill graph (prefill widths are powers of two from here)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
 _I = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5}  # int columns, then the table
 NI = len(_I)
@@ -58,6 +63,26 @@ class StepKey:
     k: int  # drafts per row (0: plain decoding)
     width: int  # block-table width: the step sees width * block_size positions
     mode: str  # one of MODES
+
+
+@dataclass(frozen=True)
+class PrefillKey:
+    T: int  # new tokens per row (the chunk, right-padded)
+    width: int  # block-table width: the forward sees width * block_size positions
+
+
+_P = 3  # prefill int columns: num_cached, num_new, slot; then the block table
+
+
+class _Prefill:
+    """The static buffers, graph (if any) and output (each row's last logits [rows, V]) of a prefill forward."""
+
+    def __init__(self, rows: int, key: PrefillKey, device):
+        self.key = key
+        self.ids = torch.zeros(rows, key.T, dtype=torch.long, device=device)
+        self.ints = torch.zeros(rows, _P + key.width, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
 
 
 @dataclass
@@ -107,11 +132,14 @@ class ModelRunner:
         self.rejection, self.draft_sample, self.adaptive = rejection, draft_sample, adaptive
         self.aux_ids = list(drafts.drafter.config.target_layer_ids) if drafts is not None else None
         self.steps: dict[StepKey, _Step] = {}
+        self.prefills: dict[PrefillKey, _Prefill] = {}
+        self.prefill_failed: set[PrefillKey] = set()
         self.pool = None  # one memory pool for every graph (they never run concurrently)
         # MoE forwards up to the largest step's size take the gathered, graph-safe expert path; the setting lives on
         # the model, so an engine never lowers what another engine on the same target needs
         moes = [m for m in target.modules() if isinstance(m, LatentMoE)]
         set_static_moe(target, max([max_batch_size * (max_k + 1)] + [m.static_tokens for m in moes]))
+        self.last_replay_ms: float | None = None  # the last decode step's replay time (None: it ran eagerly)
         self.wait_s = 0.0  # host seconds spent waiting for the device in decode steps' reads (bench accounting)
 
     # ------------------------------------------------------------------ forward pieces
@@ -151,11 +179,102 @@ class ModelRunner:
             self._uncompile(err)
             return self._step_fn(st)
 
-    def prefill(self, ids: torch.Tensor, batch) -> torch.Tensor:
-        """The eager forward of a prefill chunk. Without cuDNN's attention: it builds an execution graph for every
-        new shape, and each prompt length is one (the decode graphs see few shapes and keep the default choice)."""
+    # ------------------------------------------------------------------ prefill
+    def prefill_key(self, num_tokens: int, num_cached: int, align: int = 1) -> PrefillKey:
+        """The key of a chunk of num_tokens tokens after num_cached cached ones: with graphs a power-of-two width and
+        context; else the width rounded up to `align`, the exact context."""
+        bs = self.cache.block_size
+        if self.graphs:
+            T = pow2_at_least(num_tokens, PREFILL_MIN)
+            return PrefillKey(T, pow2_at_least(num_cached + T, max(MIN_CONTEXT, bs)) // bs)
+        T = -(-num_tokens // align) * align
+        return PrefillKey(T, -(-(num_cached + T) // bs))
+
+    def prefill_graph_safe(self, key: PrefillKey) -> bool:
+        return self.graphs and key not in self.prefill_failed and moe_graph_safe(self.target, key.T)
+
+    @torch.no_grad()
+    def prefill(self, chunks: list[list[int]], num_cached: list[int], tables: list[list[int]], slots: list[int],
+                align: int = 1) -> torch.Tensor:
+        """Forward each request's next prompt chunk (its blocks already reserved) -> each row's logits at its chunk's
+        last token [n, V]. Graph-safe chunks replay their key's graph one request at a time; the rest share one
+        eager forward."""
+        out: list[torch.Tensor | None] = [None] * len(chunks)
+        eager = []
+        for i, (c, n) in enumerate(zip(chunks, num_cached)):
+            key = self.prefill_key(len(c), n, align)
+            pf = self.prefill_graph(key) if self.prefill_graph_safe(key) else None
+            if pf is not None:
+                self._fill(pf, [c], [n], [tables[i]], [slots[i]])
+                pf.graph.replay()
+                out[i] = pf.out.clone()  # the pool is shared: the next replay may reuse this memory
+            else:
+                eager.append(i)
+        if eager:
+            T = max(self.prefill_key(len(chunks[i]), num_cached[i], align).T for i in eager)
+            width = max(-(-(num_cached[i] + T) // self.cache.block_size) for i in eager)
+            pf = _Prefill(len(eager), PrefillKey(T, width), self.device)
+            self._fill(pf, [chunks[i] for i in eager], [num_cached[i] for i in eager], [tables[i] for i in eager],
+                       [slots[i] for i in eager])
+            last = self._prefill_fn(pf)
+            for j, i in enumerate(eager):
+                out[i] = last[j: j + 1]
+        return torch.cat(out)
+
+    def _fill(self, pf: _Prefill, chunks, num_cached, tables, slots) -> None:
+        """Host values -> the prefill's device buffers (one copy each); tables padded with the scratch block."""
+        rows, (T, width) = len(chunks), (pf.key.T, pf.key.width)
+        ids = torch.zeros(rows, T, dtype=torch.long)
+        ints = torch.full((rows, _P + width), self.cache.scratch_block, dtype=torch.long)
+        for b, (c, n, t, s) in enumerate(zip(chunks, num_cached, tables, slots)):
+            ids[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+            ints[b, :_P] = torch.tensor([n, len(c), s])
+            ints[b, _P: _P + len(t)] = torch.tensor(t[:width], dtype=torch.long)
+        pin = self.device.type == "cuda"
+        pf.ids.copy_(ids.pin_memory() if pin else ids, non_blocking=pin)
+        pf.ints.copy_(ints.pin_memory() if pin else ints, non_blocking=pin)
+
+    def _prefill_fn(self, pf: _Prefill) -> torch.Tensor:
+        """The prefill forward (device ops only) -> each row's logits at its last valid token [rows, V]. Without
+        cuDNN's attention: it builds an execution graph for every new shape."""
+        ints = pf.ints
+        num_cached, num_new, slots = (ints[:, i].contiguous() for i in range(_P))
+        view = self.cache.device_view(num_cached, num_new, ints[:, _P:], slots, pf.key.T, False)
         with sdpa_kernel(PREFILL_ATTENTION):
-            return self.forward(ids, batch)
+            logits = self.forward(pf.ids, view)  # [rows, T, V]
+        last = (num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, logits.shape[-1])
+        return logits.gather(1, last)[:, 0]
+
+    def prefill_keys(self, max_chunk: int, max_len: int) -> list[PrefillKey]:
+        """The graph-safe prefill keys of chunks up to max_chunk tokens in requests up to max_len tokens."""
+        bs, keys = self.cache.block_size, []
+        T = PREFILL_MIN
+        while T <= pow2_at_least(max_chunk, PREFILL_MIN):
+            L = pow2_at_least(T, max(MIN_CONTEXT, bs))
+            while L <= pow2_at_least(max_len, max(MIN_CONTEXT, bs)):
+                keys.append(PrefillKey(T, L // bs))
+                L *= 2
+            T *= 2
+        return [k for k in keys if self.prefill_graph_safe(k)]
+
+    def prefill_graph(self, key: PrefillKey) -> _Prefill | None:
+        """The captured prefill of one request for this key (captured at its first use; Engine.warmup captures the
+        usual ones before a server takes requests). A capture that fails leaves the key to the eager forward (None),
+        with a warning."""
+        pf = self.prefills.get(key)
+        if pf is None:
+            pf = _Prefill(1, key, self.device)
+            pf.ints.fill_(self.cache.scratch_block)
+            pf.ints[:, :_P] = torch.tensor([0, 1, self.cache.scratch_slot])
+            try:
+                pf.out = self._capture_fn(lambda: self._prefill_fn(pf), pf, warmup=1)
+            except Exception as err:  # noqa: BLE001 - a kernel that cannot be captured: the eager forward serves
+                warnings.warn(f"prefill graph {key} failed to capture ({type(err).__name__}: {err}); prefills of "
+                              "this shape run eagerly", RuntimeWarning, stacklevel=2)
+                self.prefill_failed.add(key)
+                return None
+            self.prefills[key] = pf
+        return pf
 
     @staticmethod
     def sample_first(logits: torch.Tensor, sampling: RowSampling, seed: torch.Tensor, position: torch.Tensor
@@ -229,19 +348,26 @@ class ModelRunner:
         """A padding row's ints: one valid token at position 0, writes to the scratch block and slot only."""
         return [0, 0, 1, self.cache.scratch_slot, 0, 0] + [self.cache.scratch_block] * width
 
-    def _capture(self, st: _Step, warmup: int = 2, timed: int = 3) -> None:
-        st.ints.copy_(st.ints_host)  # padding rows only
-        st.floats.copy_(st.floats_host)
+    def _capture_fn(self, fn, holder, warmup: int) -> torch.Tensor:
+        """Run fn `warmup` times on a side stream (lazy loading, Triton autotuning), then capture it into
+        holder.graph (the runner's one memory pool); returns its output tensor."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side), torch.no_grad():
             for _ in range(warmup):
-                self._run(st)
+                fn()
         torch.cuda.current_stream().wait_stream(side)
-        st.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(st.graph, pool=self.pool), torch.no_grad():
-            st.out = self._step_fn(st)
-        self.pool = st.graph.pool()
+        holder.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(holder.graph, pool=self.pool), torch.no_grad():
+            out = fn()
+        self.pool = holder.graph.pool()
+        return out
+
+    def _capture(self, st: _Step, warmup: int = 2, timed: int = 3) -> None:
+        st.ints.copy_(st.ints_host)  # padding rows only
+        st.floats.copy_(st.floats_host)
+        self._run(st)  # a compiled step that fails falls back to eager here, before the capture
+        st.out = self._capture_fn(lambda: self._step_fn(st), st, warmup - 1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         best = float("inf")
         for _ in range(timed):
@@ -278,6 +404,7 @@ class ModelRunner:
             out = st.out
         else:
             out = self._run(st)
+        self.last_replay_ms = st.ms
         t0 = time.perf_counter()
         res = out[:B].tolist()  # the step's one host read
         self.wait_s += time.perf_counter() - t0

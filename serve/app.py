@@ -131,6 +131,8 @@ def metrics_text(runner: EngineRunner, model: str) -> str:
            [(lab, c["generation_tokens"])])
     metric("dspark:decode_steps_total", "counter", "Decode steps by the drafts per row the engine chose (k).",
            [(f'{lab},k="{k}"', v) for k, v in enumerate(c["decode_steps_per_k"])])
+    metric("dspark:step_host_ms", "gauge", "Host time per decode step beyond its graph replay (moving average).",
+           [(lab, c.get("host_ms", 0.0))])
     for prefix in ("vllm", "dspark"):
         metric(f"{prefix}:num_requests_running", "gauge", "Requests in the running batch.", [(lab, s.running)])
         metric(f"{prefix}:num_requests_waiting", "gauge", "Requests waiting for admission.", [(lab, s.waiting)])

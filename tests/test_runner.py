@@ -11,7 +11,7 @@ from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
 from dspark.request import SamplingParams
-from dspark.runner import MODES
+from dspark.runner import MODES, _Prefill
 from tests.targets import make_target
 from tests.test_drafter_k3 import make_k3_drafter
 from tests.test_engine import make_drafter, reference_greedy
@@ -50,7 +50,8 @@ def prompts():
 
 def test_step_reads_no_tensor_values_on_the_host():
     """On the meta device any .item() / .tolist() / bool(t) / data-dependent shape raises: the K3 + K3-drafter step
-    (draft, verify, accept, KDA commit) runs there for every sampling mode, speculative and plain; the MoE loop path
+    (draft, verify, accept, KDA commit) runs there for every sampling mode, speculative and plain, and so does the
+    prefill forward (with the drafter's context rows); the MoE loop path
     (host-side expert counts, taken with the gathered forms turned off) is the control that does fail."""
     with torch.device("meta"):
         target = K3ForCausalLM(k3_tiny_config(vocab_size=V)).eval()
@@ -71,6 +72,10 @@ def test_step_reads_no_tensor_values_on_the_host():
                     st = runner._get(runner.key_for(3, k, 40, mode))
                     packed = runner._step_fn(st)
                     assert packed.is_meta and packed.shape == (4, k + 3)
+            # the prefill forward: a 50-token chunk after 40 cached tokens, one row
+            key = runner.prefill_key(50, 40)
+            last = runner._prefill_fn(_Prefill(1, key, torch.device("meta")))
+            assert last.is_meta and last.shape == (1, V)
     set_static_moe(target, 0)
     for m in target.modules():  # nor the inference forms' budget: the loop path
         if isinstance(m, LatentMoE):
@@ -126,6 +131,30 @@ def test_k_per_step_follows_measured_step_times(targets, prompts):
     assert {key.k for key in pinned.runner.steps} == {2}
 
 
+def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
+    """The host's time per step (learnt between back-to-back graph steps, beyond their replay) is added to every
+    candidate's time: at acceptance 0.5 per position, drafting 4 loses when a step is its replay alone and wins when
+    each step also costs 10 ms of host work. Pauses longer than a step's work (an idle server) are not learnt."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target))
+    engine.runner.step_ms = lambda key: 0.2 + 0.3 * key.k
+    acc, reach = [50, 25, 12, 6], [100, 50, 25, 12]
+    assert engine._best_k(1, 100, "greedy", acc, reach) == 0
+    clock = iter([10.0, 10.0102, 10.6, 20.0])  # starts of four decode steps (s)
+    monkeypatch.setattr("dspark.engine.time.perf_counter", lambda: next(clock))
+    engine._time_host()
+    engine._last_graph_step = (engine._last_graph_step[0], 0.2)  # the first step replayed a 0.2 ms graph
+    engine._time_host()
+    assert engine.host_ms == pytest.approx(10.0)
+    engine._last_graph_step = (engine._last_graph_step[0], 0.2)
+    engine._time_host()  # 590 ms later: a pause, not a step's cost
+    assert engine.host_ms == pytest.approx(10.0)
+    engine._last_graph_step = (engine._last_graph_step[0], None)  # an eager step: nothing to learn from
+    engine._time_host()
+    assert engine.host_ms == pytest.approx(10.0)
+    assert engine._best_k(1, 100, "greedy", acc, reach) == 4
+
+
 def test_regenerate_is_the_engines_greedy(targets):
     """The drafter trainer's regeneration continues every prompt exactly as the engine's greedy decode does, in
     the prompts' order, with prompts of mixed lengths."""
@@ -153,7 +182,8 @@ def test_errors(targets):
 @cuda
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_cuda_graph_step_equals_eager(prompts, pair):
-    """One CUDA graph per step key gives the eager step's tokens and accepted counts, greedy and seeded-sampled."""
+    """One CUDA graph per step key and per prefill key gives the eager engine's tokens and accepted counts, greedy and
+    seeded-sampled; prompts longer than the prefill chunk take graphs whose chunk follows cached tokens."""
     kind, make = PAIRS[pair]
     target = make_target(kind, vocab=V).cuda()
     drafter = live_markov(make(target)).cuda()
@@ -163,9 +193,10 @@ def test_cuda_graph_step_equals_eager(prompts, pair):
     for d in (None, drafter):
         k = None if d is None else 3
         eager = Engine(target, d, num_speculative_tokens=k, graphs=False).generate(prompts, params)
-        engine = Engine(target, d, num_speculative_tokens=k, graphs=True)
+        engine = Engine(target, d, num_speculative_tokens=k, graphs=True, prefill_chunk=8)
         graphed = engine.generate(prompts, params)
         assert engine.runner.steps and all(st.graph is not None for st in engine.runner.steps.values())
+        assert len(engine.runner.prefills) >= 2 and all(p.graph is not None for p in engine.runner.prefills.values())
         assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
         assert [o.accepted_per_step for o in graphed] == [o.accepted_per_step for o in eager]
 

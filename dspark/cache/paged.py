@@ -170,12 +170,17 @@ class PagedCache:
                 fresh = fresh[k:]
         return reqs
 
-    def step_rows(self, rids: Sequence[Hashable], T: int, width: int) -> tuple[list[int], list[list[int]], list[int]]:
-        """Reserve room for T more tokens per request -> (num_cached, block-table rows padded with the scratch block to
-        `width`, KDA slots), what a DeviceView of these rows reads."""
-        reqs = self.reserve(rids, [self.reqs[rid].table.num_tokens + T for rid in rids])
-        pad = [self.scratch_block] * width
-        tables = [(r.table.blocks + pad)[:width] for r in reqs]
+    def step_rows(self, rids: Sequence[Hashable], T: int | Sequence[int], width: int | None
+                  ) -> tuple[list[int], list[list[int]], list[int]]:
+        """Reserve room for T more tokens per request (an int, or one count per request) -> (num_cached, block-table
+        rows padded with the scratch block to `width` (None: the rows as they are), KDA slots), what a DeviceView of
+        these rows reads."""
+        counts = [T] * len(rids) if isinstance(T, int) else list(T)
+        reqs = self.reserve(rids, [self.reqs[rid].table.num_tokens + t for rid, t in zip(rids, counts)])
+        tables = [list(r.table.blocks) for r in reqs]
+        if width is not None:
+            pad = [self.scratch_block] * width
+            tables = [(t + pad)[:width] for t in tables]
         slots = [self.scratch_slot if r.slot is None else r.slot for r in reqs]
         return [r.table.num_tokens for r in reqs], tables, slots
 
@@ -183,12 +188,16 @@ class PagedCache:
         return DeviceView(self.kv, self.state.S, self.state.conv, self.block_size, num_cached, num_new, table, slots,
                           T, record)
 
-    def advance(self, rids: Sequence[Hashable], n_keep: Sequence[int]) -> None:
-        """After a device-side step: the rows' committed lengths (its KDA commit happened on the device)."""
+    def advance(self, rids: Sequence[Hashable], n_keep: Sequence[int], prefill: bool = False) -> None:
+        """After a device-side step: the rows' committed lengths (its KDA commit happened on the device). After a
+        prefill the rows' KDA states count as written (what PagedView and export read)."""
         for rid, n in zip(rids, n_keep):
             r = self.reqs.get(rid)
             if r is not None:  # cancelled mid-step
                 r.table.num_tokens += n
+                if prefill and r.slot is not None:
+                    for written in self.state.written.values():
+                        written[r.slot] = True
 
     # --- prefix caching ---
     def match_prefix(self, rid: Hashable, prompt_ids: Sequence[int]) -> int:

@@ -4,12 +4,27 @@ from __future__ import annotations
 
 import torch
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}  # (dim, theta, device) -> [dim]: the frequencies, each half twice
+
+
+def inv_freq(dim: int, theta: float, device) -> torch.Tensor:
+    """[dim] fp32: 1 / theta^(2i/dim) for i < dim/2, then the same again (rotate-half layout). Cached per device, so
+    a step computes cos/sin in four kernels; never cached while a CUDA graph is being captured (a tensor computed
+    there holds nothing until the graph replays)."""
+    key = (dim, float(theta), str(device))
+    f = _INV_FREQ.get(key)
+    if f is None:
+        half = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+        f = torch.cat([half, half])
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            _INV_FREQ[key] = f
+    return f
+
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32):
     """cos/sin tables for rotary embeddings. positions: [..., T] -> cos, sin: [..., T, dim]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    freqs = positions.float()[..., None] * inv_freq  # [..., T, dim/2]
-    emb = torch.cat([freqs, freqs], dim=-1)
+    emb = positions.float()[..., None] * inv_freq(dim, theta, positions.device)  # [..., T, dim]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

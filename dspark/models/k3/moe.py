@@ -205,6 +205,12 @@ class LatentMoE(nn.Module):
         return torch.bincount(idx.reshape(-1), minlength=self.num_experts)
 
 
+def moe_graph_safe(model: nn.Module, num_tokens: int) -> bool:
+    """Whether a forward of num_tokens tokens (batch rows x new tokens) takes only graph-safe expert paths in every
+    LatentMoE of `model` (no host reads: it can be captured in a CUDA graph). True for a model without one."""
+    return all(m._graph_safe(num_tokens) for m in model.modules() if isinstance(m, LatentMoE))
+
+
 def set_static_moe(model: nn.Module, max_tokens: int) -> int:
     """Route forwards of up to max_tokens tokens (per MoE call: batch rows x new tokens) of every LatentMoE in
     `model` through the gathered, graph-safe expert path (which reads the expert stacks in place); 0 turns it off.
