@@ -279,8 +279,9 @@ class Engine:
         if not self.runner.graphs:
             return 0
         max_len = max_len or self.max_model_len
-        prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
-                    if self.runner.prefill_graph(key) is not None]
+        with torch.no_grad():  # what the forwards run under (the MoE's inference paths)
+            prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
+                        if self.runner.prefill_graph(key) is not None]
         self._warm_prefill()
         ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.k_choices
         keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks for mode in modes

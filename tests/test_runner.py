@@ -196,7 +196,7 @@ def test_cuda_graph_step_equals_eager(prompts, pair):
         engine = Engine(target, d, num_speculative_tokens=k, graphs=True, prefill_chunk=8)
         graphed = engine.generate(prompts, params)
         assert engine.runner.steps and all(st.graph is not None for st in engine.runner.steps.values())
-        assert len(engine.runner.prefills) >= 2 and all(p.graph is not None for p in engine.runner.prefills.values())
+        assert engine.runner.prefills and all(p.graph is not None for p in engine.runner.prefills.values())
         assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
         assert [o.accepted_per_step for o in graphed] == [o.accepted_per_step for o in eager]
 
