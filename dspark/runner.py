@@ -24,6 +24,7 @@ Random numbers: a request's uniforms are a pure function of its seed and positio
 """
 from __future__ import annotations
 
+import gc
 import time
 import warnings
 from dataclasses import dataclass
@@ -358,8 +359,17 @@ class ModelRunner:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         holder.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(holder.graph, pool=self.pool), torch.no_grad():
-            out = fn()
+        # no garbage collection inside the capture: a dead engine's graphs (runners sit in reference cycles) would be
+        # destroyed there, a CUDA call a capture does not permit, and the capture would fail
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(holder.graph, pool=self.pool), torch.no_grad():
+                out = fn()
+        finally:
+            if enabled:
+                gc.enable()
         self.pool = holder.graph.pool()
         return out
 

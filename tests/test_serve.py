@@ -162,9 +162,11 @@ def test_metrics_agree_with_requests(server, client):
     assert d["vllm:prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in outs)
     eng = server.app.state.runner.engine
     assert after["dspark:cache_blocks_free"] == eng.cache.pool.num_blocks
-    # one row per step here, each drafting the whole block (CPU: no step times, so no k policy)
+    # one row per step here; on CPU (no step times, so no k policy) each drafts the whole block
     steps = [d[f"dspark:decode_steps_total[{k}]"] for k in range(eng.k + 1)]
-    assert steps[eng.k] == sum(len(o.num_drafts_per_step) for o in outs) and sum(steps) == steps[eng.k]
+    assert sum(steps) == sum(len(o.num_drafts_per_step) for o in outs)
+    if not eng.runner.graphs:
+        assert steps[eng.k] == sum(steps)
 
 
 def test_disconnect_aborts_and_frees_cache(server, slow_engine):

@@ -11,15 +11,20 @@ def inv_freq(dim: int, theta: float, device) -> torch.Tensor:
     """[dim] fp32: 1 / theta^(2i/dim) for i < dim/2, then the same again (rotate-half layout). Cached per device, so
     a step computes cos/sin in four kernels; never cached while a CUDA graph is being captured (a tensor computed
     there holds nothing until the graph replays)."""
+    if torch.compiler.is_compiling():  # traced: computed in the graph, which fuses it
+        return _inv_freq(dim, theta, device)
     key = (dim, float(theta), str(device))
     f = _INV_FREQ.get(key)
     if f is None:
-        half = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-        f = torch.cat([half, half])
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if not capturing:
+        f = _inv_freq(dim, theta, device)
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
             _INV_FREQ[key] = f
     return f
+
+
+def _inv_freq(dim: int, theta: float, device) -> torch.Tensor:
+    half = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    return torch.cat([half, half])
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype=torch.float32):
