@@ -9,10 +9,9 @@ the whole speculative step on the device (a CUDA graph per batch bucket on a GPU
 Each running request has its committed tokens in the target cache except the last emitted one (the "pending"
 token); a step verifies [pending, d1..dk] and commits pending + the accepted drafts.
 
-Drafts per step: `num_speculative_tokens=None` picks k each step (0 .. the drafter's block) by the expected emitted
-tokens per second: the acceptance measured so far against the replay time of each candidate's graph at the current
-batch bucket, so speculation never runs slower than plain decoding; on CPU (no graphs) it drafts the whole block.
-An int pins k. Under the policy a sampled request with a seed decodes plainly (its text is then the AR engine's for
+Drafts per step: `num_speculative_tokens=None` lets the k policy (dspark/policy.py) pick k each step, 0 .. the
+drafter's block, by expected emitted tokens per millisecond (measured acceptance against each candidate's replay time
+plus the host's time per step); on CPU (no graphs) it drafts the whole block. An int pins k. Under the policy a sampled request with a seed decodes plainly (its text is then the AR engine's for
 that seed); with a pinned k it drafts like the others.
 """
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import collections
 import copy
 import math
-import time
 from collections.abc import Iterable
 
 import torch
@@ -28,15 +26,13 @@ import torch
 from dspark.cache.blocks import OutOfBlocks
 from dspark.cache.paged import PagedCache
 from dspark.cache.prefix import PrefixCacheConfig
+from dspark.policy import KPolicy
 from dspark.request import Request, RequestOutput, SamplingParams, Status
 from dspark.runner import ModelRunner, RowInput
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
 
 PREFILL_ALIGN = 64  # on CUDA an eager prefill's width is a multiple of this: few shapes (graphed ones are powers of 2)
-PROBE_EVERY = 64  # plain steps after which the k policy drafts once more, to refresh its acceptance statistics
-HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
-REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 
 
 def sampling_mode(params: list[SamplingParams]) -> str:
@@ -87,7 +83,7 @@ class Engine:
                                 prefix_cache=PrefixCacheConfig() if prefix_caching is True else prefix_caching or None)
         self.runner = ModelRunner(target, self.drafts, self.cache, max_batch_size, self.k, rejection, draft_sample,
                                   adaptive_verification, graphs, compile)
-        self.k_choices = sorted({0, self.k} | {1 << i for i in range(8) if 1 << i < self.k}) if self.k else [0]
+        self.policy = KPolicy(self.runner, self.k, self.pinned_k is not None)
         self.step_requests: list[Request] = []  # the rows of the device step in flight, in order
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
@@ -96,16 +92,6 @@ class Engine:
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
                          "generation_tokens": 0, "target_forwards": 0,
                          "decode_steps_per_k": [0] * (self.k + 1)}  # device steps by the drafts they verified
-        # the k policy's acceptance statistics, greedy and sampled rows apart (their acceptance differs widely):
-        # per draft position j, row-steps that reached it (all drafts before it accepted) and that accepted it
-        self._reached = {g: [0] * max(self.k, 1) for g in ("greedy", "sampled")}
-        self._accepted = {g: [0] * max(self.k, 1) for g in ("greedy", "sampled")}
-        self._plain_steps = {g: 0 for g in ("greedy", "sampled")}  # steps decoded plainly since the last draft
-        self._k_memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
-        # a decode step's time beyond its graph's replay (host work: scheduling, the step's inputs and read, the
-        # server's loop), a moving average over back-to-back graph steps: the policy adds it to every candidate
-        self.host_ms, self._host_samples = 0.0, 0
-        self._last_graph_step: tuple[float, float] | None = None  # (perf_counter at its start, replay ms)
         eos = getattr(target.config, "eos_token_id", None)
         self.eos_id = eos if isinstance(eos, int) else None
 
@@ -177,7 +163,7 @@ class Engine:
         decode = [r for r in self.running if r.status is Status.DECODE]
         try:
             if prefill:
-                self._last_graph_step = None  # the next decode step does not follow a decode step
+                self.policy.step_chain_broken()
                 emitted += self._prefill(prefill)
             if decode:
                 emitted += self._decode(decode)
@@ -229,14 +215,14 @@ class Engine:
 
     def _decode(self, reqs: list[Request]):
         """One device step for every decoding request (the runner's graph for this batch bucket)."""
-        self._time_host()
+        self.policy.step_started()
         ps = [r.params for r in reqs]
         mode = sampling_mode(ps)
         longest = max(r.num_computed for r in reqs)
         # a seeded sampled row decodes plainly unless k is pinned: which tokens it draws depends on where its blocks
         # start, so under the policy's changing k its seed would not fix its text
         plain = [self.pinned_k is None and p.seed is not None and p.temperature > 0 for p in ps]
-        k = 0 if all(plain) else self._choose_k(len(reqs), longest, mode)
+        k = 0 if all(plain) else self.policy.choose(len(reqs), longest, mode)
         key = self.runner.key_for(len(reqs), k, longest + k + 1, mode)
         rids = [r.id for r in reqs]
         num_cached, tables, slots = self.cache.step_rows(rids, k + 1, key.width)
@@ -246,8 +232,7 @@ class Engine:
         self.counters["decode_steps_per_k"][k] += 1
         self.step_requests = reqs
         outs = self.runner.decode(rows, tables, num_cached, slots, key)
-        if self._last_graph_step is not None:
-            self._last_graph_step = (self._last_graph_step[0], self.runner.last_replay_ms)
+        self.policy.step_replayed(self.runner.last_replay_ms)
         self.cache.advance(rids, [o[0] + 1 for o in outs])
         emitted = []
         for r, o in zip(reqs, outs):
@@ -261,16 +246,6 @@ class Engine:
             emitted.append((r, self._emit(r, o[2: a + 3])))
         return emitted
 
-    def _time_host(self) -> None:
-        """At a decode step's start: the time since the last one began, less that one's replay, into host_ms."""
-        now, last = time.perf_counter(), self._last_graph_step
-        if last is not None and last[1] is not None:
-            gap = max(0.0, (now - last[0]) * 1e3 - last[1])
-            if gap < HOST_PAUSE_MS:
-                self.host_ms = gap if self._host_samples == 0 else self.host_ms + 0.05 * (gap - self.host_ms)
-                self._host_samples += 1
-        self._last_graph_step = (now, None)
-
     def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",)) -> int:
         """Capture now every graph a run up to max_len tokens per request (default max_model_len) may use: the
         prefill of each chunk width and context bucket, and the decode step of each batch bucket, each k the engine
@@ -283,7 +258,7 @@ class Engine:
             prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
                         if self.runner.prefill_graph(key) is not None]
         self._warm_prefill()
-        ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.k_choices
+        ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.policy.choices
         keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks for mode in modes
                 for n in sorted({min(1 << i, max_len + k + 1) for i in range(7, max(8, (max_len + k).bit_length() + 1))})}
         for key in sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width)):
@@ -294,63 +269,16 @@ class Engine:
         """Short requests end to end, their statistics then forgotten: the first prefill on a device loads its
         kernels (CUDA's lazy module loading, library handles) and each new kind of shape compiles Triton
         specialisations (a full chunk alone; two rows of one aligned block), one-off costs no request should pay."""
-        saved = copy.deepcopy((self.counters, self._reached, self._accepted, self._plain_steps))
+        saved = copy.deepcopy(self.counters)
         n = max(1, min(self.prefill_chunk, self.max_model_len - self.k - 3))
         for prompts in ([[0] * n], [[0] * min(n, self.prefill_align)] * 2):
             self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
-        self.counters, self._reached, self._accepted, self._plain_steps = saved
-        self._k_memo.clear()
-        self.host_ms, self._host_samples, self._last_graph_step = 0.0, 0, None
-
-    def _choose_k(self, num_rows: int, longest: int, mode: str) -> int:
-        """Drafts for this step: the pinned k, else the candidate with the most expected emitted tokens per
-        millisecond of its graph at this batch bucket plus host_ms (k drafts emit 1 + sum_i prod_{j<=i} alpha_j
-        tokens per row, alpha_j the measured acceptance of position j given all before it, for this step's kind of
-        rows; a position never reached takes the one before it). It drafts the whole block until 8 steps have reached the first
-        position, and once every PROBE_EVERY plain steps, so the statistics keep coming; a choice is reused for
-        REPICK_EVERY steps of the same batch size, context bucket and mode. Without graphs (CPU): the whole block."""
-        if self.drafts is None:
-            return 0
-        if self.pinned_k is not None:
-            return self.k
-        group = "greedy" if mode == "greedy" else "sampled"
-        acc, reach = self._accepted[group], self._reached[group]
-        if reach[0] < 8 or self._plain_steps[group] >= PROBE_EVERY:
-            self._plain_steps[group] = 0
-            return self.k
-        memo = (num_rows, longest.bit_length(), mode)
-        hit = self._k_memo.get(memo)
-        if hit is None or hit[1] <= 0:
-            hit = self._k_memo[memo] = [self._best_k(num_rows, longest, mode, acc, reach), REPICK_EVERY]
-        hit[1] -= 1
-        best = hit[0]
-        self._plain_steps[group] = self._plain_steps[group] + 1 if best == 0 else 0
-        return best
+        self.counters = saved
+        self.policy.reset()
 
     def step_times(self, num_rows: int, longest: int, mode: str) -> dict[int, float] | None:
-        """What the k policy weighs: each candidate k's graph replay time (ms) for num_rows rows whose longest has
-        `longest` positions cached (graphs captured now if needed); None without graphs."""
-        ms = {k: self.runner.step_ms(self.runner.key_for(num_rows, k, longest + k + 1, mode)) for k in self.k_choices}
-        return None if None in ms.values() else ms
-
-    def _best_k(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
-        times = self.step_times(num_rows, longest, mode)
-        if times is None:  # no graphs, no step times: draft the whole block
-            return self.k
-        alpha, last = [], 0.5
-        for j in range(self.k):
-            last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
-            alpha.append(last)
-        best, best_rate = 0, 0.0
-        for k, ms in times.items():
-            expected, surv = 1.0, 1.0
-            for j in range(k):
-                surv *= alpha[j]
-                expected += surv
-            rate = expected / (ms + self.host_ms)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+        """What the k policy weighs: each candidate k's replay time (ms); None without graphs."""
+        return self.policy.step_times(num_rows, longest, mode)
 
     def _count(self, n: int, a: int, group: str) -> None:
         if n == 0:
@@ -361,9 +289,7 @@ class Engine:
         c["num_accepted_tokens"] += a
         for i in range(a):
             c["num_accepted_tokens_per_pos"][i] += 1
-            self._accepted[group][i] += 1
-        for i in range(min(n, a + 1)):
-            self._reached[group][i] += 1
+        self.policy.record(n, a, group)
 
     def _emit(self, r: Request, toks: list[int]) -> list[int]:
         """Append tokens, apply max_tokens / EOS / stop strings; finish the request when done."""
@@ -440,7 +366,7 @@ class Engine:
     def metrics(self) -> dict:
         """The counters, and host_ms (what the k policy adds to each step's replay time)."""
         return {**{k: (list(v) if isinstance(v, list) else v) for k, v in self.counters.items()},
-                "host_ms": self.host_ms}
+                "host_ms": self.policy.host_ms}
 
 
 __all__ = ["Engine", "SamplingParams", "OutOfBlocks"]

@@ -214,7 +214,7 @@ def test_seeded_text_does_not_depend_on_the_k_policy(target, prompts):
     ar = [o.token_ids for o in Engine(target).generate(prompts[:2], params)]
     for picked in (1, 0, 4):
         engine = Engine(target, make_drafter(target))
-        engine._choose_k = lambda *a, picked=picked: picked
+        engine.policy.choose = lambda *a, picked=picked: picked
         outs = engine.generate(prompts[:3], [params, params, unseeded])
         assert [o.token_ids for o in outs[:2]] == ar
         assert all(not any(o.num_drafts_per_step) for o in outs[:2])

@@ -139,20 +139,20 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     engine = Engine(target, make_drafter(target))
     engine.runner.step_ms = lambda key: 0.2 + 0.3 * key.k
     acc, reach = [50, 25, 12, 6], [100, 50, 25, 12]
-    assert engine._best_k(1, 100, "greedy", acc, reach) == 0
+    assert engine.policy.best(1, 100, "greedy", acc, reach) == 0
     clock = iter([10.0, 10.0102, 10.6, 20.0])  # starts of four decode steps (s)
-    monkeypatch.setattr("dspark.engine.time.perf_counter", lambda: next(clock))
-    engine._time_host()
-    engine._last_graph_step = (engine._last_graph_step[0], 0.2)  # the first step replayed a 0.2 ms graph
-    engine._time_host()
-    assert engine.host_ms == pytest.approx(10.0)
-    engine._last_graph_step = (engine._last_graph_step[0], 0.2)
-    engine._time_host()  # 590 ms later: a pause, not a step's cost
-    assert engine.host_ms == pytest.approx(10.0)
-    engine._last_graph_step = (engine._last_graph_step[0], None)  # an eager step: nothing to learn from
-    engine._time_host()
-    assert engine.host_ms == pytest.approx(10.0)
-    assert engine._best_k(1, 100, "greedy", acc, reach) == 4
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: next(clock))
+    engine.policy.step_started()
+    engine.policy.last_step = (engine.policy.last_step[0], 0.2)  # the first step replayed a 0.2 ms graph
+    engine.policy.step_started()
+    assert engine.policy.host_ms == pytest.approx(10.0)
+    engine.policy.last_step = (engine.policy.last_step[0], 0.2)
+    engine.policy.step_started()  # 590 ms later: a pause, not a step's cost
+    assert engine.policy.host_ms == pytest.approx(10.0)
+    engine.policy.last_step = (engine.policy.last_step[0], None)  # an eager step: nothing to learn from
+    engine.policy.step_started()
+    assert engine.policy.host_ms == pytest.approx(10.0)
+    assert engine.policy.best(1, 100, "greedy", acc, reach) == 4
 
 
 def test_regenerate_is_the_engines_greedy(targets):

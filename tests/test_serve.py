@@ -331,4 +331,4 @@ def test_banner_shows_the_k_policys_step_times(server, monkeypatch):
     if not eng.runner.graphs:
         assert step_times(eng) == ""  # CPU: no graphs, no step times
     monkeypatch.setattr(eng.runner, "step_ms", lambda key: 0.1 * (key.k + 1))  # what replay timing gives on a GPU
-    assert step_times(eng) == ", step ms at 1 row: " + " ".join(f"k={k} {0.1 * (k + 1):.3f}" for k in eng.k_choices)
+    assert step_times(eng) == ", step ms at 1 row: " + " ".join(f"k={k} {0.1 * (k + 1):.3f}" for k in eng.policy.choices)

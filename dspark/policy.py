@@ -1,0 +1,116 @@
+"""The k policy: how many drafts each decode step verifies, 0 (plain decoding) up to the drafter's block.
+
+A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
+position j given all before it, greedy and sampled rows apart) and costs its graph's replay time at the step's batch
+bucket plus the host's time per step. The policy picks the k with the most expected tokens per millisecond, so
+speculation runs plainly where drafting does not pay. On CPU (no graphs, no step times) it drafts the whole block.
+"""
+from __future__ import annotations
+
+import time
+
+from dspark.runner import ModelRunner
+
+PROBE_EVERY = 64  # plain steps after which the policy drafts once more, to refresh its acceptance statistics
+REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
+HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
+GROUPS = ("greedy", "sampled")
+
+
+class KPolicy:
+    def __init__(self, runner: ModelRunner, k: int, pinned: bool):
+        """k: the most drafts a step may verify (0: no drafter); pinned: always k."""
+        self.runner, self.k, self.pinned = runner, k, pinned
+        self.choices = sorted({0, k} | {1 << i for i in range(8) if 1 << i < k}) if k else [0]
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the statistics (after a warm-up)."""
+        n = max(self.k, 1)
+        # per draft position j: row-steps that reached it (all drafts before it accepted) and that accepted it
+        self.reached = {g: [0] * n for g in GROUPS}
+        self.accepted = {g: [0] * n for g in GROUPS}
+        self.plain_steps = {g: 0 for g in GROUPS}  # steps decoded plainly since the last draft
+        self.memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
+        # a decode step's time beyond its graph's replay (host work: scheduling, the step's inputs and read, the
+        # server's loop), a moving average over back-to-back graph steps
+        self.host_ms, self.host_samples = 0.0, 0
+        self.last_step: tuple[float, float | None] | None = None  # (perf_counter at its start, replay ms)
+
+    # ------------------------------------------------------------------ the choice
+    def choose(self, num_rows: int, longest: int, mode: str) -> int:
+        """Drafts for this step: the pinned k, else the best candidate (module doc) at this batch bucket. It drafts
+        the whole block until 8 steps have reached the first position, and once every PROBE_EVERY plain steps, so
+        the statistics keep coming; a choice is reused for REPICK_EVERY steps of the same batch size, context bucket
+        and mode."""
+        if self.k == 0:
+            return 0
+        if self.pinned:
+            return self.k
+        group = "greedy" if mode == "greedy" else "sampled"
+        acc, reach = self.accepted[group], self.reached[group]
+        if reach[0] < 8 or self.plain_steps[group] >= PROBE_EVERY:
+            self.plain_steps[group] = 0
+            return self.k
+        memo = (num_rows, longest.bit_length(), mode)
+        hit = self.memo.get(memo)
+        if hit is None or hit[1] <= 0:
+            hit = self.memo[memo] = [self.best(num_rows, longest, mode, acc, reach), REPICK_EVERY]
+        hit[1] -= 1
+        self.plain_steps[group] = self.plain_steps[group] + 1 if hit[0] == 0 else 0
+        return hit[0]
+
+    def step_times(self, num_rows: int, longest: int, mode: str) -> dict[int, float] | None:
+        """Each candidate k's graph replay time (ms) for num_rows rows whose longest has `longest` positions cached
+        (graphs captured now if needed); None without graphs."""
+        r = self.runner
+        ms = {k: r.step_ms(r.key_for(num_rows, k, longest + k + 1, mode)) for k in self.choices}
+        return None if None in ms.values() else ms
+
+    def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
+        """The candidate with the most expected tokens per millisecond (replay + host_ms); a position reached fewer
+        than 8 times takes the acceptance of the one before it."""
+        times = self.step_times(num_rows, longest, mode)
+        if times is None:  # no graphs, no step times: draft the whole block
+            return self.k
+        alpha, last = [], 0.5
+        for j in range(self.k):
+            last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
+            alpha.append(last)
+        best, best_rate = 0, 0.0
+        for k, ms in times.items():
+            expected, surv = 1.0, 1.0
+            for j in range(k):
+                surv *= alpha[j]
+                expected += surv
+            rate = expected / (ms + self.host_ms)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    # ------------------------------------------------------------------ what it learns from
+    def record(self, n: int, a: int, group: str) -> None:
+        """A row-step that verified n drafts and accepted a of them."""
+        for i in range(a):
+            self.accepted[group][i] += 1
+        for i in range(min(n, a + 1)):
+            self.reached[group][i] += 1
+
+    def step_started(self) -> None:
+        """At a decode step's start: the time since the last one began, less that one's replay, into host_ms."""
+        now, last = time.perf_counter(), self.last_step
+        if last is not None and last[1] is not None:
+            gap = max(0.0, (now - last[0]) * 1e3 - last[1])
+            if gap < HOST_PAUSE_MS:
+                self.host_ms = gap if self.host_samples == 0 else self.host_ms + 0.05 * (gap - self.host_ms)
+                self.host_samples += 1
+        self.last_step = (now, None)
+
+    def step_replayed(self, ms: float | None) -> None:
+        """The step just started replayed a graph of `ms` (None: it ran eagerly, nothing to learn from)."""
+        if self.last_step is not None:
+            self.last_step = (self.last_step[0], ms)
+
+    def step_chain_broken(self) -> None:
+        """Something other than a decode step ran (a prefill): the next step's gap is not host time."""
+        self.last_step = None
