@@ -204,7 +204,9 @@ class ModelRunner:
         eager = []
         for i, (c, n) in enumerate(zip(chunks, num_cached)):
             key = self.prefill_key(len(c), n, align)
-            pf = self.prefill_graph(key) if self.prefill_graph_safe(key) else None
+            pf = self.prefills.get(key)  # captured: no need to walk the model's modules again
+            if pf is None and self.prefill_graph_safe(key):
+                pf = self.prefill_graph(key)
             if pf is not None:
                 self._fill(pf, [c], [n], [tables[i]], [slots[i]])
                 pf.graph.replay()
