@@ -222,9 +222,9 @@ case "$target" in
     kill $watcher 2>/dev/null
     kill -- -$tests 2>/dev/null
     wait
-    [ $trained = 1 ] && { bash "$0" serve --time-limit 540 || rc=$?; }
+    [ $trained = 1 ] && { bash "$0" serve --time-limit 500 || rc=$?; }
     TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
-      bash "$0" serve --time-limit 300 --out "$OUT/serve-quickstart.json" || rc=$?
+      bash "$0" serve --time-limit 240 --out "$OUT/serve-quickstart.json" || rc=$?
     [ $trained = 1 ] && { bash "$0" pair --prompts 8 --profile "$OUT/profile.txt" || rc=$?; }
     # the rest of the CUDA suite: every test the side run did not report
     outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # `-v` lines, with xdist ("[gw0] [ 5%] PASSED id") or without

@@ -142,7 +142,7 @@ class Engine:
                 return  # waits until a running request frees its blocks
             self.waiting.popleft()
             self.cache.add_request(req.id)
-            req.num_computed = self.cache.match_prefix(req.id, req.prompt_ids)
+            req.num_computed = req.num_context = self.cache.match_prefix(req.id, req.prompt_ids)
             self.reserved[req.id] = need
             req.status = Status.PREFILL
             self.running.append(req)
@@ -193,6 +193,7 @@ class Engine:
         done = []
         for b, (r, chunk) in enumerate(zip(reqs, chunks)):
             r.num_computed += len(chunk)
+            r.num_context = r.num_computed
             self.cache.after_prefill(r.id, r.prompt_ids, r.num_computed)
             if r.num_computed == len(r.prompt_ids):
                 done.append(b)
@@ -224,6 +225,8 @@ class Engine:
         # start, so under the policy's changing k its seed would not fix its text
         plain = [self.pinned_k is None and p.seed is not None and p.temperature > 0 for p in ps]
         k = 0 if all(plain) else self.policy.choose(len(reqs), longest, mode)
+        if k > 0:
+            self._flush_context(reqs)
         key = self.runner.key_for(len(reqs), k, longest + k + 1, mode)
         rids = [r.id for r in reqs]
         num_cached, tables, slots = self.cache.step_rows(rids, k + 1, key.width)
@@ -239,6 +242,7 @@ class Engine:
         for r, o in zip(reqs, outs):
             a, n = o[0], o[1]
             r.num_computed += a + 1
+            r.num_context = r.num_computed if k > 0 else r.num_context
             r.num_steps += 1
             if self.drafts is not None:
                 r.accepted_per_step.append(a)
@@ -246,6 +250,18 @@ class Engine:
                 self._count(n, a, "greedy" if r.params.temperature == 0 else "sampled")
             emitted.append((r, self._emit(r, o[2: a + 3])))
         return emitted
+
+    def _flush_context(self, reqs: list[Request]) -> None:
+        """Before a drafting step: the drafter's context rows of the positions plain steps only stashed."""
+        lag = [r for r in reqs if r.num_context < r.num_computed]
+        if not lag:
+            return
+        num_cached, tables, slots = self.cache.step_rows([r.id for r in lag], 0, None)
+        self.runner.flush_context([r.num_context for r in lag], [n - r.num_context for r, n in zip(lag, num_cached)],
+                                  tables, slots)
+        for r in lag:
+            r.num_context = r.num_computed
+        self.policy.step_chain_broken()  # an eager forward ran: the next step's gap is not host time
 
     def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",)) -> int:
         """Capture now every graph a run up to max_len tokens per request (default max_model_len) may use: the
@@ -323,6 +339,8 @@ class Engine:
         req = next((r for r in self.running if r.id == request_id), None)
         if req is None or req.status is not Status.DECODE or req.finish_reason is not None:
             raise ValueError(f"export_prefilled: request {request_id!r} is not running with its prefill done")
+        if self.drafts is not None:
+            self._flush_context([req])  # the exported rows are whole: the importer drafts on them
         handoff = {"request_id": req.id, "prompt_ids": req.prompt_ids, "output_ids": list(req.output_ids),
                    "params": req.params, "seed": req.seed,
                    "cache": self.cache.export_request(req.id)}
@@ -338,7 +356,7 @@ class Engine:
         if sum(self.reserved.values()) + need > self.cache.pool.num_blocks or len(self.running) >= self.max_batch_size:
             raise OutOfBlocks(need, self.cache.pool.num_free)
         self.cache.import_request(req.id, handoff["cache"])
-        req.num_computed = handoff["cache"]["num_tokens"]
+        req.num_computed = req.num_context = handoff["cache"]["num_tokens"]
         req.status = Status.DECODE
         self.reserved[req.id] = need
         self.running.append(req)

@@ -94,6 +94,7 @@ class Request:
         self.output_ids: list[int] = []
         self.status = Status.WAITING
         self.num_computed = 0  # tokens in the target cache
+        self.num_context = 0  # of those, the ones whose drafter context rows are written (plain steps stash the rest)
         self.num_steps = 0
         self.accepted_per_step: list[int] = []
         self.num_drafts_per_step: list[int] = []

@@ -6,7 +6,9 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
     drafter's context rows -> verify (greedy, or Leviathan / block rejection with per-row parameters and counter-based
     uniforms) -> KDA commit of a + 1 tokens -> packed [a, n, emitted tokens]
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
-eagerly. k = 0 is plain decoding (the drafter's context rows are still written, so speculation can resume).
+eagerly. k = 0 is plain decoding: of the drafter's context it writes only ctx = context(aux) per position (one GEMM, a
+norm and a copy, where the full context write is some 30 kernels: a plain step then costs about what an AR step
+does); flush_context turns the stashed positions into context rows, eagerly, before a request drafts again.
 
 A prefill chunk goes through the same DeviceView: on CUDA each request's chunk is one graph replay, keyed by its
 padded width (a power of two >= PREFILL_MIN) and the context it sees, while the forward is graph-safe (no MoE host
@@ -144,12 +146,13 @@ class ModelRunner:
         self.wait_s = 0.0  # host seconds spent waiting for the device in decode steps' reads (bench accounting)
 
     # ------------------------------------------------------------------ forward pieces
-    def forward(self, ids: torch.Tensor, batch) -> torch.Tensor:
-        """Target forward (+ the drafter's context rows of the same positions) -> logits [B, T, V]."""
+    def forward(self, ids: torch.Tensor, batch, stash: bool = False) -> torch.Tensor:
+        """Target forward (+ the drafter's context rows of the same positions; stash: only their ctx, the rows
+        left to flush_context) -> logits [B, T, V]."""
         if self.aux_ids is None:
             return self.target(ids, batch=batch)
         logits, aux = self.target(ids, batch=batch, aux_layer_ids=self.aux_ids)
-        self.drafts.write_context(batch, aux)
+        (self.drafts.stash_context if stash else self.drafts.write_context)(batch, aux)
         return logits
 
     def _compile(self) -> None:
@@ -302,7 +305,7 @@ class ModelRunner:
         # that verifies no drafts draws exactly what a plain (k = 0) step draws
         u = None if sampling is None else counter_uniform(ints[:, _I["seed"]], num_cached * COUNTER_STRIDE, 2 * k + 1)
         if k == 0:
-            logits = self._forward(pending[:, None], view)[:, 0]  # [B, V]
+            logits = self._forward(pending[:, None], view, True)[:, 0]  # [B, V]
             nxt = logits.argmax(-1) if sampling is None else sample_from(
                 process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u[:, 0])
             return torch.stack([torch.zeros_like(nxt), torch.zeros_like(nxt), nxt], 1)
@@ -325,6 +328,20 @@ class ModelRunner:
         toks = torch.where(slot < a[:, None], torch.cat([drafts, drafts[:, :1]], 1),
                            torch.where(slot == a[:, None], nxt[:, None], torch.full_like(slot, -1)))
         return torch.cat([a[:, None], n[:, None], toks], 1)
+
+    @torch.no_grad()
+    def flush_context(self, starts: list[int], counts: list[int], tables: list[list[int]], slots: list[int]) -> None:
+        """The drafter's context rows of positions starts[b] .. starts[b] + counts[b] - 1 from their stashed ctx
+        (one eager forward of the context write; tables: each row's blocks, unpadded)."""
+        T, bs = max(counts), self.cache.block_size
+        width = max(-(-(s + T) // bs) for s in starts)
+        ints = torch.full((len(starts), 3 + width), self.cache.scratch_block, dtype=torch.long)
+        for b, (s, n, t, slot) in enumerate(zip(starts, counts, tables, slots)):
+            ints[b, :3] = torch.tensor([s, n, slot])
+            ints[b, 3: 3 + len(t)] = torch.tensor(t[:width], dtype=torch.long)
+        ints = ints.to(self.device)
+        view = self.cache.device_view(ints[:, 0], ints[:, 1], ints[:, 3:], ints[:, 2], T, False)
+        self.drafts.flush_context(view)
 
     # ------------------------------------------------------------------ host side
     def key_for(self, num_rows: int, k: int, max_len: int, mode: str) -> StepKey:

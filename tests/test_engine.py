@@ -46,6 +46,12 @@ class ScriptedDrafts:
     def write_context(self, batch, aux):
         self.runner.write_context(batch, aux)
 
+    def stash_context(self, batch, aux):
+        self.runner.stash_context(batch, aux)
+
+    def flush_context(self, view):
+        self.runner.flush_context(view)
+
     def propose(self, view, anchors, k, sampling=None, u=None, confidence=False):
         rows = []
         for req in self.engine.step_requests:  # the rows of the step in flight, in order

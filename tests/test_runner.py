@@ -155,6 +155,44 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     assert engine.policy.best(1, 100, "greedy", acc, reach) == 4
 
 
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts, pair, monkeypatch):
+    """A plain step writes only the drafter's ctx per position; before the request drafts again the stashed
+    positions become context rows. Under a k schedule of plain runs and drafting steps, after every drafting step
+    the drafter's rows of every committed position equal those of one plain forward over the sequence, and the
+    output is the target's greedy."""
+    kind, make = PAIRS[pair]
+    target = targets[kind]
+    drafter = make(target)
+    engine = Engine(target, drafter, max_batch_size=2, prefill_chunk=8)
+    k = engine.k
+    schedule = iter([0, 0, 0, k, 0, k, k, 0, 0, 0, 0, 1] * 10)
+    monkeypatch.setattr(engine.policy, "choose", lambda *a: next(schedule))
+    flushed = []
+    flush = engine.runner.flush_context
+    monkeypatch.setattr(engine.runner, "flush_context", lambda s, n, *a: (flushed.append(n), flush(s, n, *a)))
+    req = engine.add_request(prompts[2], SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+    checked = 0
+    while engine.has_work():
+        engine.step()
+        if req.finish_reason is not None or req.num_context < req.num_computed:
+            continue
+        n = req.num_computed
+        seq = (req.prompt_ids + req.output_ids)[:n]
+        with torch.no_grad():
+            _, aux = target(torch.tensor([seq], device=engine.device), aux_layer_ids=drafter.config.target_layer_ids)
+            want = drafter.context_rows(drafter.context(aux), torch.arange(n, device=engine.device))
+        cache = engine.cache
+        where = cache._token_rows(cache.reqs[req.id], n)
+        for layer, rows in zip(engine.drafts.layers, want):
+            got = cache.kv[layer].view(-1, cache.kv[layer].shape[-1])[where]
+            torch.testing.assert_close(got, rows[0].to(got.dtype), atol=1e-4, rtol=1e-4)
+        checked += 1
+    assert req.output().token_ids == reference_greedy(target, prompts[2], N_NEW)
+    assert checked >= 3 and flushed and all(max(n) >= 1 for n in flushed)
+    assert engine.metrics()["decode_steps_per_k"][0] > 0
+
+
 def test_regenerate_is_the_engines_greedy(targets):
     """The drafter trainer's regeneration continues every prompt exactly as the engine's greedy decode does, in
     the prompts' order, with prompts of mixed lengths."""

@@ -73,6 +73,11 @@ class DeviceView:
         flat = self.kv[layer].view(-1, self.kv[layer].shape[-1])
         flat.index_copy_(0, self._dest, new.reshape(-1, new.shape[-1]).to(flat.dtype))
 
+    def attn_read(self, layer: int) -> torch.Tensor:
+        """-> [B, T, C]: the rows at the new tokens' positions (what attn_write would overwrite)."""
+        store = self.kv[layer]
+        return store.view(-1, store.shape[-1])[self._dest].view(*self._pos.shape, -1)
+
     def attn_rows(self, layer: int) -> torch.Tensor:
         """-> [B, L, C]: positions 0..L-1 of every row (the key mask hides what lies past a query's position)."""
         store = self.kv[layer]

@@ -2,7 +2,8 @@
 
 Per request the drafter keeps the rows of its context (one row per target position and draft layer: [k | v] for the
 qwen3 backbone, the MLA latent [kv_c | k_pe] for k3) in the target's paged cache, written right after each target
-forward from its aux features. A draft step runs the block [anchor, mask x (N-1)] at positions p0.. (p0 = the
+forward from its aux features; after a plain step only ctx = context(aux) goes to a stash layer, and the rows follow
+in one flush before the request drafts again. A draft step runs the block [anchor, mask x (N-1)] at positions p0.. (p0 = the
 target cache length) against them, then samples left to right:
 logits_j = U_j + markov(prev), prev_0 = anchor, prev_j = draft_{j-1}.
 Everything here is device ops only (no host reads), so the runner captures it inside its CUDA graph.
@@ -76,6 +77,7 @@ class DraftRunner:
         cfg = drafter.config
         self.layers = [layer_offset + i for i in range(cfg.num_hidden_layers)]
         self.row_width = drafter.row_width  # qwen3: 2*n_kv*head_dim ([k | v]); k3: kv_lora+rope (MLA latent)
+        self.stash_layer = layer_offset + cfg.num_hidden_layers  # ctx [H] per position of a plain step (below)
         self.hidden = draft_hidden  # the parallel pass (torch.compile'd by compile())
 
     def compile(self) -> None:
@@ -85,15 +87,28 @@ class DraftRunner:
         self.hidden = draft_hidden
 
     def cache_layout(self) -> dict[int, int]:
-        return {layer: self.row_width for layer in self.layers}
+        return {**{layer: self.row_width for layer in self.layers}, self.stash_layer: self.drafter.config.hidden_size}
 
     def write_context(self, batch, aux: torch.Tensor) -> None:
         """After a target forward over `batch`: the context rows of its positions (aux [B, T, n*Ht]). Rows of
         tokens that are later rejected are overwritten by the next forward, exactly like the target's KV."""
-        d = self.drafter
-        rows = d.context_rows(d.context(aux), batch.positions(aux.shape[1]).to(aux.device))
+        self._write_rows(batch, self.drafter.context(aux))
+
+    def _write_rows(self, batch, ctx: torch.Tensor) -> None:
+        rows = self.drafter.context_rows(ctx, batch.positions(ctx.shape[1]).to(ctx.device))
         for layer, r in zip(self.layers, rows):
             batch.cache.attn_write(layer, r)
+
+    def stash_context(self, batch, aux: torch.Tensor) -> None:
+        """After a plain (k = 0) step's target forward: only ctx = context(aux) [B, T, H], one row per position in
+        the stash layer. The per-layer rows (projections, norms, RoPE: most of the context write's kernels) wait
+        for flush_context, which runs once before the request drafts again."""
+        batch.cache.attn_write(self.stash_layer, self.drafter.context(aux))
+
+    def flush_context(self, view) -> None:
+        """The context rows of the stashed positions a view covers (view.num_cached = the first stashed position,
+        num_new = how many; positions past them are written too and lie past the committed length)."""
+        self._write_rows(view, view.attn_read(self.stash_layer).to(self.drafter.param_dtype))
 
     @torch.no_grad()
     def propose(self, view, anchors: torch.Tensor, k: int, sampling: RowSampling | None = None,
