@@ -35,8 +35,9 @@
 #                  trained (train-target, train-drafter) with the CUDA tests beside it until the drafter's timed
 #                  training begins; then, on a quiet GPU, the pair through python -m serve, the quickstart pair
 #                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve -> $OUT/serve-quickstart.json,
-#                  the pair through the engine (pair, with the kernel profile), then the CUDA tests the side run did
-#                  not reach
+#                  the k3-mini pair through `python -m serve --compile` at concurrency 1 -> $OUT/serve-compiled.json, the
+#                  pair through the engine (pair, with the kernel profile), then the CUDA tests the side run did not
+#                  reach
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -225,7 +226,9 @@ case "$target" in
     [ $trained = 1 ] && { bash "$0" serve --time-limit 500 || rc=$?; }
     TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
       bash "$0" serve --time-limit 240 --out "$OUT/serve-quickstart.json" || rc=$?
-    [ $trained = 1 ] && { bash "$0" pair --prompts 8 --profile "$OUT/profile.txt" || rc=$?; }
+    [ $trained = 1 ] && { bash "$0" serve --concurrency 1 --tasks humaneval --temperatures 0 --time-limit 360 \
+      --out "$OUT/serve-compiled.json" -- --compile || rc=$?; }
+    [ $trained = 1 ] && { bash "$0" pair --prompts 4 --batches 1 --profile "$OUT/profile.txt" || rc=$?; }
     # the rest of the CUDA suite: every test the side run did not report
     outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # `-v` lines, with xdist ("[gw0] [ 5%] PASSED id") or without
     mapfile -t done_ids < <(grep -oE "($outcome) tests/[^ ]+|tests/[^ ]+::[^ ]+ ($outcome)" "$OUT/tests-cuda.txt" \
