@@ -37,8 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.config import RecipeError, load_recipe  # noqa: E402
 
 DEFAULT_ROWS = {
-    "baseline": [],
-    "kl": ["loss.ce=0", "loss.kl=1.0"],  # soft targets: KL to the target's distribution instead of argmax CE
+    "baseline": [],  # the recipe (k3-mini: CE on the target's argmax)
+    "ce+kl": ["loss.kl=1.0"],  # soft targets beside CE (the quickstart recipe's loss)
+    "kl": ["loss.ce=0", "loss.kl=1.0"],  # soft targets instead of CE
     "tv-confidence": ["loss.confidence_target=tv"],
     "rejection-anchors": ["anchors=rejection"],
     "dflash": ["drafter.mode=dflash"],

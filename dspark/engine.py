@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import collections
 import copy
+import gc
 import math
 from collections.abc import Iterable
 
 import torch
+from tqdm.auto import tqdm
 
 from dspark.cache.blocks import OutOfBlocks
 from dspark.cache.paged import PagedCache
@@ -229,7 +231,7 @@ class Engine:
             self._flush_context(reqs)
         key = self.runner.key_for(len(reqs), k, longest + k + 1, mode)
         rids = [r.id for r in reqs]
-        num_cached, tables, slots = self.cache.step_rows(rids, k + 1, key.width)
+        num_cached, tables, slots = self.cache.step_rows(rids, k + 1, None)  # the runner pads the tables
         rows = [RowInput(r.last_token, 0 if no else max(0, min(k, p.max_tokens - len(r.output_ids) - 1)), r.seed,
                          p.temperature, p.top_k, p.top_p) for r, p, no in zip(reqs, ps, plain)]
         self.counters["target_forwards"] += 1
@@ -263,7 +265,8 @@ class Engine:
             r.num_context = r.num_computed
         self.policy.step_chain_broken()  # an eager forward ran: the next step's gap is not host time
 
-    def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",)) -> int:
+    @torch.no_grad()  # what the forwards run under (the MoE's inference paths; no autograd on the cache)
+    def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",), progress: bool = False) -> int:
         """Capture now every graph a run up to max_len tokens per request (default max_model_len) may use: the
         prefill of each chunk width and context bucket, and the decode step of each batch bucket, each k the engine
         may pick, each context bucket, each sampling mode listed. A server calls it before it takes requests, so no
@@ -271,15 +274,16 @@ class Engine:
         if not self.runner.graphs:
             return 0
         max_len = max_len or self.max_model_len
-        with torch.no_grad():  # what the forwards run under (the MoE's inference paths)
-            prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
-                        if self.runner.prefill_graph(key) is not None]
+        prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
+                    if self.runner.prefill_graph(key) is not None]
         self._warm_prefill()
         ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.policy.choices
         keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks for mode in modes
                 for n in sorted({min(1 << i, max_len + k + 1) for i in range(7, max(8, (max_len + k).bit_length() + 1))})}
-        for key in sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width)):
+        bar = tqdm(sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width)), desc="step graphs", disable=not progress)
+        for key in bar:
             self.runner.step_ms(key)
+            bar.set_postfix(gib=f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f}", refresh=False)
         return len(keys) + len(prefills)
 
     def _warm_prefill(self) -> None:
@@ -368,17 +372,15 @@ class Engine:
         prompts = list(prompts)
         plist = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         reqs = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(reqs), desc="generate", dynamic_ncols=True)
-        while self.has_work():
-            done_before = sum(r.status is Status.FINISHED for r in reqs)
-            self.step()
-            if bar is not None:
-                bar.update(sum(r.status is Status.FINISHED for r in reqs) - done_before)
-        if bar is not None:
+        bar = tqdm(total=len(reqs), desc="generate", dynamic_ncols=True, disable=not progress)
+        # the objects alive now (model, engine, requests) sit out the garbage collector's full passes while this
+        # runs: at hundreds of rows those passes otherwise cost milliseconds of host time per step (vLLM's gc.freeze)
+        gc.freeze()
+        try:
+            while self.has_work():  # a request finishes in a step where it emits: O(batch) per step, not O(requests)
+                bar.update(sum(r.status is Status.FINISHED for r, _ in self.step()))
+        finally:
+            gc.unfreeze()
             bar.close()
         return [r.output() for r in reqs]
 

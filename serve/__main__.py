@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import ipaddress
 import logging
 import socket
@@ -174,6 +175,10 @@ def _run_ours(args) -> int:
     # the engine thread and the event loop share the GIL: when the loop holds it (streaming to many clients), the
     # engine thread, whose device step has finished, waits up to the switch interval (5 ms by default) to go on
     sys.setswitchinterval(SWITCH_INTERVAL_S)
+    # what lives now (models, engine, graphs) lives as long as this process: out of the garbage collector's full
+    # passes, which otherwise stall the engine thread for milliseconds at large batches (vLLM does the same)
+    gc.collect()
+    gc.freeze()
     try:
         uvicorn.run(app, host=o.host, port=o.port, log_level="info")
     finally:

@@ -193,6 +193,22 @@ def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts,
     assert engine.metrics()["decode_steps_per_k"][0] > 0
 
 
+@pytest.mark.parametrize("pair", ["qwen3", "k3"])
+def test_a_step_outside_no_grad_leaves_the_cache_out_of_autograd(targets, pair):
+    """The cache is written in place, so a step run under autograd (a warm-up or capture called without no_grad)
+    would chain every forward's graph, saved activations and all, onto the cache tensors for good: on a GPU the
+    warm-up of a server's step graphs then ran out of memory. Every runner entry that runs a step is no_grad."""
+    kind, make = PAIRS[pair]
+    engine = Engine(targets[kind], make(targets[kind]), max_batch_size=2)
+    runner = engine.runner
+    assert torch.is_grad_enabled()
+    for k in (0, engine.k):
+        runner._run(runner._get(runner.key_for(2, k, 40, "sample")))
+    runner.flush_context([0, 3], [4, 2], [[0, 1, 2], [3]], [engine.cache.scratch_slot] * 2)
+    stores = list(engine.cache.kv.values()) + list(engine.cache.state.S.values()) + list(engine.cache.state.conv.values())
+    assert stores and not any(t.requires_grad or t.grad_fn is not None for t in stores)
+
+
 def test_regenerate_is_the_engines_greedy(targets):
     """The drafter trainer's regeneration continues every prompt exactly as the engine's greedy decode does, in
     the prompts' order, with prompts of mixed lengths."""

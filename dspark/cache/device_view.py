@@ -24,7 +24,6 @@ class DeviceView:
         self.kv, self.S, self.conv = kv, kda_S, kda_conv
         self.bs, self.record = block_size, record
         self.num_cached, self.num_new, self.table, self.slots = num_cached, num_new, table, slots
-        self.cache = self  # a ForwardBatch whose cache is itself
         self.device = table.device
         dev = self.device
         self._pos = num_cached[:, None] + torch.arange(T, device=dev)  # [B, T]
@@ -34,6 +33,12 @@ class DeviceView:
         self._dest = self._rows(self._pos).flatten()  # [B*T] flat pool rows of the new tokens
         self._gather = self._rows(keys[None].expand(table.shape[0], -1))  # [B, L] flat pool rows of positions 0..L-1
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @property
+    def cache(self) -> DeviceView:
+        """A ForwardBatch whose cache is itself (a property, not an attribute: no reference cycle, so a step's view
+        and the KDA states it holds are freed as soon as the step ends, without waiting for the garbage collector)."""
+        return self
 
     @property
     def T(self) -> int:
