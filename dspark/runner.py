@@ -228,15 +228,21 @@ class ModelRunner:
                 out[i] = last[j: j + 1]
         return torch.cat(out)
 
+    def _row_ints(self, num_cached, num_new, slots, tables, width: int) -> torch.Tensor:
+        """Host rows [num_cached, num_new, slot | block table padded with the scratch block to width] [n, _P + width]
+        (what a prefill or a context flush hands its DeviceView)."""
+        ints = torch.full((len(tables), _P + width), self.cache.scratch_block, dtype=torch.long)
+        ints[:, :_P] = torch.tensor(list(zip(num_cached, num_new, slots)), dtype=torch.long).view(-1, _P)
+        for b, t in enumerate(tables):
+            ints[b, _P: _P + min(len(t), width)] = torch.tensor(t[:width], dtype=torch.long)
+        return ints
+
     def _fill(self, pf: _Prefill, chunks, num_cached, tables, slots) -> None:
         """Host values -> the prefill's device buffers (one copy each); tables padded with the scratch block."""
-        rows, (T, width) = len(chunks), (pf.key.T, pf.key.width)
-        ids = torch.zeros(rows, T, dtype=torch.long)
-        ints = torch.full((rows, _P + width), self.cache.scratch_block, dtype=torch.long)
-        for b, (c, n, t, s) in enumerate(zip(chunks, num_cached, tables, slots)):
+        ids = torch.zeros(len(chunks), pf.key.T, dtype=torch.long)
+        for b, c in enumerate(chunks):
             ids[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-            ints[b, :_P] = torch.tensor([n, len(c), s])
-            ints[b, _P: _P + len(t)] = torch.tensor(t[:width], dtype=torch.long)
+        ints = self._row_ints(num_cached, [len(c) for c in chunks], slots, tables, pf.key.width)
         pin = self.device.type == "cuda"
         pf.ids.copy_(ids.pin_memory() if pin else ids, non_blocking=pin)
         pf.ints.copy_(ints.pin_memory() if pin else ints, non_blocking=pin)
@@ -336,13 +342,8 @@ class ModelRunner:
         """The drafter's context rows of positions starts[b] .. starts[b] + counts[b] - 1 from their stashed ctx
         (one eager forward of the context write; tables: each row's blocks, unpadded)."""
         T, bs = max(counts), self.cache.block_size
-        width = max(-(-(s + T) // bs) for s in starts)
-        ints = torch.full((len(starts), 3 + width), self.cache.scratch_block, dtype=torch.long)
-        for b, (s, n, t, slot) in enumerate(zip(starts, counts, tables, slots)):
-            ints[b, :3] = torch.tensor([s, n, slot])
-            ints[b, 3: 3 + len(t)] = torch.tensor(t[:width], dtype=torch.long)
-        ints = ints.to(self.device)
-        view = self.cache.device_view(ints[:, 0], ints[:, 1], ints[:, 3:], ints[:, 2], T, False)
+        ints = self._row_ints(starts, counts, slots, tables, max(-(-(s + T) // bs) for s in starts)).to(self.device)
+        view = self.cache.device_view(ints[:, 0], ints[:, 1], ints[:, _P:], ints[:, 2], T, False)
         self.drafts.flush_context(view)
 
     # ------------------------------------------------------------------ host side

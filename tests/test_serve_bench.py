@@ -33,7 +33,7 @@ def test_serve_bench_end_to_end(models, tmp_path):
 
     levels = {(lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]): lv for lv in rep["levels"]}
     assert len(levels) == len(rep["levels"]) == 2 * 2 * 2 * 2
-    for (mode, _, temp, _), lv in levels.items():
+    for (mode, _, _temp, _), lv in levels.items():
         assert lv["errors"] == 0 and lv["completed"] == 2, lv["error_messages"]
         assert lv["output_tok_s"] > 0 and lv["request_s"] > 0 and lv["output_tokens"] == 2 * 8
         assert lv["server_generation_tokens"] == 16  # the timed requests only: the warm-up is outside the deltas
