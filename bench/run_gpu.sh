@@ -37,7 +37,8 @@
 #                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve -> $OUT/serve-quickstart.json,
 #                  the k3-mini pair through `python -m serve --compile` at concurrency 1 -> $OUT/serve-compiled.json, the
 #                  pair through the engine (pair, with the kernel profile), then the CUDA tests the side run did not
-#                  reach
+#                  reach. The three serve runs' time limits: SERVE_S (500), QUICKSTART_SERVE_S (240), COMPILED_SERVE_S
+#                  (360); a 0 skips that run
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -223,11 +224,12 @@ case "$target" in
     kill $watcher 2>/dev/null
     kill -- -$tests 2>/dev/null
     wait
-    [ $trained = 1 ] && { bash "$0" serve --time-limit 500 || rc=$?; }
-    TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
-      bash "$0" serve --time-limit 240 --out "$OUT/serve-quickstart.json" || rc=$?
-    [ $trained = 1 ] && { bash "$0" serve --concurrency 1 --tasks humaneval --temperatures 0 --time-limit 360 \
-      --out "$OUT/serve-compiled.json" -- --compile || rc=$?; }
+    s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-240} s3=${COMPILED_SERVE_S:-360}
+    [ $trained = 1 ] && [ "$s1" != 0 ] && { bash "$0" serve --time-limit "$s1" || rc=$?; }
+    [ "$s2" != 0 ] && { TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
+      bash "$0" serve --time-limit "$s2" --out "$OUT/serve-quickstart.json" || rc=$?; }
+    [ $trained = 1 ] && [ "$s3" != 0 ] && { bash "$0" serve --concurrency 1 --tasks humaneval --temperatures 0 \
+      --time-limit "$s3" --out "$OUT/serve-compiled.json" -- --compile || rc=$?; }
     [ $trained = 1 ] && { bash "$0" pair --prompts 4 --batches 1 --profile "$OUT/profile.txt" || rc=$?; }
     # the rest of the CUDA suite: every test the side run did not report
     outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # `-v` lines, with xdist ("[gw0] [ 5%] PASSED id") or without
