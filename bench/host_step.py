@@ -1,0 +1,85 @@
+"""Host time per decode step of dspark.Engine at large batches: the engine's Python around the device step.
+
+    python bench/host_step.py [--rows 512] [--prompts 4096] [--new-tokens 16] [--repeats 3]
+
+A tiny random Qwen3 target (the model costs little, so the host's share shows) continues --prompts prompts of 32-199
+tokens through one Engine.generate call, AR, --rows at a time (continuous batching; the regeneration of a drafter's
+training data is this call with 32768 prompts and 512 rows). Host time per decode step = the wall time of the
+generate call minus the runner's forwards (its step function and its prefill forward; on a GPU these are graph
+replays), over the decode steps: admission, the step's inputs, the read-back's unpacking, stop handling and emitting,
+which Python does for every row. Reported: the median over --repeats runs, and the generate call's wall time.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dspark.engine import Engine  # noqa: E402
+from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config  # noqa: E402
+from dspark.request import SamplingParams  # noqa: E402
+
+VOCAB = 300
+
+
+def timed(obj, name: str, total: list[float]):
+    """Wrap obj.name so that its wall time adds to total[0]."""
+    fn = getattr(obj, name)
+
+    def wrapper(*a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            total[0] += time.perf_counter() - t0
+
+    setattr(obj, name, wrapper)
+
+
+def run(rows: int, num_prompts: int, new_tokens: int, seed: int) -> tuple[float, float, int]:
+    """-> (host ms per decode step, the generate call's wall seconds, decode steps)."""
+    torch.manual_seed(seed)
+    cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=128, max_position_embeddings=512)
+    target = Qwen3ForCausalLM(cfg).eval()
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(32, 200, (num_prompts,), generator=g).tolist()
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
+    engine = Engine(target, None, max_batch_size=rows, max_model_len=512, prefill_chunk=512)
+    engine.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))  # first-call costs
+    forwards = [0.0]
+    timed(engine.runner, "_run", forwards)
+    timed(engine.runner, "_prefill_fn", forwards)
+    engine.counters["decode_steps_per_k"][0] = 0
+    t0 = time.perf_counter()
+    engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    n = engine.counters["decode_steps_per_k"][0]
+    return (wall - forwards[0]) / n * 1e3, wall, n
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rows", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=4096)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args(argv)
+    if a.rows < 1 or a.prompts < a.rows or a.new_tokens < 2 or a.repeats < 1:
+        p.error("--rows >= 1, --prompts >= --rows, --new-tokens >= 2 and --repeats >= 1 expected")
+    torch.set_num_threads(a.threads)
+    res = [run(a.rows, a.prompts, a.new_tokens, seed) for seed in range(a.repeats)]
+    host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
+    print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: host {host:.2f} ms per step "
+          f"(median), generate {wall:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
