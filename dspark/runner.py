@@ -128,7 +128,9 @@ class ModelRunner:
         if self.graphs and self.device.type != "cuda":
             raise ValueError("graphs: CUDA graphs need the model on a CUDA device")
         self.compiled = False
-        self._forward = self.forward  # the step's target forward (compiled or not)
+        # the step's compiled target forward (None: self.forward). Not a stored bound method when uncompiled: that
+        # would put the runner in a reference cycle, and a dead engine's graphs would wait for the garbage collector
+        self._compiled_forward = None
         if compile:
             self._compile()
         self.buckets = buckets(max_batch_size)
@@ -161,7 +163,7 @@ class ModelRunner:
                         ("accumulated_cache_size_limit", 1024)):
             if hasattr(dyn, name):
                 setattr(dyn, name, max(getattr(dyn, name), n))
-        self._forward = torch.compile(self.forward, dynamic=True)
+        self._compiled_forward = torch.compile(self.forward, dynamic=True)
         if self.drafts is not None:
             self.drafts.compile()
         self.compiled = True
@@ -169,9 +171,12 @@ class ModelRunner:
     def _uncompile(self, err: Exception) -> None:
         warnings.warn(f"torch.compile failed in the decode step ({type(err).__name__}: {err}); running it eagerly",
                       RuntimeWarning, stacklevel=3)
-        self._forward, self.compiled = self.forward, False
+        self._compiled_forward, self.compiled = None, False
         if self.drafts is not None:
             self.drafts.uncompile()
+
+    def _forward(self):
+        return self._compiled_forward or self.forward
 
     @torch.no_grad()  # the cache is written in place: under autograd it would keep every forward's graph alive
     def _run(self, st: _Step) -> torch.Tensor:
@@ -313,7 +318,7 @@ class ModelRunner:
         # that verifies no drafts draws exactly what a plain (k = 0) step draws
         u = None if sampling is None else counter_uniform(ints[:, _I["seed"]], num_cached * COUNTER_STRIDE, 2 * k + 1)
         if k == 0:
-            logits = self._forward(pending[:, None], view, True)[:, 0]  # [B, V]
+            logits = self._forward()(pending[:, None], view, True)[:, 0]  # [B, V]
             nxt = logits.argmax(-1) if sampling is None else sample_from(
                 process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u[:, 0])
             return torch.stack([torch.zeros_like(nxt), torch.zeros_like(nxt), nxt], 1)
@@ -323,7 +328,7 @@ class ModelRunner:
         if self.adaptive:
             n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))
         drafts = prop.draft_ids
-        logits = self._forward(torch.cat([pending[:, None], drafts], 1), view)  # [B, k+1, V]
+        logits = self._forward()(torch.cat([pending[:, None], drafts], 1), view)  # [B, k+1, V]
         a, nxt = verify_greedy(drafts, logits, n)
         if sampling is not None:
             p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
@@ -381,8 +386,8 @@ class ModelRunner:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         holder.graph = torch.cuda.CUDAGraph()
-        # no garbage collection inside the capture: a dead engine's graphs (runners sit in reference cycles) would be
-        # destroyed there, a CUDA call a capture does not permit, and the capture would fail
+        # no garbage collection inside the capture: a dead engine's graphs (a compiled runner sits in a reference
+        # cycle) would be destroyed there, a CUDA call a capture does not permit, and the capture would fail
         gc.collect()
         enabled = gc.isenabled()
         gc.disable()

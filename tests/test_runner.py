@@ -2,6 +2,9 @@
 host reads inside a step (meta device), seeded sampling independent of the batch a request runs in, greedy rows
 unaffected by sampled neighbours, the per-step choice of k, graphs equal to the eager step, and the drafter
 trainer's regeneration through the engine."""
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -207,6 +210,21 @@ def test_a_step_outside_no_grad_leaves_the_cache_out_of_autograd(targets, pair):
     runner.flush_context([0, 3], [4, 2], [[0, 1, 2], [3]], [engine.cache.scratch_slot] * 2)
     stores = list(engine.cache.kv.values()) + list(engine.cache.state.S.values()) + list(engine.cache.state.conv.values())
     assert stores and not any(t.requires_grad or t.grad_fn is not None for t in stores)
+
+
+def test_a_dead_engine_is_freed_without_the_garbage_collector(targets):
+    """An engine's runner (its graphs, static buffers) and cache sit in no reference cycle: dropping the engine frees
+    them at once, not at some later collection, which on a GPU may fall inside another engine's graph capture."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), max_batch_size=2)
+    engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    refs = [weakref.ref(x) for x in (engine, engine.runner, engine.cache, engine.policy, engine.drafts)]
+    gc.disable()
+    try:
+        del engine
+        assert [r() is None for r in refs] == [True] * len(refs)
+    finally:
+        gc.enable()
 
 
 def test_regenerate_is_the_engines_greedy(targets):
