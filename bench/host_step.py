@@ -76,8 +76,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     res = [run(a.rows, a.prompts, a.new_tokens, seed) for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
-    print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: host {host:.2f} ms per step "
-          f"(median), generate {wall:.1f} s")
+    print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "
+          f"host {host:.2f} ms per step (median), generate {wall:.1f} s")
     return 0
 
 

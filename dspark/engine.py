@@ -188,7 +188,7 @@ class Engine:
         otherwise); the requests whose prompt is done sample their first token on the device."""
         chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
         rids, lens = [r.id for r in reqs], [len(c) for c in chunks]
-        num_cached, tables, slots = self.cache.step_rows(rids, lens, None)
+        num_cached, tables, slots = self.cache.step_rows(rids, lens)
         self.counters["target_forwards"] += 1
         last = self.runner.prefill(chunks, num_cached, tables, slots, self.prefill_align)  # [n, V]
         self.cache.advance(rids, lens, prefill=True)
@@ -231,7 +231,7 @@ class Engine:
             self._flush_context(reqs)
         key = self.runner.key_for(len(reqs), k, longest + k + 1, mode)
         rids = [r.id for r in reqs]
-        num_cached, tables, slots = self.cache.step_rows(rids, k + 1, None)  # the runner pads the tables
+        num_cached, tables, slots = self.cache.step_rows(rids, k + 1)
         rows = [RowInput(r.last_token, 0 if no else max(0, min(k, p.max_tokens - len(r.output_ids) - 1)), r.seed,
                          p.temperature, p.top_k, p.top_p) for r, p, no in zip(reqs, ps, plain)]
         self.counters["target_forwards"] += 1
@@ -258,9 +258,9 @@ class Engine:
         lag = [r for r in reqs if r.num_context < r.num_computed]
         if not lag:
             return
-        num_cached, tables, slots = self.cache.step_rows([r.id for r in lag], 0, None)
-        self.runner.flush_context([r.num_context for r in lag], [n - r.num_context for r, n in zip(lag, num_cached)],
-                                  tables, slots)
+        _, tables, slots = self.cache.step_rows([r.id for r in lag], 0)
+        self.runner.flush_context([r.num_context for r in lag], [r.num_computed - r.num_context for r in lag], tables,
+                                  slots)
         for r in lag:
             r.num_context = r.num_computed
         self.policy.step_chain_broken()  # an eager forward ran: the next step's gap is not host time
@@ -280,8 +280,8 @@ class Engine:
         ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.policy.choices
         keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks for mode in modes
                 for n in sorted({min(1 << i, max_len + k + 1) for i in range(7, max(8, (max_len + k).bit_length() + 1))})}
-        bar = tqdm(sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width)), desc="step graphs", disable=not progress)
-        for key in bar:
+        order = sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width))
+        for key in (bar := tqdm(order, desc="step graphs", disable=not progress)):
             self.runner.step_ms(key)
             bar.set_postfix(gib=f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f}", refresh=False)
         return len(keys) + len(prefills)

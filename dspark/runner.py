@@ -175,9 +175,6 @@ class ModelRunner:
         if self.drafts is not None:
             self.drafts.uncompile()
 
-    def _forward(self):
-        return self._compiled_forward or self.forward
-
     @torch.no_grad()  # the cache is written in place: under autograd it would keep every forward's graph alive
     def _run(self, st: _Step) -> torch.Tensor:
         """The step function; a compiled one that raises is retried eagerly (and compilation is turned off)."""
@@ -305,6 +302,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ the step (device ops only)
     def _step_fn(self, st: _Step) -> torch.Tensor:
         key, ints, k = st.key, st.ints, st.key.k
+        forward = self._compiled_forward or self.forward
         # columns as contiguous vectors: the Triton kernels (KDA step, Markov loop) index them as dense arrays
         pending, num_cached, num_new, slots = (ints[:, _I[c]].contiguous()
                                                for c in ("pending", "num_cached", "num_new", "slot"))
@@ -318,7 +316,7 @@ class ModelRunner:
         # that verifies no drafts draws exactly what a plain (k = 0) step draws
         u = None if sampling is None else counter_uniform(ints[:, _I["seed"]], num_cached * COUNTER_STRIDE, 2 * k + 1)
         if k == 0:
-            logits = self._forward()(pending[:, None], view, True)[:, 0]  # [B, V]
+            logits = forward(pending[:, None], view, True)[:, 0]  # [B, V]
             nxt = logits.argmax(-1) if sampling is None else sample_from(
                 process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u[:, 0])
             return torch.stack([torch.zeros_like(nxt), torch.zeros_like(nxt), nxt], 1)
@@ -328,7 +326,7 @@ class ModelRunner:
         if self.adaptive:
             n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))
         drafts = prop.draft_ids
-        logits = self._forward()(torch.cat([pending[:, None], drafts], 1), view)  # [B, k+1, V]
+        logits = forward(torch.cat([pending[:, None], drafts], 1), view)  # [B, k+1, V]
         a, nxt = verify_greedy(drafts, logits, n)
         if sampling is not None:
             p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)

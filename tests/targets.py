@@ -94,7 +94,8 @@ def propose_after_prefix(drafter, aux, input_ids, anchor: int, layer_offset: int
     cache.add_request("r")
     runner.write_context(cache.batch(["r"], [anchor]), aux[:, :anchor])
     cache.commit()
-    num_cached, tables, slots = cache.step_rows(["r"], 1, width=8)
+    num_cached, tables, slots = cache.step_rows(["r"], 1)
+    tables = [(t + [cache.scratch_block] * 8)[:8] for t in tables]  # the step's width: 8 blocks
     view = cache.device_view(*(torch.tensor(x, device=dev) for x in (num_cached, [1], tables, slots)), 1, record=False)
     anchor_tok = input_ids[0, anchor:anchor + 1]
     return runner, runner.propose(view, anchor_tok, drafter.config.num_drafts, confidence=confidence)

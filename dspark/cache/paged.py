@@ -170,17 +170,14 @@ class PagedCache:
                 fresh = fresh[k:]
         return reqs
 
-    def step_rows(self, rids: Sequence[Hashable], T: int | Sequence[int], width: int | None
+    def step_rows(self, rids: Sequence[Hashable], T: int | Sequence[int]
                   ) -> tuple[list[int], list[list[int]], list[int]]:
         """Reserve room for T more tokens per request (an int, or one count per request) -> (num_cached, block-table
-        rows padded with the scratch block to `width` (None: the rows as they are), KDA slots), what a DeviceView of
-        these rows reads."""
+        rows (unpadded: the runner pads them to its step's width with the scratch block), KDA slots), what a
+        DeviceView of these rows reads."""
         counts = [T] * len(rids) if isinstance(T, int) else list(T)
         reqs = self.reserve(rids, [self.reqs[rid].table.num_tokens + t for rid, t in zip(rids, counts)])
         tables = [list(r.table.blocks) for r in reqs]
-        if width is not None:
-            pad = [self.scratch_block] * width
-            tables = [(t + pad)[:width] for t in tables]
         slots = [self.scratch_slot if r.slot is None else r.slot for r in reqs]
         return [r.table.num_tokens for r in reqs], tables, slots
 

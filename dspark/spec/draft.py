@@ -3,8 +3,8 @@
 Per request the drafter keeps the rows of its context (one row per target position and draft layer: [k | v] for the
 qwen3 backbone, the MLA latent [kv_c | k_pe] for k3) in the target's paged cache, written right after each target
 forward from its aux features; after a plain step only ctx = context(aux) goes to a stash layer, and the rows follow
-in one flush before the request drafts again. A draft step runs the block [anchor, mask x (N-1)] at positions p0.. (p0 = the
-target cache length) against them, then samples left to right:
+in one flush before the request drafts again. A draft step runs the block [anchor, mask x (N-1)] at positions p0..
+(p0 = the target cache length) against them, then samples left to right:
 logits_j = U_j + markov(prev), prev_0 = anchor, prev_j = draft_{j-1}.
 Everything here is device ops only (no host reads), so the runner captures it inside its CUDA graph.
 """
