@@ -36,8 +36,9 @@ def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *
     engine = Engine(target, drafter, num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
                     max_model_len=max_model_len, adaptive_verification=adaptive_verification,
                     draft_top_k=draft_top_k, graphs=False if enforce_eager else None, compile=compile)
-    # every step graph captured before the first request
-    engine.warmup(modes=("greedy", "sample", "filter"), progress=True)
+    # the greedy and sampled step graphs captured before the first request; those of top-k / top-p requests (they
+    # sort the vocabulary) at their first use: a third more graphs at start for a mode few clients send
+    engine.warmup(modes=("greedy", "sample"), progress=True)
     runner = EngineRunner(engine).start()
     name = served_model_name or Path(target_dir).resolve().name
     return create_app(runner, ServerConfig(name, max_concurrent=max_concurrent, api_key=api_key,

@@ -3,6 +3,7 @@ target. Each sequence has a loss mask (True where a token is something the draft
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,7 +209,13 @@ def regenerate(target, tokenizer, prompts: list[list[int]], new_tokens: int, tem
                     max_model_len=max(len(p) for p in prompts) + new_tokens + 1)
     params = [SamplingParams(max_tokens=new_tokens, temperature=temperature, ignore_eos=True,
                              seed=seed if temperature > 0 else None) for seed in seeds]
+    t0, wait0 = time.perf_counter(), engine.runner.wait_s
     outs = engine.generate(prompts, params, progress=True)
+    c, wall = engine.counters, time.perf_counter() - t0
+    steps = sum(c["decode_steps_per_k"])
+    log.info("regenerate: %d prompts in %.1f s: %d decode steps (%.2f ms each, %.2f ms of it waiting for the device's "
+             "result), %d prefill steps", len(prompts), wall, steps, 1e3 * wall / max(steps, 1),
+             1e3 * (engine.runner.wait_s - wait0) / max(steps, 1), c["target_forwards"] - steps)
     return [p + o.token_ids for p, o in zip(prompts, outs)]
 
 
