@@ -274,16 +274,23 @@ class Engine:
         if not self.runner.graphs:
             return 0
         max_len = max_len or self.max_model_len
-        prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
-                    if self.runner.prefill_graph(key) is not None]
-        self._warm_prefill()
-        ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.policy.choices
-        keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks for mode in modes
-                for n in sorted({min(1 << i, max_len + k + 1) for i in range(7, max(8, (max_len + k).bit_length() + 1))})}
-        order = sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width))
-        for key in (bar := tqdm(order, desc="step graphs", disable=not progress)):
-            self.runner.step_ms(key)
-            bar.set_postfix(gib=f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f}", refresh=False)
+        gc.collect()  # once; then the heap is frozen, so the collections the captures' eager runs trigger scan little
+        gc.freeze()
+        try:
+            prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
+                        if self.runner.prefill_graph(key) is not None]
+            self._warm_prefill()
+            ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.policy.choices
+            keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks
+                    for mode in modes
+                    for n in sorted({min(1 << i, max_len + k + 1)
+                                     for i in range(7, max(8, (max_len + k).bit_length() + 1))})}
+            order = sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width))
+            for key in (bar := tqdm(order, desc="step graphs", disable=not progress)):
+                self.runner.step_ms(key)
+                bar.set_postfix(gib=f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f}", refresh=False)
+        finally:
+            gc.unfreeze()
         return len(keys) + len(prefills)
 
     def _warm_prefill(self) -> None:

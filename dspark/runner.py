@@ -385,8 +385,9 @@ class ModelRunner:
         torch.cuda.current_stream().wait_stream(side)
         holder.graph = torch.cuda.CUDAGraph()
         # no garbage collection inside the capture: a dead engine's graphs (a compiled runner sits in a reference
-        # cycle) would be destroyed there, a CUDA call a capture does not permit, and the capture would fail
-        gc.collect()
+        # cycle) would be destroyed there, a CUDA call a capture does not permit, and the capture would fail. No
+        # gc.collect() per capture either: with the heap of a server (torch, transformers, the web stack) one costs
+        # about 0.1 s, a sixth of a capture; Engine.warmup collects once before its captures
         enabled = gc.isenabled()
         gc.disable()
         try:
