@@ -305,7 +305,9 @@ def test_cli_defaults_and_host_warning(models, capsys, caplog):
     a = parse_args(["--target", str(models[0])])
     assert (a.device, a.dtype) == ("auto", "auto")
     assert resolve_dtype("auto", "cuda") == "bfloat16" and resolve_dtype("auto", "cpu") == "float32"
-    base = ["--target", str(models[0]), "--drafter", str(models[1]), "--dry-run", "--max-model-len", str(MAX_LEN)]
+    # one batch slot: on a GPU each dry run captures every step graph of its batch buckets
+    base = ["--target", str(models[0]), "--drafter", str(models[1]), "--dry-run", "--max-model-len", str(MAX_LEN),
+            "--max-batch-size", "1"]
     with caplog.at_level("WARNING", logger="serve"):
         assert serve_main(base + ["--host", "0.0.0.0", "--port", "0"]) == 2  # port 0 is not a port to serve on
         assert serve_main(base + ["--host", "0.0.0.0", "--port", str(free_port())]) == 0
