@@ -12,8 +12,9 @@ does); flush_context turns the stashed positions into context rows, eagerly, bef
 
 A prefill chunk goes through the same DeviceView: on CUDA each request's chunk is one graph replay, keyed by its
 padded width (a power of two >= PREFILL_MIN) and the context it sees, while the forward is graph-safe (no MoE host
-reads); otherwise, and on CPU, the chunks of a step run in one eager forward. The first token is sampled on the
-device from the last chunk's last logits.
+reads), for up to PREFILL_GRAPH_ROWS requests a step; otherwise, and on CPU, the chunks of a step run eagerly,
+batched into forwards of up to PREFILL_BATCH_TOKENS tokens. The first token is sampled on the device from the last
+chunk's last logits.
 
 compile=True (opt-in): the target forward and the drafter's parallel pass inside the step go through torch.compile
 (dynamic shapes: batch, tokens and context are symbols; the Triton launches stay graph breaks) before the graph
@@ -44,6 +45,8 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one
 MIN_CONTEXT = 128  # the smallest context bucket (positions a step sees)
 PREFILL_MIN = 64  # the narrowest prefill graph (prefill widths are powers of two from here)
+PREFILL_GRAPH_ROWS = 8  # a step's prefills replay one graph per request up to this many requests, else run batched
+PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
 _I = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5}  # int columns, then the table
 NI = len(_I)
@@ -204,31 +207,43 @@ class ModelRunner:
     def prefill(self, chunks: list[list[int]], num_cached: list[int], tables: list[list[int]], slots: list[int],
                 align: int = 1) -> torch.Tensor:
         """Forward each request's next prompt chunk (its blocks already reserved) -> each row's logits at its chunk's
-        last token [n, V]. Graph-safe chunks replay their key's graph one request at a time; the rest share one
-        eager forward."""
+        last token [n, V]. A few chunks (up to PREFILL_GRAPH_ROWS) replay their key's graph one request at a time; the
+        rest run eagerly, batched: chunks sorted by width, in forwards of at most PREFILL_BATCH_TOKENS padded tokens
+        (a regeneration admits hundreds of requests at once, and hundreds of replays cost several times one batch)."""
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        eager = []
-        for i, (c, n) in enumerate(zip(chunks, num_cached)):
-            key = self.prefill_key(len(c), n, align)
-            pf = self.prefills.get(key)  # captured: no need to walk the model's modules again
-            if pf is None and self.prefill_graph_safe(key):
-                pf = self.prefill_graph(key)
-            if pf is not None:
-                self._fill(pf, [c], [n], [tables[i]], [slots[i]])
+        eager = list(range(len(chunks)))
+        if len(chunks) <= PREFILL_GRAPH_ROWS:
+            eager = []
+            for i, (c, n) in enumerate(zip(chunks, num_cached)):
+                key = self.prefill_key(len(c), n, align)
+                pf = self.prefills.get(key)  # captured: no need to walk the model's modules again
+                if pf is None and self.prefill_graph_safe(key):
+                    pf = self.prefill_graph(key)
+                if pf is None:
+                    eager.append(i)
+                    continue
+                self._fill(pf, [chunks[i]], [num_cached[i]], [tables[i]], [slots[i]])
                 pf.graph.replay()
                 out[i] = pf.out.clone()  # the pool is shared: the next replay may reuse this memory
-            else:
-                eager.append(i)
-        if eager:
-            T = max(self.prefill_key(len(chunks[i]), num_cached[i], align).T for i in eager)
-            width = max(-(-(num_cached[i] + T) // self.cache.block_size) for i in eager)
-            pf = _Prefill(len(eager), PrefillKey(T, width), self.device)
-            self._fill(pf, [chunks[i] for i in eager], [num_cached[i] for i in eager], [tables[i] for i in eager],
-                       [slots[i] for i in eager])
-            last = self._prefill_fn(pf)
-            for j, i in enumerate(eager):
-                out[i] = last[j: j + 1]
+        padded = [-(-len(c) // align) * align for c in chunks]  # an eager forward's width: few shapes on CUDA
+        group: list[int] = []
+        for i in sorted(eager, key=lambda i: padded[i]) + [None]:
+            if group and (i is None or (len(group) + 1) * padded[i] > PREFILL_BATCH_TOKENS):
+                self._prefill_eager(group, chunks, num_cached, tables, slots, padded[group[-1]], out)
+                group = []
+            if i is not None:
+                group.append(i)
         return torch.cat(out)
+
+    def _prefill_eager(self, rows: list[int], chunks, num_cached, tables, slots, T: int, out) -> None:
+        """One eager forward over the chunks `rows`, right-padded to T tokens -> their last logits into out[i]."""
+        width = max(-(-(num_cached[i] + T) // self.cache.block_size) for i in rows)
+        pf = _Prefill(len(rows), PrefillKey(T, width), self.device)
+        self._fill(pf, [chunks[i] for i in rows], [num_cached[i] for i in rows], [tables[i] for i in rows],
+                   [slots[i] for i in rows])
+        last = self._prefill_fn(pf)
+        for j, i in enumerate(rows):
+            out[i] = last[j: j + 1]
 
     def _row_ints(self, num_cached, num_new, slots, tables, width: int) -> torch.Tensor:
         """Host rows [num_cached, num_new, slot | block table padded with the scratch block to width] [n, _P + width]

@@ -14,6 +14,7 @@ from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
 from dspark.request import SamplingParams
+import dspark.runner as runner_mod
 from dspark.runner import MODES, _Prefill
 from tests.targets import make_target
 from tests.test_drafter_k3 import make_k3_drafter
@@ -194,6 +195,30 @@ def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts,
     assert req.output().token_ids == reference_greedy(target, prompts[2], N_NEW)
     assert checked >= 3 and flushed and all(max(n) >= 1 for n in flushed)
     assert engine.metrics()["decode_steps_per_k"][0] > 0
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_many_prefills_run_batched_by_a_token_budget(targets, pair, monkeypatch):
+    """A step that admits more requests than PREFILL_GRAPH_ROWS prefills them in eager forwards of at most
+    PREFILL_BATCH_TOKENS padded tokens, chunks sorted by width (right padding changes no row and no recurrent state):
+    every request's output is the target's greedy, and the forwards stay within the budget."""
+    kind, make = PAIRS[pair]
+    target = targets[kind]
+    g = torch.Generator().manual_seed(5)
+    lens = [3, 17, 5, 12, 9, 20, 4, 15, 7, 11, 6, 18]  # more than PREFILL_GRAPH_ROWS, of mixed widths
+    prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in lens]
+    engine = Engine(target, make(target), max_batch_size=len(prompts))
+    monkeypatch.setattr(runner_mod, "PREFILL_BATCH_TOKENS", 40)
+    forwards = []
+    eager = engine.runner._prefill_eager
+    monkeypatch.setattr(engine.runner, "_prefill_eager",
+                        lambda rows, *a: (forwards.append((len(rows), a[-2])), eager(rows, *a)))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [reference_greedy(target, p, 6) for p in prompts]
+    align = engine.prefill_align
+    assert sum(n for n, _ in forwards) == len(prompts) and len(forwards) >= 3
+    assert all(n * T <= 40 or n == 1 for n, T in forwards)
+    assert [T for _, T in forwards] == sorted(T for _, T in forwards) and max(T for _, T in forwards) == -(-20 // align) * align
 
 
 @pytest.mark.parametrize("pair", ["qwen3", "k3"])
