@@ -11,7 +11,8 @@ import time
 
 from dspark.runner import ModelRunner
 
-PROBE_EVERY = 64  # plain steps after which the policy drafts once more, to refresh its acceptance statistics
+PROBE_EVERY = 64  # plain steps after which the policy drafts once more, to refresh its acceptance statistics ...
+PROBE_MAX = 1024  # ... an interval that doubles, up to this, each time such a probe leaves the choice at plain decoding
 REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
 GROUPS = ("greedy", "sampled")
@@ -31,6 +32,8 @@ class KPolicy:
         self.reached = {g: [0] * n for g in GROUPS}
         self.accepted = {g: [0] * n for g in GROUPS}
         self.plain_steps = {g: 0 for g in GROUPS}  # steps decoded plainly since the last draft
+        self.probe_every = {g: PROBE_EVERY for g in GROUPS}
+        self.probed = {g: False for g in GROUPS}  # a probe ran and the next choice has not judged it yet
         self.memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
         # a decode step's time beyond its graph's replay (host work: scheduling, the step's inputs and read, the
         # server's loop), a moving average over back-to-back graph steps
@@ -40,22 +43,29 @@ class KPolicy:
     # ------------------------------------------------------------------ the choice
     def choose(self, num_rows: int, longest: int, mode: str) -> int:
         """Drafts for this step: the pinned k, else the best candidate (module doc) at this batch bucket. It drafts
-        the whole block until 8 steps have reached the first position, and once every PROBE_EVERY plain steps, so
-        the statistics keep coming; a choice is reused for REPICK_EVERY steps of the same batch size, context bucket
-        and mode."""
+        the whole block until 8 steps have reached the first position, and once after PROBE_EVERY plain steps, so
+        the statistics keep coming (a probe costs a drafting step that does not pay and the context rows of every
+        position since the last one, so while probes leave the choice at 0 their interval doubles, up to PROBE_MAX,
+        and a choice of k > 0 resets it); a choice is reused for REPICK_EVERY steps of the same batch size, context bucket and mode."""
         if self.k == 0:
             return 0
         if self.pinned:
             return self.k
         group = "greedy" if mode == "greedy" else "sampled"
         acc, reach = self.accepted[group], self.reached[group]
-        if reach[0] < 8 or self.plain_steps[group] >= PROBE_EVERY:
+        if reach[0] < 8 or self.plain_steps[group] >= self.probe_every[group]:
+            self.probed[group] = reach[0] >= 8
             self.plain_steps[group] = 0
             return self.k
         memo = (num_rows, longest.bit_length(), mode)
         hit = self.memo.get(memo)
         if hit is None or hit[1] <= 0:
             hit = self.memo[memo] = [self.best(num_rows, longest, mode, acc, reach), REPICK_EVERY]
+            if hit[0] > 0:  # drafting pays (again)
+                self.probe_every[group] = PROBE_EVERY
+            elif self.probed[group]:  # a probe, and still plain
+                self.probe_every[group] = min(2 * self.probe_every[group], PROBE_MAX)
+            self.probed[group] = False
         hit[1] -= 1
         self.plain_steps[group] = self.plain_steps[group] + 1 if hit[0] == 0 else 0
         return hit[0]

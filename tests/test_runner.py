@@ -135,6 +135,33 @@ def test_k_per_step_follows_measured_step_times(targets, prompts):
     assert {key.k for key in pinned.runner.steps} == {2}
 
 
+def test_k_policy_probes_less_often_while_probes_confirm_plain_decoding(targets):
+    """Where drafting does not pay, the policy still drafts once after PROBE_EVERY plain steps to refresh its
+    statistics; each probe that leaves the choice at plain decoding doubles that interval (up to PROBE_MAX), and a
+    probe after which drafting pays brings it back to PROBE_EVERY."""
+    from dspark.policy import PROBE_EVERY, PROBE_MAX
+
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target))
+    engine.runner.step_ms = lambda key: 0.2 + 0.3 * key.k
+    p, k = engine.policy, engine.k
+    drafted = []
+    for step in range(4000):
+        if p.choose(1, 100, "sample") > 0:
+            p.record(k, 0, "sampled")  # every draft rejected
+            drafted.append(step)
+    assert drafted[:8] == list(range(8))  # the first statistics
+    gaps = [b - a for a, b in zip(drafted[7:], drafted[8:])]
+    want = [min(PROBE_EVERY << i, PROBE_MAX) + 1 for i in range(len(gaps))]
+    assert gaps == want and len(gaps) >= 5 and p.probe_every["sampled"] == PROBE_MAX
+    assert p.probe_every["greedy"] == PROBE_EVERY  # the groups keep their own
+    # statistics under which drafting pays: at its next choice the policy drafts, and the interval is back to short
+    p.accepted["sampled"], p.reached["sampled"] = [1000] * k, [1000] * k
+    engine.runner.step_ms = lambda key: 0.2 + 0.01 * key.k
+    picks = [p.choose(1, 100, "sample") for _ in range(40)]
+    assert p.probe_every["sampled"] == PROBE_EVERY and all(x > 0 for x in picks[-20:])
+
+
 def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     """The host's time per step (learnt between back-to-back graph steps, beyond their replay) is added to every
     candidate's time: at acceptance 0.5 per position, drafting 4 loses when a step is its replay alone and wins when
