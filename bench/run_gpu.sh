@@ -38,7 +38,7 @@
 #                  the k3-mini pair through `python -m serve --compile` at concurrency 1 -> $OUT/serve-compiled.json, the
 #                  pair through the engine (pair, with the kernel profile), then the CUDA tests the side run did not
 #                  reach. The three serve runs' time limits: SERVE_S (500), QUICKSTART_SERVE_S (240), COMPILED_SERVE_S
-#                  (360); a 0 skips that run
+#                  (360); a 0 skips that run. SERVE_ARGS go to the first serve run (`--concurrency 1,16`)
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -225,7 +225,8 @@ case "$target" in
     kill -- -$tests 2>/dev/null
     wait
     s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-240} s3=${COMPILED_SERVE_S:-360}
-    [ $trained = 1 ] && [ "$s1" != 0 ] && { bash "$0" serve --time-limit "$s1" || rc=$?; }
+    # shellcheck disable=SC2086 # SERVE_ARGS is a word list
+    [ $trained = 1 ] && [ "$s1" != 0 ] && { bash "$0" serve --time-limit "$s1" ${SERVE_ARGS:-} || rc=$?; }
     [ "$s2" != 0 ] && { TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
       bash "$0" serve --time-limit "$s2" --out "$OUT/serve-quickstart.json" || rc=$?; }
     [ $trained = 1 ] && [ "$s3" != 0 ] && { bash "$0" serve --concurrency 1 --tasks humaneval --temperatures 0 \
