@@ -46,7 +46,8 @@ class KPolicy:
         the whole block until 8 steps have reached the first position, and once after PROBE_EVERY plain steps, so
         the statistics keep coming (a probe costs a drafting step that does not pay and the context rows of every
         position since the last one, so while probes leave the choice at 0 their interval doubles, up to PROBE_MAX,
-        and a choice of k > 0 resets it); a choice is reused for REPICK_EVERY steps of the same batch size, context bucket and mode."""
+        and a choice of k > 0 resets it); a choice is reused for REPICK_EVERY steps of the same batch size, context
+        bucket and mode."""
         if self.k == 0:
             return 0
         if self.pinned:

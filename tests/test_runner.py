@@ -8,13 +8,14 @@ import weakref
 import pytest
 import torch
 
+import dspark.runner as runner_mod
 from dspark.engine import Engine
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
+from dspark.policy import PROBE_EVERY, PROBE_MAX
 from dspark.request import SamplingParams
-import dspark.runner as runner_mod
 from dspark.runner import MODES, _Prefill
 from tests.targets import make_target
 from tests.test_drafter_k3 import make_k3_drafter
@@ -139,8 +140,6 @@ def test_k_policy_probes_less_often_while_probes_confirm_plain_decoding(targets)
     """Where drafting does not pay, the policy still drafts once after PROBE_EVERY plain steps to refresh its
     statistics; each probe that leaves the choice at plain decoding doubles that interval (up to PROBE_MAX), and a
     probe after which drafting pays brings it back to PROBE_EVERY."""
-    from dspark.policy import PROBE_EVERY, PROBE_MAX
-
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target))
     engine.runner.step_ms = lambda key: 0.2 + 0.3 * key.k
