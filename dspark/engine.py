@@ -184,8 +184,8 @@ class Engine:
         return min(stops, default=end)
 
     def _prefill(self, reqs: list[Request]):
-        """Every prefilling request's next chunk through the runner (a graph per request on CUDA, one eager forward
-        otherwise); the requests whose prompt is done sample their first token on the device."""
+        """Every prefilling request's next chunk through the runner (on CUDA a graph per request for a few of them,
+        else batched eager forwards); the requests whose prompt is done sample their first token on the device."""
         chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
         rids, lens = [r.id for r in reqs], [len(c) for c in chunks]
         num_cached, tables, slots = self.cache.step_rows(rids, lens)
