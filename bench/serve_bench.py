@@ -266,6 +266,14 @@ async def one(client: httpx.AsyncClient, a, prompt: str, temperature: float, r: 
         r.error = f"{type(e).__name__}: {e}"
 
 
+PER_K = {"dspark:decode_steps_total": "steps_per_k", "dspark:step_cycles_total": "cycles_per_k",
+         "dspark:step_cycle_ms_total": "cycle_ms_per_k", "dspark:step_replay_ms_total": "replay_ms_per_k"}
+
+
+def per_k_delta(c0: dict, c1: dict, key: str) -> dict[int, float]:
+    return {k: v - c0[key].get(k, 0.0) for k, v in sorted(c1[key].items())}
+
+
 async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
     """vLLM's spec-decode counters + generation_tokens, read once the server is idle (its snapshot is per step)."""
     t0 = time.monotonic()
@@ -275,16 +283,26 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         except httpx.HTTPError as e:
             raise BenchError(f"GET /metrics failed ({type(e).__name__}: {e}); see the server's output") from None
         vals: dict[str, float] = {}
-        per_k: dict[int, float] = {}  # our server's decode steps by the k it chose (absent on vLLM)
+        # our server's counters by the k it chose (absent on vLLM): decode steps, and the back-to-back graph steps
+        # it timed with their whole time and replay time
+        per_k: dict[str, dict[int, float]] = {name: {} for name in PER_K}
         for name, labels, v in parse_prometheus(text):
             vals[name] = vals.get(name, 0.0) + v
-            if name == "dspark:decode_steps_total" and "k" in labels:
-                per_k[int(labels["k"])] = per_k.get(int(labels["k"]), 0.0) + v
+            if name in per_k and "k" in labels:
+                per_k[name][int(labels["k"])] = per_k[name].get(int(labels["k"]), 0.0) + v
         busy = vals.get("vllm:num_requests_running", 0) + vals.get("vllm:num_requests_waiting", 0)
         if not busy or time.monotonic() - t0 > timeout:
             return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
-                    "steps_per_k": per_k, "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy}
+                    **{key: per_k[name] for name, key in PER_K.items()},
+                    "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy}
         await asyncio.sleep(0.05)
+
+
+def step_ms_per_k(c0: dict, c1: dict) -> dict[int, dict[str, float]]:
+    """Per k the server chose in the level: its back-to-back graph steps' mean time from one start to the next and
+    mean replay (ms), what the k policy weighs against the drafts' acceptance."""
+    n, cycle, replay = (per_k_delta(c0, c1, key) for key in ("cycles_per_k", "cycle_ms_per_k", "replay_ms_per_k"))
+    return {k: {"steps": c, "cycle_ms": cycle[k] / c, "replay_ms": replay[k] / c} for k, c in n.items() if c > 0}
 
 
 def pcts(xs: list[float]) -> dict:
@@ -330,8 +348,8 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "tpot_ms": pcts([(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]),
         "tokens_per_event": toks / max(sum(r.events for r in ok), 1), "tau": spec["tau"], "spec_decode": spec,
         "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
-        "steps_per_k": {k: v - c0["steps_per_k"].get(k, 0.0) for k, v in sorted(c1["steps_per_k"].items())},
-        "step_host_ms": c1["step_host_ms"],
+        "steps_per_k": per_k_delta(c0, c1, "steps_per_k"), "step_host_ms": c1["step_host_ms"],
+        "step_ms_per_k": step_ms_per_k(c0, c1),
         "server_idle_at_reads": c0["idle"] and c1["idle"], "client_cpu_fraction": cpu / wall,
         "per_request": [asdict(r) for r in reqs]}
 
@@ -447,7 +465,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 log(f"[serve_bench] {where}: {lv['output_tok_s']:.1f} tok/s, "
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
                     f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})}, "
-                    f"host ms per step {lv.get('step_host_ms')}")
+                    f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay) "
+                    f"{ {k: (round(v['cycle_ms'], 3), round(v['replay_ms'], 3)) for k, v in lv['step_ms_per_k'].items()} }")
                 if lv["cut_by_time_limit"]:
                     cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) cut {where}")
                     break

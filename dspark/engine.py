@@ -238,7 +238,7 @@ class Engine:
         self.counters["decode_steps_per_k"][k] += 1
         self.step_requests = reqs
         outs = self.runner.decode(rows, tables, num_cached, slots, key)
-        self.policy.step_replayed(self.runner.last_replay_ms)
+        self.policy.step_replayed(self.runner.last_replay_ms, k)
         self.cache.advance(rids, [o[0] + 1 for o in outs])
         emitted = []
         for r, o in zip(reqs, outs):
@@ -392,9 +392,12 @@ class Engine:
         return [r.output() for r in reqs]
 
     def metrics(self) -> dict:
-        """The counters, and host_ms (what the k policy adds to each step's replay time)."""
+        """The counters, host_ms (what the k policy adds to each step's replay time) and, per k, the back-to-back
+        graph steps the policy timed: how many, their whole time and their replay time (ms)."""
+        p = self.policy
         return {**{k: (list(v) if isinstance(v, list) else v) for k, v in self.counters.items()},
-                "host_ms": self.policy.host_ms}
+                "host_ms": p.host_ms, "step_cycles_per_k": list(p.cycles), "step_cycle_ms_per_k": list(p.cycle_ms),
+                "step_replay_ms_per_k": list(p.replay_ms)}
 
 
 __all__ = ["Engine", "SamplingParams", "OutOfBlocks"]

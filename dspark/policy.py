@@ -38,7 +38,10 @@ class KPolicy:
         # a decode step's time beyond its graph's replay (host work: scheduling, the step's inputs and read, the
         # server's loop), a moving average over back-to-back graph steps
         self.host_ms, self.host_samples = 0.0, 0
-        self.last_step: tuple[float, float | None] | None = None  # (perf_counter at its start, replay ms)
+        self.last_step: tuple[float, float | None, int] | None = None  # (perf_counter at its start, replay ms, k)
+        # per k, over back-to-back graph steps: the steps, their whole time from one step's start to the next (ms)
+        # and their replay time (ms): what a step of k drafts costs, against what the choice above assumes
+        self.cycles, self.cycle_ms, self.replay_ms = [0] * (self.k + 1), [0.0] * (self.k + 1), [0.0] * (self.k + 1)
 
     # ------------------------------------------------------------------ the choice
     def choose(self, num_rows: int, longest: int, mode: str) -> int:
@@ -108,19 +111,26 @@ class KPolicy:
             self.reached[group][i] += 1
 
     def step_started(self) -> None:
-        """At a decode step's start: the time since the last one began, less that one's replay, into host_ms."""
+        """At a decode step's start: the time since the last one began, less that one's replay, into host_ms; the
+        whole time and the replay into that step's k's cycle counters."""
         now, last = time.perf_counter(), self.last_step
         if last is not None and last[1] is not None:
-            gap = max(0.0, (now - last[0]) * 1e3 - last[1])
+            cycle = (now - last[0]) * 1e3
+            gap = max(0.0, cycle - last[1])
             if gap < HOST_PAUSE_MS:
                 self.host_ms = gap if self.host_samples == 0 else self.host_ms + 0.05 * (gap - self.host_ms)
                 self.host_samples += 1
-        self.last_step = (now, None)
+                k = last[2]
+                self.cycles[k] += 1
+                self.cycle_ms[k] += cycle
+                self.replay_ms[k] += last[1]
+        self.last_step = (now, None, 0)
 
-    def step_replayed(self, ms: float | None) -> None:
-        """The step just started replayed a graph of `ms` (None: it ran eagerly, nothing to learn from)."""
+    def step_replayed(self, ms: float | None, k: int) -> None:
+        """The step just started drafted k and replayed a graph of `ms` (None: it ran eagerly, nothing to learn
+        from)."""
         if self.last_step is not None:
-            self.last_step = (self.last_step[0], ms)
+            self.last_step = (self.last_step[0], ms, k)
 
     def step_chain_broken(self) -> None:
         """Something other than a decode step ran (a prefill): the next step's gap is not host time."""

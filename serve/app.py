@@ -133,6 +133,14 @@ def metrics_text(runner: EngineRunner, model: str) -> str:
            [(f'{lab},k="{k}"', v) for k, v in enumerate(c["decode_steps_per_k"])])
     metric("dspark:step_host_ms", "gauge", "Host time per decode step beyond its graph replay (moving average).",
            [(lab, c.get("host_ms", 0.0))])
+    for key, name, kind, help_ in [
+            ("step_cycles_per_k", "dspark:step_cycles_total", "counter",
+             "Back-to-back graph decode steps timed, by the drafts per row (k)."),
+            ("step_cycle_ms_per_k", "dspark:step_cycle_ms_total", "counter",
+             "Their time from one step's start to the next (ms), by k."),
+            ("step_replay_ms_per_k", "dspark:step_replay_ms_total", "counter",
+             "Their graphs' replay time as measured at capture (ms), by k.")]:
+        metric(name, kind, help_, [(f'{lab},k="{k}"', v) for k, v in enumerate(c.get(key, []))])
     for prefix in ("vllm", "dspark"):
         metric(f"{prefix}:num_requests_running", "gauge", "Requests in the running batch.", [(lab, s.running)])
         metric(f"{prefix}:num_requests_waiting", "gauge", "Requests waiting for admission.", [(lab, s.waiting)])

@@ -164,7 +164,8 @@ def test_k_policy_probes_less_often_while_probes_confirm_plain_decoding(targets)
 def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     """The host's time per step (learnt between back-to-back graph steps, beyond their replay) is added to every
     candidate's time: at acceptance 0.5 per position, drafting 4 loses when a step is its replay alone and wins when
-    each step also costs 10 ms of host work. Pauses longer than a step's work (an idle server) are not learnt."""
+    each step also costs 10 ms of host work. Pauses longer than a step's work (an idle server) are not learnt. The
+    timed steps' whole time and replay are counted per k (what /metrics reports)."""
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target))
     engine.runner.step_ms = lambda key: 0.2 + 0.3 * key.k
@@ -172,16 +173,21 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     assert engine.policy.best(1, 100, "greedy", acc, reach) == 0
     clock = iter([10.0, 10.0102, 10.6, 20.0])  # starts of four decode steps (s)
     monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: next(clock))
-    engine.policy.step_started()
-    engine.policy.last_step = (engine.policy.last_step[0], 0.2)  # the first step replayed a 0.2 ms graph
-    engine.policy.step_started()
-    assert engine.policy.host_ms == pytest.approx(10.0)
-    engine.policy.last_step = (engine.policy.last_step[0], 0.2)
-    engine.policy.step_started()  # 590 ms later: a pause, not a step's cost
-    assert engine.policy.host_ms == pytest.approx(10.0)
-    engine.policy.last_step = (engine.policy.last_step[0], None)  # an eager step: nothing to learn from
-    engine.policy.step_started()
-    assert engine.policy.host_ms == pytest.approx(10.0)
+    p = engine.policy
+    p.step_started()
+    p.step_replayed(0.2, 4)  # the first step drafted 4 and replayed a 0.2 ms graph
+    p.step_started()
+    assert p.host_ms == pytest.approx(10.0)
+    p.step_replayed(0.2, 0)
+    p.step_started()  # 590 ms later: a pause, not a step's cost
+    assert p.host_ms == pytest.approx(10.0)
+    p.step_replayed(None, 0)  # an eager step: nothing to learn from
+    p.step_started()
+    assert p.host_ms == pytest.approx(10.0)
+    # the per-k counters of the steps timed: only the first (10.2 ms from its start to the next, 0.2 ms replay)
+    assert p.cycles == [0, 0, 0, 0, 1] and p.cycle_ms[4] == pytest.approx(10.2) and p.replay_ms[4] == 0.2
+    m = engine.metrics()
+    assert (m["step_cycles_per_k"], m["step_replay_ms_per_k"][4]) == ([0, 0, 0, 0, 1], 0.2)
     assert engine.policy.best(1, 100, "greedy", acc, reach) == 4
 
 

@@ -167,6 +167,10 @@ def test_metrics_agree_with_requests(server, client):
     assert sum(steps) == sum(len(o.num_drafts_per_step) for o in outs)
     if not eng.runner.graphs:
         assert steps[eng.k] == sum(steps)
+    # the per-k step timing: only back-to-back graph steps (none on CPU, where steps run eagerly)
+    cycles = [d[f"dspark:step_cycles_total[{k}]"] for k in range(eng.k + 1)]
+    assert sum(cycles) <= sum(steps) and (sum(cycles) > 0) == eng.runner.graphs
+    assert all((d[f"dspark:step_cycle_ms_total[{k}]"] > 0) == (n > 0) for k, n in enumerate(cycles))
 
 
 def test_disconnect_aborts_and_frees_cache(server, slow_engine):
