@@ -462,11 +462,12 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                     break
                 lv = asyncio.run(run_level(f"http://127.0.0.1:{port}", a, prompts[task], temp, conc, deadline))
                 report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
+                step_ms = {k: (round(v["cycle_ms"], 3), round(v["replay_ms"], 3))
+                           for k, v in lv["step_ms_per_k"].items()}
                 log(f"[serve_bench] {where}: {lv['output_tok_s']:.1f} tok/s, "
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
                     f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})}, "
-                    f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay) "
-                    f"{ {k: (round(v['cycle_ms'], 3), round(v['replay_ms'], 3)) for k, v in lv['step_ms_per_k'].items()} }")
+                    f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay) {step_ms}")
                 if lv["cut_by_time_limit"]:
                     cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) cut {where}")
                     break

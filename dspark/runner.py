@@ -211,39 +211,40 @@ class ModelRunner:
         rest run eagerly, batched: chunks sorted by width, in forwards of at most PREFILL_BATCH_TOKENS padded tokens
         (a regeneration admits hundreds of requests at once, and hundreds of replays cost several times one batch)."""
         out: list[torch.Tensor | None] = [None] * len(chunks)
-        eager = list(range(len(chunks)))
-        if len(chunks) <= PREFILL_GRAPH_ROWS:
-            eager = []
-            for i, (c, n) in enumerate(zip(chunks, num_cached)):
-                key = self.prefill_key(len(c), n, align)
-                pf = self.prefills.get(key)  # captured: no need to walk the model's modules again
-                if pf is None and self.prefill_graph_safe(key):
-                    pf = self.prefill_graph(key)
-                if pf is None:
-                    eager.append(i)
-                    continue
-                self._fill(pf, [chunks[i]], [num_cached[i]], [tables[i]], [slots[i]])
-                pf.graph.replay()
-                out[i] = pf.out.clone()  # the pool is shared: the next replay may reuse this memory
+        eager = []
+        for i, (c, n) in enumerate(zip(chunks, num_cached)):
+            pf = self._prefill_graph_for(len(c), n, align) if len(chunks) <= PREFILL_GRAPH_ROWS else None
+            if pf is None:
+                eager.append(i)
+                continue
+            self._fill(pf, [c], [n], [tables[i]], [slots[i]])
+            pf.graph.replay()
+            out[i] = pf.out.clone()  # the pool is shared: the next replay may reuse this memory
         padded = [-(-len(c) // align) * align for c in chunks]  # an eager forward's width: few shapes on CUDA
-        group: list[int] = []
-        for i in sorted(eager, key=lambda i: padded[i]) + [None]:
-            if group and (i is None or (len(group) + 1) * padded[i] > PREFILL_BATCH_TOKENS):
-                self._prefill_eager(group, chunks, num_cached, tables, slots, padded[group[-1]], out)
-                group = []
-            if i is not None:
-                group.append(i)
+        groups: list[list[int]] = []  # widest last in each: sorted by width, each within the token budget
+        for i in sorted(eager, key=padded.__getitem__):
+            if not groups or (len(groups[-1]) + 1) * padded[i] > PREFILL_BATCH_TOKENS:
+                groups.append([])
+            groups[-1].append(i)
+        for group in groups:
+            last = self._prefill_eager(group, chunks, num_cached, tables, slots, padded[group[-1]])
+            for j, i in enumerate(group):
+                out[i] = last[j: j + 1]
         return torch.cat(out)
 
-    def _prefill_eager(self, rows: list[int], chunks, num_cached, tables, slots, T: int, out) -> None:
-        """One eager forward over the chunks `rows`, right-padded to T tokens -> their last logits into out[i]."""
+    def _prefill_graph_for(self, num_tokens: int, num_cached: int, align: int) -> _Prefill | None:
+        """The captured prefill of a chunk's key (captured now if graph-safe), else None."""
+        key = self.prefill_key(num_tokens, num_cached, align)
+        pf = self.prefills.get(key)  # captured: no need to walk the model's modules again
+        return pf if pf is not None or not self.prefill_graph_safe(key) else self.prefill_graph(key)
+
+    def _prefill_eager(self, rows: list[int], chunks, num_cached, tables, slots, T: int) -> torch.Tensor:
+        """One eager forward over the chunks `rows`, right-padded to T tokens -> their last logits [len(rows), V]."""
         width = max(-(-(num_cached[i] + T) // self.cache.block_size) for i in rows)
         pf = _Prefill(len(rows), PrefillKey(T, width), self.device)
         self._fill(pf, [chunks[i] for i in rows], [num_cached[i] for i in rows], [tables[i] for i in rows],
                    [slots[i] for i in rows])
-        last = self._prefill_fn(pf)
-        for j, i in enumerate(rows):
-            out[i] = last[j: j + 1]
+        return self._prefill_fn(pf)
 
     def _row_ints(self, num_cached, num_new, slots, tables, width: int) -> torch.Tensor:
         """Host rows [num_cached, num_new, slot | block table padded with the scratch block to width] [n, _P + width]

@@ -244,7 +244,7 @@ def test_many_prefills_run_batched_by_a_token_budget(targets, pair, monkeypatch)
     forwards = []
     eager = engine.runner._prefill_eager
     monkeypatch.setattr(engine.runner, "_prefill_eager",
-                        lambda rows, *a: (forwards.append((len(rows), a[-2])), eager(rows, *a)))
+                        lambda rows, *a: (forwards.append((len(rows), a[-1])), eager(rows, *a))[1])
     outs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == [reference_greedy(target, p, 6) for p in prompts]
     align = engine.prefill_align
