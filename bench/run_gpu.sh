@@ -34,12 +34,14 @@
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
 #                  trained (train-target, train-drafter) with the CUDA tests beside it until the drafter's timed
-#                  training begins; then, on a quiet GPU, the pair through python -m serve, the quickstart pair
-#                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve -> $OUT/serve-quickstart.json,
-#                  the k3-mini pair through `python -m serve --compile` at concurrency 1 -> $OUT/serve-compiled.json, the
-#                  pair through the engine (pair, with the kernel profile), then the CUDA tests the side run did not
-#                  reach. The three serve runs' time limits: SERVE_S (500), QUICKSTART_SERVE_S (240), COMPILED_SERVE_S
-#                  (360); a 0 skips that run. SERVE_ARGS go to the first serve run (`--concurrency 1,16`)
+#                  training begins; then, on a quiet GPU, the pair through python -m serve; the pair through
+#                  `python -m serve --compile --max-batch-size 1` at concurrency 1 -> $OUT/serve-compiled.json; the
+#                  quickstart pair (runs/quickstart/{target,drafter}/final, carried) through python -m serve ->
+#                  $OUT/serve-quickstart.json, and compiled at concurrency 1 -> $OUT/serve-quickstart-compiled.json; the
+#                  pair through the engine (pair, with the kernel profile; PAIR=0 skips it), then the CUDA tests the
+#                  side run did not reach. The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360),
+#                  QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the
+#                  first serve run (`--concurrency 1,16`)
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -225,14 +227,20 @@ case "$target" in
     kill $watcher 2>/dev/null
     kill -- -$tests 2>/dev/null
     wait
-    s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-240} s3=${COMPILED_SERVE_S:-360}
+    s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-240} s3=${COMPILED_SERVE_S:-360} s4=${QUICKSTART_COMPILED_S:-240}
+    quickstart=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final)
+    # the compiled servers at concurrency 1, code, greedy, with one batch slot (the graphs of one row only)
+    compiled=(--concurrency 1 --tasks humaneval --temperatures 0)
     # shellcheck disable=SC2086 # SERVE_ARGS is a word list
     [ $trained = 1 ] && [ "$s1" != 0 ] && { bash "$0" serve --time-limit "$s1" ${SERVE_ARGS:-} || rc=$?; }
-    [ "$s2" != 0 ] && { TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final \
-      bash "$0" serve --time-limit "$s2" --out "$OUT/serve-quickstart.json" || rc=$?; }
-    [ $trained = 1 ] && [ "$s3" != 0 ] && { bash "$0" serve --concurrency 1 --tasks humaneval --temperatures 0 \
-      --time-limit "$s3" --out "$OUT/serve-compiled.json" -- --compile || rc=$?; }
-    [ $trained = 1 ] && { bash "$0" pair --prompts 4 --batches 1 --profile "$OUT/profile.txt" || rc=$?; }
+    [ $trained = 1 ] && [ "$s3" != 0 ] && { bash "$0" serve "${compiled[@]}" --time-limit "$s3" \
+      --out "$OUT/serve-compiled.json" -- --compile --max-batch-size 1 || rc=$?; }
+    [ "$s2" != 0 ] && { "${quickstart[@]}" bash "$0" serve --time-limit "$s2" --out "$OUT/serve-quickstart.json" \
+      || rc=$?; }
+    [ "$s4" != 0 ] && { "${quickstart[@]}" bash "$0" serve "${compiled[@]}" --time-limit "$s4" \
+      --out "$OUT/serve-quickstart-compiled.json" -- --compile --max-batch-size 1 || rc=$?; }
+    [ $trained = 1 ] && [ "${PAIR:-1}" != 0 ] && { bash "$0" pair --prompts 4 --batches 1 --profile "$OUT/profile.txt" \
+      || rc=$?; }
     # the rest of the CUDA suite: every test the side run did not report
     outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # `-v` lines, with xdist ("[gw0] [ 5%] PASSED id") or without
     mapfile -t done_ids < <(grep -oE "($outcome) tests/[^ ]+|tests/[^ ]+::[^ ]+ ($outcome)" "$OUT/tests-cuda.txt" \

@@ -266,6 +266,8 @@ async def one(client: httpx.AsyncClient, a, prompt: str, temperature: float, r: 
         r.error = f"{type(e).__name__}: {e}"
 
 
+FIRST_TOKEN = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
+               "prefill": "vllm:request_prefill_time_seconds"}  # histograms: their _sum and _count
 PER_K = {"dspark:decode_steps_total": "steps_per_k", "dspark:step_cycles_total": "cycles_per_k",
          "dspark:step_cycle_ms_total": "cycle_ms_per_k", "dspark:step_replay_ms_total": "replay_ms_per_k"}
 
@@ -294,7 +296,9 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         if not busy or time.monotonic() - t0 > timeout:
             return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
                     **{key: per_k[name] for name, key in PER_K.items()},
-                    "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy}
+                    "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy,
+                    "first_token": {key: (vals.get(f"{name}_sum", 0.0), vals.get(f"{name}_count", 0.0))
+                                    for key, name in FIRST_TOKEN.items()}}
         await asyncio.sleep(0.05)
 
 
@@ -303,6 +307,21 @@ def step_ms_per_k(c0: dict, c1: dict) -> dict[int, dict[str, float]]:
     mean replay (ms), what the k policy weighs against the drafts' acceptance."""
     n, cycle, replay = (per_k_delta(c0, c1, key) for key in ("cycles_per_k", "cycle_ms_per_k", "replay_ms_per_k"))
     return {k: {"steps": c, "cycle_ms": cycle[k] / c, "replay_ms": replay[k] / c} for k, c in n.items() if c > 0}
+
+
+def fmt_ms(d: dict) -> dict:
+    return {k: None if v is None else round(v, 2) for k, v in d.items()}
+
+
+def server_first_token_ms(c0: dict, c1: dict) -> dict[str, float | None]:
+    """The server's own mean time per request, in ms, from its engine taking the request to its first token (ttft),
+    split into waiting for a batch slot (queue) and admission to first token (prefill); the client's TTFT less this
+    is HTTP, tokenizing and delivery."""
+    out = {}
+    for key in FIRST_TOKEN:
+        (s0, n0), (s1, n1) = c0["first_token"][key], c1["first_token"][key]
+        out[key] = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
+    return out
 
 
 def pcts(xs: list[float]) -> dict:
@@ -349,7 +368,7 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "tokens_per_event": toks / max(sum(r.events for r in ok), 1), "tau": spec["tau"], "spec_decode": spec,
         "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
         "steps_per_k": per_k_delta(c0, c1, "steps_per_k"), "step_host_ms": c1["step_host_ms"],
-        "step_ms_per_k": step_ms_per_k(c0, c1),
+        "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
         "server_idle_at_reads": c0["idle"] and c1["idle"], "client_cpu_fraction": cpu / wall,
         "per_request": [asdict(r) for r in reqs]}
 
@@ -467,7 +486,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 log(f"[serve_bench] {where}: {lv['output_tok_s']:.1f} tok/s, "
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
                     f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})}, "
-                    f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay) {step_ms}")
+                    f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay) {step_ms}, "
+                    f"server first-token ms {fmt_ms(lv['server_first_token_ms'])}")
                 if lv["cut_by_time_limit"]:
                     cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) cut {where}")
                     break

@@ -21,7 +21,8 @@ import collections
 import copy
 import gc
 import math
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 
 import torch
 from tqdm.auto import tqdm
@@ -88,13 +89,19 @@ class Engine:
                                   adaptive_verification, graphs, compile)
         self.policy = KPolicy(self.runner, self.k, self.pinned_k is not None)
         self.step_requests: list[Request] = []  # the rows of the device step in flight, in order
+        # called once a step's device work is queued, before the step waits for its result: a server hands the
+        # previous step's output to its event loop there, so that work overlaps the device, not the next launch
+        self.on_launch: Callable[[], None] | None = None
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.reserved: dict[str, int] = {}
         self.counters = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
                          "generation_tokens": 0, "target_forwards": 0,
-                         "decode_steps_per_k": [0] * (self.k + 1)}  # device steps by the drafts they verified
+                         "decode_steps_per_k": [0] * (self.k + 1),  # device steps by the drafts they verified
+                         # over the requests that emitted their first token: added -> admitted (queue), admitted ->
+                         # first token (prefill) and added -> first token (time to first token), seconds
+                         "first_tokens": 0, "queue_s": 0.0, "prefill_s": 0.0, "ttft_s": 0.0}
         eos = getattr(target.config, "eos_token_id", None)
         self.eos_id = eos if isinstance(eos, int) else None
 
@@ -146,7 +153,7 @@ class Engine:
             self.cache.add_request(req.id)
             req.num_computed = req.num_context = self.cache.match_prefix(req.id, req.prompt_ids)
             self.reserved[req.id] = need
-            req.status = Status.PREFILL
+            req.status, req.admitted = Status.PREFILL, time.perf_counter()
             self.running.append(req)
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -209,10 +216,17 @@ class Engine:
                                torch.tensor([r.params.top_k for r in rows], device=dev) if filt else 0,
                                torch.tensor([r.params.top_p for r in rows], device=dev) if filt else 1.0)
         first = self.runner.sample_first(last, sampling, torch.tensor([r.seed for r in rows], device=dev),
-                                         torch.tensor([len(r.prompt_ids) for r in rows], device=dev)).tolist()
-        emitted = []
+                                         torch.tensor([len(r.prompt_ids) for r in rows], device=dev))
+        if self.on_launch is not None:
+            self.on_launch()
+        first = first.tolist()
+        emitted, now, c = [], time.perf_counter(), self.counters
         for r, tok in zip(rows, first):
-            self.counters["prompt_tokens"] += len(r.prompt_ids)
+            c["prompt_tokens"] += len(r.prompt_ids)
+            c["first_tokens"] += 1
+            c["queue_s"] += r.admitted - r.arrival
+            c["prefill_s"] += now - r.admitted
+            c["ttft_s"] += now - r.arrival
             r.status = Status.DECODE
             emitted.append((r, self._emit(r, [tok])))
         return emitted
@@ -237,7 +251,7 @@ class Engine:
         self.counters["target_forwards"] += 1
         self.counters["decode_steps_per_k"][k] += 1
         self.step_requests = reqs
-        outs = self.runner.decode(rows, tables, num_cached, slots, key)
+        outs = self.runner.decode(rows, tables, num_cached, slots, key, self.on_launch)
         self.policy.step_replayed(self.runner.last_replay_ms, k)
         self.cache.advance(rids, [o[0] + 1 for o in outs])
         emitted = []

@@ -3,7 +3,9 @@
 A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
 position j given all before it, greedy and sampled rows apart) and costs its graph's replay time at the step's batch
 bucket plus the host's time per step. The policy picks the k with the most expected tokens per millisecond, so
-speculation runs plainly where drafting does not pay. On CPU (no graphs, no step times) it drafts the whole block.
+speculation runs plainly where drafting does not pay; drafting must beat plain decoding by DRAFT_GAIN, since part of
+its cost is outside the step's time (the eager flush of stashed context rows, a prompt's drafter context) and a
+marginal estimate is as likely to lose as to win. On CPU (no graphs, no step times) it drafts the whole block.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ PROBE_EVERY = 64  # plain steps after which the policy drafts once more, to refr
 PROBE_MAX = 1024  # ... an interval that doubles, up to this, each time such a probe leaves the choice at plain decoding
 REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
+DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects this many times its tokens per ms
 GROUPS = ("greedy", "sampled")
 
 
@@ -82,8 +85,8 @@ class KPolicy:
         return None if None in ms.values() else ms
 
     def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
-        """The candidate with the most expected tokens per millisecond (replay + host_ms); a position reached fewer
-        than 8 times takes the acceptance of the one before it."""
+        """The candidate with the most expected tokens per millisecond (replay + host_ms), plain decoding's rate
+        counted DRAFT_GAIN times; a position reached fewer than 8 times takes the acceptance of the one before it."""
         times = self.step_times(num_rows, longest, mode)
         if times is None:  # no graphs, no step times: draft the whole block
             return self.k
@@ -97,7 +100,7 @@ class KPolicy:
             for j in range(k):
                 surv *= alpha[j]
                 expected += surv
-            rate = expected / (ms + self.host_ms)
+            rate = expected / (ms + self.host_ms) * (DRAFT_GAIN if k == 0 else 1.0)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best

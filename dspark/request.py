@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
@@ -99,6 +100,8 @@ class Request:
         self.accepted_per_step: list[int] = []
         self.num_drafts_per_step: list[int] = []
         self.finish_reason: str | None = None
+        self.arrival = time.perf_counter()  # added to the engine; admitted (first scheduled) at `admitted`
+        self.admitted: float | None = None
         self.tokenizer = tokenizer  # decodes `text` on demand
         self._decode = text_decoder(tokenizer) if tokenizer is not None else None
         # incremental detokenization: output_ids[:_read] decode to _stable and end on a character boundary;

@@ -30,6 +30,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -437,10 +438,10 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode(self, rows: list[RowInput], tables: list[list[int]], num_cached: list[int], slots: list[int],
-               key: StepKey) -> list[list[int]]:
+               key: StepKey, launched: Callable[[], None] | None = None) -> list[list[int]]:
         """One step for the live rows (tables: each row's blocks, padded here with the scratch block to key.width)
         -> per row [a, n, t_0 .. t_k]: a accepted drafts, n verified, then the emitted tokens (a drafts and the next
-        token; -1 after)."""
+        token; -1 after). launched() runs once the step is queued on the device, before its read."""
         st = self._get(key)
         B, W, ints, flo = len(rows), key.width, st.ints_np, st.floats_np
         # whole-array numpy writes: a per-row loop of small writes costs milliseconds of host time at 512 rows
@@ -463,6 +464,8 @@ class ModelRunner:
         else:
             out = self._run(st)
         self.last_replay_ms = st.ms
+        if launched is not None:
+            launched()
         t0 = time.perf_counter()
         res = out[:B].tolist()  # the step's one host read
         self.wait_s += time.perf_counter() - t0

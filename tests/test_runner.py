@@ -14,7 +14,7 @@ from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
-from dspark.policy import PROBE_EVERY, PROBE_MAX
+from dspark.policy import DRAFT_GAIN, PROBE_EVERY, PROBE_MAX
 from dspark.request import SamplingParams
 from dspark.runner import MODES, _Prefill
 from tests.targets import make_target
@@ -110,12 +110,13 @@ def test_seeded_sampling_does_not_depend_on_the_batch(targets, prompts, kind):
 
 def test_k_per_step_follows_measured_step_times(targets, prompts):
     """num_speculative_tokens=None: the engine drafts the k with the most expected tokens per millisecond of its
-    graph. When drafting is free it drafts the whole block; when a draft costs more than any acceptance can return
+    graph. When drafting makes a step cheaper it drafts the whole block (free drafting is not enough: this random
+    drafter's acceptance is below DRAFT_GAIN's margin); when a draft costs more than any acceptance can return
     it decodes plainly once its first steps (the whole block, to measure acceptance) are done; a pinned k is kept
     whatever the times. The output stays the target's greedy."""
     target = targets["qwen3"]
     refs = [reference_greedy(target, p, N_NEW) for p in prompts]
-    for spec_cost in (0.0, 40.0):  # step time with k drafts: 1 + spec_cost * k / 4 ms
+    for spec_cost in (-0.5, 40.0):  # step time with k drafts: 1 + spec_cost * k / 4 ms
         engine = Engine(target, make_drafter(target))
         # the policy reads graph replay times (None without graphs: the whole block); here they are given
         engine.runner.step_ms = lambda key, c=spec_cost: 1.0 + c * key.k / 4
@@ -123,7 +124,7 @@ def test_k_per_step_follows_measured_step_times(targets, prompts):
         assert [o.token_ids for o in outs] == refs
         drafted = [[n > 0 for n in o.num_drafts_per_step] for o in outs]
         per_k = engine.metrics()["decode_steps_per_k"]  # [k=0 .. 4]
-        if spec_cost == 0.0:
+        if spec_cost < 0:
             assert {key.k for key in engine.runner.steps} == {4}
             assert per_k[4] == sum(per_k) > 0
         else:  # three rows reach 8 first-position verifies in three steps; every later step is plain
@@ -159,6 +160,19 @@ def test_k_policy_probes_less_often_while_probes_confirm_plain_decoding(targets)
     engine.runner.step_ms = lambda key: 0.2 + 0.01 * key.k
     picks = [p.choose(1, 100, "sample") for _ in range(40)]
     assert p.probe_every["sampled"] == PROBE_EVERY and all(x > 0 for x in picks[-20:])
+
+
+def test_k_policy_drafts_only_for_a_clear_gain(targets):
+    """Drafting is chosen over plain decoding only when it expects DRAFT_GAIN times plain decoding's tokens per ms:
+    at acceptance 0.5 on the first position (1.5 tokens per step of one draft), a one-draft step costing 1.4x a
+    plain one (gain 1.07) stays plain, one costing 1.25x (gain 1.2) drafts."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target))
+    acc, reach = [50, 0, 0, 0], [100, 50, 25, 12]
+    for cost, want in ((0.4, 0), (0.25, 1)):
+        engine.runner.step_ms = lambda key, c=cost: 1.0 + c * min(key.k, 1) + 10.0 * max(key.k - 1, 0)
+        assert engine.policy.best(1, 100, "greedy", acc, reach) == want
+    assert 1.5 / 1.4 < DRAFT_GAIN < 1.5 / 1.25
 
 
 def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):

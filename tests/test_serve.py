@@ -171,6 +171,11 @@ def test_metrics_agree_with_requests(server, client):
     cycles = [d[f"dspark:step_cycles_total[{k}]"] for k in range(eng.k + 1)]
     assert sum(cycles) <= sum(steps) and (sum(cycles) > 0) == eng.runner.graphs
     assert all((d[f"dspark:step_cycle_ms_total[{k}]"] > 0) == (n > 0) for k, n in enumerate(cycles))
+    # time to first token: one sample per request, split into the wait for admission and the prefill
+    ttft = "vllm:time_to_first_token_seconds"
+    assert d[f"{ttft}_count"] == d[f"{ttft}_bucket"] == d["vllm:request_queue_time_seconds_count"] == 3
+    queue, prefill = d["vllm:request_queue_time_seconds_sum"], d["vllm:request_prefill_time_seconds_sum"]
+    assert queue >= 0 and prefill > 0 and abs(queue + prefill - d[f"{ttft}_sum"]) < 1e-6
 
 
 def test_disconnect_aborts_and_frees_cache(server, slow_engine):
