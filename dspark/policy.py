@@ -1,7 +1,7 @@
 """The k policy: how many drafts each decode step verifies, 0 (plain decoding) up to the drafter's block.
 
 A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
-position j given all before it, greedy and sampled rows apart) and costs its graph's replay time at the step's batch
+position j given all before it, greedy and sampled rows apart, over the recent row-steps) and costs its graph's replay time at the step's batch
 bucket plus the host's time per step. The policy picks the k with the most expected tokens per millisecond, so
 speculation runs plainly where drafting does not pay; drafting must beat plain decoding by DRAFT_GAIN, since part of
 its cost is outside the step's time (the eager flush of stashed context rows, a prompt's drafter context) and a
@@ -17,6 +17,8 @@ PROBE_EVERY = 64  # plain steps after which the policy drafts once more, to refr
 PROBE_MAX = 1024  # ... an interval that doubles, up to this, each time such a probe leaves the choice at plain decoding
 REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
+ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
+# estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
 DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects this many times its tokens per ms
 GROUPS = ("greedy", "sampled")
 
@@ -107,11 +109,14 @@ class KPolicy:
 
     # ------------------------------------------------------------------ what it learns from
     def record(self, n: int, a: int, group: str) -> None:
-        """A row-step that verified n drafts and accepted a of them."""
+        """A row-step that verified n drafts and accepted a of them (counts halved every ACCEPT_WINDOW)."""
+        acc, reach = self.accepted[group], self.reached[group]
         for i in range(a):
-            self.accepted[group][i] += 1
+            acc[i] += 1
         for i in range(min(n, a + 1)):
-            self.reached[group][i] += 1
+            reach[i] += 1
+        if reach[0] >= ACCEPT_WINDOW:
+            self.accepted[group], self.reached[group] = [x // 2 for x in acc], [x // 2 for x in reach]
 
     def step_started(self) -> None:
         """At a decode step's start: the time since the last one began, less that one's replay, into host_ms; the

@@ -46,7 +46,9 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one
 MIN_CONTEXT = 128  # the smallest context bucket (positions a step sees)
 PREFILL_MIN = 64  # the narrowest prefill graph (prefill widths are powers of two from here)
-PREFILL_GRAPH_ROWS = 8  # a step's prefills replay one graph per request up to this many requests, else run batched
+# a step's prefills replay one graph per request up to this many requests (a server's burst of arrivals), else run
+# batched (a regeneration's waves of hundreds): an eager forward's first shape may autotune kernels for seconds
+PREFILL_GRAPH_ROWS = 64
 PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
 _I = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5}  # int columns, then the table

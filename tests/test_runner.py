@@ -14,7 +14,7 @@ from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
-from dspark.policy import DRAFT_GAIN, PROBE_EVERY, PROBE_MAX
+from dspark.policy import ACCEPT_WINDOW, DRAFT_GAIN, PROBE_EVERY, PROBE_MAX
 from dspark.request import SamplingParams
 from dspark.runner import MODES, _Prefill
 from tests.targets import make_target
@@ -118,8 +118,10 @@ def test_k_per_step_follows_measured_step_times(targets, prompts):
     refs = [reference_greedy(target, p, N_NEW) for p in prompts]
     for spec_cost in (-0.5, 40.0):  # step time with k drafts: 1 + spec_cost * k / 4 ms
         engine = Engine(target, make_drafter(target))
-        # the policy reads graph replay times (None without graphs: the whole block); here they are given
+        # the policy reads graph replay times (None without graphs: the whole block); here they are given, and the
+        # host time it would learn between graph steps on CUDA stays 0 (its own test below)
         engine.runner.step_ms = lambda key, c=spec_cost: 1.0 + c * key.k / 4
+        engine.policy.step_started = lambda: None
         outs = engine.generate(prompts, SamplingParams(max_tokens=N_NEW, ignore_eos=True))
         assert [o.token_ids for o in outs] == refs
         drafted = [[n > 0 for n in o.num_drafts_per_step] for o in outs]
@@ -173,6 +175,25 @@ def test_k_policy_drafts_only_for_a_clear_gain(targets):
         engine.runner.step_ms = lambda key, c=cost: 1.0 + c * min(key.k, 1) + 10.0 * max(key.k - 1, 0)
         assert engine.policy.best(1, 100, "greedy", acc, reach) == want
     assert 1.5 / 1.4 < DRAFT_GAIN < 1.5 / 1.25
+
+
+def test_k_policy_acceptance_follows_recent_traffic(targets):
+    """The acceptance estimate is windowed (counts halved every ACCEPT_WINDOW row-steps): after 4000 row-steps that
+    accept every draft, 600 that reject them all bring the first position's estimate below 0.3 (over the server's
+    lifetime it would still read 0.87), and the policy turns to plain decoding where drafting then costs more."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target))
+    p, k = engine.policy, engine.k
+    for _ in range(4000):
+        p.record(k, k, "sampled")
+    p.runner.step_ms = lambda key: 1.0 + 0.5 * key.k
+    assert p.best(1, 100, "sample", p.accepted["sampled"], p.reached["sampled"]) > 0
+    for _ in range(600):
+        p.record(k, 0, "sampled")
+    acc, reach = p.accepted["sampled"], p.reached["sampled"]
+    assert reach[0] < ACCEPT_WINDOW and acc[0] / reach[0] < 0.3
+    assert p.best(1, 100, "sample", acc, reach) == 0
+    assert p.reached["greedy"][0] == 0  # the groups keep their own
 
 
 def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
@@ -255,6 +276,7 @@ def test_many_prefills_run_batched_by_a_token_budget(targets, pair, monkeypatch)
     prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in lens]
     engine = Engine(target, make(target), max_batch_size=len(prompts))
     monkeypatch.setattr(runner_mod, "PREFILL_BATCH_TOKENS", 40)
+    monkeypatch.setattr(runner_mod, "PREFILL_GRAPH_ROWS", 8)  # on CUDA too: 12 requests run batched
     forwards = []
     eager = engine.runner._prefill_eager
     monkeypatch.setattr(engine.runner, "_prefill_eager",
