@@ -1,11 +1,12 @@
 """The k policy: how many drafts each decode step verifies, 0 (plain decoding) up to the drafter's block.
 
 A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
-position j given all before it, greedy and sampled rows apart, over the recent row-steps) and costs its graph's replay time at the step's batch
-bucket plus the host's time per step. The policy picks the k with the most expected tokens per millisecond, so
-speculation runs plainly where drafting does not pay; drafting must beat plain decoding by DRAFT_GAIN, since part of
-its cost is outside the step's time (the eager flush of stashed context rows, a prompt's drafter context) and a
-marginal estimate is as likely to lose as to win. On CPU (no graphs, no step times) it drafts the whole block.
+position j given all before it, greedy and sampled rows apart, over the recent row-steps) and costs its graph's
+replay time at the step's batch bucket plus the host's time per step. The policy picks the k with the most expected
+tokens per millisecond, so speculation runs plainly where drafting does not pay; drafting must beat plain decoding by
+DRAFT_GAIN, since part of its cost is outside the step's time (the eager flush of stashed context rows, a prompt's
+drafter context) and a marginal estimate is as likely to lose as to win. On CPU (no graphs, no step times) it
+drafts the whole block.
 """
 from __future__ import annotations
 
