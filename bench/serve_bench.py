@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import os
 import platform
@@ -479,7 +480,14 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 if time.monotonic() >= deadline:
                     cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) ended before {where}")
                     break
-                lv = asyncio.run(run_level(f"http://127.0.0.1:{port}", a, prompts[task], temp, conc, deadline))
+                # the earlier levels' results out of the client's full collections: a pause of the client would
+                # read as the server's inter-token latency
+                gc.collect()
+                gc.freeze()
+                try:
+                    lv = asyncio.run(run_level(f"http://127.0.0.1:{port}", a, prompts[task], temp, conc, deadline))
+                finally:
+                    gc.unfreeze()
                 report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
                 step_ms = {k: (round(v["cycle_ms"], 3), round(v["replay_ms"], 3))
                            for k, v in lv["step_ms_per_k"].items()}
