@@ -147,6 +147,7 @@ class EngineRunner:
                 self._finish(rid, "error", self.error)
         finally:
             self._flush()
+            self.engine.on_launch = None  # no cycle engine -> runner: a stopped server's engine frees without the gc
             self._exited.set()
             self._drain()
 

@@ -4,19 +4,23 @@ that looks like special tokens, the API key and the served name. Real tiny model
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import sysconfig
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
+from dspark.engine import Engine
 from dspark.request import SamplingParams
-from serve import ServerThread, load_server
+from serve import EngineRunner, ServerThread, load_server
+from tests.targets import make_target
 from tests.test_serve import MAX_LEN
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(", "x = [1, 2", "while True:",
@@ -283,3 +287,20 @@ def test_dead_engine_thread_is_503_with_a_generic_message(models, caplog):
         r = httpx.post(srv.url + "/v1/completions", json=body("x", stream=False), timeout=30)
         assert r.status_code == 503 and "secret" not in r.text
     assert any("secret internal detail" in (r.exc_text or r.getMessage()) for r in caplog.records)
+
+
+def test_a_stopped_engine_thread_leaves_no_cycle_with_its_engine():
+    """The engine calls back into its thread (on_launch) while serving; once stopped, the thread object is freed by
+    reference counting alone, so a stopped server's engine (and on a GPU its graphs) need no garbage collection."""
+    engine = Engine(make_target("qwen3", device="cpu"))
+    runner = EngineRunner(engine).start()
+    assert engine.on_launch is not None
+    runner.stop()
+    assert engine.on_launch is None
+    ref = weakref.ref(runner)
+    gc.disable()
+    try:
+        del runner
+        assert ref() is None
+    finally:
+        gc.enable()
