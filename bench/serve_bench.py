@@ -310,10 +310,6 @@ def step_ms_per_k(c0: dict, c1: dict) -> dict[int, dict[str, float]]:
     return {k: {"steps": c, "cycle_ms": cycle[k] / c, "replay_ms": replay[k] / c} for k, c in n.items() if c > 0}
 
 
-def fmt_ms(d: dict) -> dict:
-    return {k: None if v is None else round(v, 2) for k, v in d.items()}
-
-
 def server_first_token_ms(c0: dict, c1: dict) -> dict[str, float | None]:
     """The server's own mean time per request, in ms, from its engine taking the request to its first token (ttft),
     split into waiting for a batch slot (queue) and admission to first token (prefill); the client's TTFT less this
@@ -495,7 +491,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
                     f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})}, "
                     f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay) {step_ms}, "
-                    f"server first-token ms {fmt_ms(lv['server_first_token_ms'])}")
+                    f"server first-token ms "
+                    f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")
                 if lv["cut_by_time_limit"]:
                     cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) cut {where}")
                     break

@@ -99,9 +99,9 @@ class Engine:
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
                          "generation_tokens": 0, "target_forwards": 0,
                          "decode_steps_per_k": [0] * (self.k + 1),  # device steps by the drafts they verified
-                         # over the requests that emitted their first token: added -> admitted (queue), admitted ->
-                         # first token (prefill) and added -> first token (time to first token), seconds
-                         "first_tokens": 0, "queue_s": 0.0, "prefill_s": 0.0, "ttft_s": 0.0}
+                         # over the requests that emitted their first token: added -> admitted (queue) and
+                         # admitted -> first token (prefill), seconds; their sum is the time to first token
+                         "first_tokens": 0, "queue_s": 0.0, "prefill_s": 0.0}
         eos = getattr(target.config, "eos_token_id", None)
         self.eos_id = eos if isinstance(eos, int) else None
 
@@ -226,7 +226,6 @@ class Engine:
             c["first_tokens"] += 1
             c["queue_s"] += r.admitted - r.arrival
             c["prefill_s"] += now - r.admitted
-            c["ttft_s"] += now - r.arrival
             r.status = Status.DECODE
             emitted.append((r, self._emit(r, [tok])))
         return emitted

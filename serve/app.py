@@ -141,13 +141,13 @@ def metrics_text(runner: EngineRunner, model: str) -> str:
             ("step_replay_ms_per_k", "dspark:step_replay_ms_total", "counter",
              "Their graphs' replay time as measured at capture (ms), by k.")]:
         metric(name, kind, help_, [(f'{lab},k="{k}"', v) for k, v in enumerate(c.get(key, []))])
-    n = c.get("first_tokens", 0)
-    for key, name, help_ in [("ttft_s", "vllm:time_to_first_token_seconds", "Time to first token: added to the engine "
-                              "-> first token sampled."),
-                             ("queue_s", "vllm:request_queue_time_seconds", "Time a request waited for admission."),
-                             ("prefill_s", "vllm:request_prefill_time_seconds", "Admission -> first token.")]:
+    n, queue, prefill = c.get("first_tokens", 0), c.get("queue_s", 0.0), c.get("prefill_s", 0.0)
+    for total, name, help_ in [(queue + prefill, "vllm:time_to_first_token_seconds", "Time to first token: added to "
+                                "the engine -> first token sampled."),
+                               (queue, "vllm:request_queue_time_seconds", "Time a request waited for admission."),
+                               (prefill, "vllm:request_prefill_time_seconds", "Admission -> first token.")]:
         lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", f'{name}_bucket{{{lab},le="+Inf"}} {float(n)}',
-                  f"{name}_sum{{{lab}}} {float(c.get(key, 0.0))}", f"{name}_count{{{lab}}} {float(n)}"]
+                  f"{name}_sum{{{lab}}} {float(total)}", f"{name}_count{{{lab}}} {float(n)}"]
     for prefix in ("vllm", "dspark"):
         metric(f"{prefix}:num_requests_running", "gauge", "Requests in the running batch.", [(lab, s.running)])
         metric(f"{prefix}:num_requests_waiting", "gauge", "Requests waiting for admission.", [(lab, s.waiting)])
