@@ -296,6 +296,7 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         busy = vals.get("vllm:num_requests_running", 0) + vals.get("vllm:num_requests_waiting", 0)
         if not busy or time.monotonic() - t0 > timeout:
             return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
+                    "overlapped_steps": vals.get("dspark:overlapped_steps_total", 0.0),
                     **{key: per_k[name] for name, key in PER_K.items()},
                     "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy,
                     "first_token": {key: (vals.get(f"{name}_sum", 0.0), vals.get(f"{name}_count", 0.0))
@@ -365,6 +366,7 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "tokens_per_event": toks / max(sum(r.events for r in ok), 1), "tau": spec["tau"], "spec_decode": spec,
         "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
         "steps_per_k": per_k_delta(c0, c1, "steps_per_k"), "step_host_ms": c1["step_host_ms"],
+        "overlapped_steps": c1["overlapped_steps"] - c0["overlapped_steps"],
         "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
         "server_idle_at_reads": c0["idle"] and c1["idle"], "client_cpu_fraction": cpu / wall,
         "per_request": [asdict(r) for r in reqs]}
@@ -489,7 +491,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                            for k, v in lv["step_ms_per_k"].items()}
                 log(f"[serve_bench] {where}: {lv['output_tok_s']:.1f} tok/s, "
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
-                    f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})}, "
+                    f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})} "
+                    f"({int(lv.get('overlapped_steps', 0))} overlapped), "
                     f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay) {step_ms}, "
                     f"server first-token ms "
                     f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")

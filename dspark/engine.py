@@ -14,6 +14,14 @@ drafter's block, by expected emitted tokens per millisecond (measured acceptance
 plus the host's time per step); on CPU (no graphs) it drafts the whole block. An int pins k. Under the policy a
 sampled request with a seed decodes plainly (its text is then the AR engine's for that seed); with a pinned k it
 drafts like the others.
+
+Overlap (on by default with graphs): step() leaves the decode step it launches in flight, and the next call queues
+the following step before it reads that one, so the host's work (reading, stop handling, scheduling, a server's
+delivery) runs while the device computes. The device completes the queued step's inputs from the one in flight
+(runner.chain_inputs: each continuing row's pending token, length and room), so nothing waits for the host; the
+host learns the step's result one call later. A row that certainly finishes in flight (no room after it) sits the
+next step out; one that stops on EOS or a stop string costs that step a row whose output is dropped. A step that
+would first flush a row's stashed context rows (drafting after plain steps) waits for the read.
 """
 from __future__ import annotations
 
@@ -22,7 +30,8 @@ import copy
 import gc
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -32,7 +41,7 @@ from dspark.cache.paged import PagedCache
 from dspark.cache.prefix import PrefixCacheConfig
 from dspark.policy import KPolicy
 from dspark.request import Request, RequestOutput, SamplingParams, Status
-from dspark.runner import ModelRunner, RowInput
+from dspark.runner import Launched, ModelRunner, RowInput
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
 
@@ -48,13 +57,21 @@ def sampling_mode(params: list[SamplingParams]) -> str:
     return "filter" if any(p.top_k or p.top_p < 1 for p in sampled) else "sample"
 
 
+@dataclass
+class InFlight:
+    """A launched decode step: its rows (requests, in order), the drafts it verifies, the runner's handle."""
+    reqs: list[Request]
+    k: int
+    step: Launched
+
+
 class Engine:
     def __init__(self, target, drafter=None, num_speculative_tokens: int | None = None, tokenizer=None,
                  max_batch_size: int = 32, max_model_len: int | None = None, num_blocks: int | None = None,
                  block_size: int = 16, prefill_chunk: int = 512, adaptive_verification: bool = False,
                  draft_sample: bool = True, draft_top_k: int = 0, rejection: str = "standard",
                  prefix_caching: bool | PrefixCacheConfig = False, graphs: bool | None = None,
-                 compile: bool = False):
+                 compile: bool = False, overlap: bool | None = None):
         self.target, self.drafter = target, drafter
         self.tokenizer = tokenizer if tokenizer is not None else getattr(target, "tokenizer", None)
         self.device = next(target.parameters()).device
@@ -88,10 +105,12 @@ class Engine:
         self.runner = ModelRunner(target, self.drafts, self.cache, max_batch_size, self.k, rejection, draft_sample,
                                   adaptive_verification, graphs, compile)
         self.policy = KPolicy(self.runner, self.k, self.pinned_k is not None)
-        self.step_requests: list[Request] = []  # the rows of the device step in flight, in order
-        # called once a step's device work is queued, before the step waits for its result: a server hands the
-        # previous step's output to its event loop there, so that work overlaps the device, not the next launch
-        self.on_launch: Callable[[], None] | None = None
+        self.step_requests: list[Request] = []  # the rows of the last launched device step, in order
+        # overlap (default: with graphs): a decode step stays in flight when step() returns, and the next step is
+        # queued before this one is read whenever its inputs can be completed on the device (module doc)
+        self.overlap = self.runner.graphs if overlap is None else overlap
+        self.in_flight: InFlight | None = None
+        self._resolved: list[tuple[Request, list[int]]] = []  # tokens read outside step(), returned by the next one
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.reserved: dict[str, int] = {}
@@ -99,6 +118,7 @@ class Engine:
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
                          "generation_tokens": 0, "target_forwards": 0,
                          "decode_steps_per_k": [0] * (self.k + 1),  # device steps by the drafts they verified
+                         "overlapped_steps": 0,  # decode steps queued while the one before was still in flight
                          # over the requests that emitted their first token: added -> admitted (queue) and
                          # admitted -> first token (prefill), seconds; their sum is the time to first token
                          "first_tokens": 0, "queue_s": 0.0, "prefill_s": 0.0}
@@ -137,7 +157,7 @@ class Engine:
                 self._finish(req, "abort")
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.in_flight or self._resolved)
 
     def _blocks_for(self, req: Request) -> int:
         return math.ceil((len(req.prompt_ids) + req.params.max_tokens + self.k + 1) / self.block_size)
@@ -166,21 +186,33 @@ class Engine:
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self) -> list[tuple[Request, list[int]]]:
-        """One scheduler step. Returns (request, newly emitted token ids) for every request that emitted."""
+        """One scheduler step. Returns (request, newly emitted token ids) for every request that emitted. With
+        overlap, the decode step it launches is read by the next call (its tokens come back then)."""
         self._admit()
-        emitted: list[tuple[Request, list[int]]] = []
+        emitted, self._resolved = self._resolved, []
         prefill = [r for r in self.running if r.status is Status.PREFILL]
-        decode = [r for r in self.running if r.status is Status.DECODE]
         try:
-            if prefill:
+            if prefill:  # a step in flight runs on: the prefill's rows are others'
                 self.policy.step_chain_broken()
                 emitted += self._prefill(prefill)
-            if decode:
-                emitted += self._decode(decode)
+            decode = [r for r in self.running if r.status is Status.DECODE]
+            flight, launched, choice = self.in_flight, None, None
+            if flight is not None:
+                launched, choice = self._launch_chained(flight, decode)
+                self.in_flight = None
+                emitted = self._read(flight) + emitted
+                decode = [r for r in self.running if r.status is Status.DECODE]
+            if launched is None and decode:
+                same = choice is not None and [id(r) for r in choice[0]] == [id(r) for r in decode]
+                launched = self._launch(decode, choice[1] if same else self._choose_k(decode))
+            self.in_flight = launched
+            if launched is not None and not self.overlap:
+                self.in_flight = None
+                emitted += self._read(launched)
         except Exception:
-            for r in prefill + decode:  # never leave a half-updated request holding cache
-                if r.status is not Status.FINISHED:
-                    self._finish(r, "error")
+            self.in_flight = None
+            for r in list(self.running):  # never leave a half-updated request holding cache
+                self._finish(r, "error")
             raise
         return emitted
 
@@ -217,8 +249,6 @@ class Engine:
                                torch.tensor([r.params.top_p for r in rows], device=dev) if filt else 1.0)
         first = self.runner.sample_first(last, sampling, torch.tensor([r.seed for r in rows], device=dev),
                                          torch.tensor([len(r.prompt_ids) for r in rows], device=dev))
-        if self.on_launch is not None:
-            self.on_launch()
         first = first.tolist()
         emitted, now, c = [], time.perf_counter(), self.counters
         for r, tok in zip(rows, first):
@@ -230,34 +260,77 @@ class Engine:
             emitted.append((r, self._emit(r, [tok])))
         return emitted
 
-    def _decode(self, reqs: list[Request]):
-        """One device step for every decoding request (the runner's graph for this batch bucket)."""
+    def _choose_k(self, reqs: list[Request], ahead: int = 0) -> int:
+        """The step's drafts: the policy's (module doc), or 0 when every row is a seeded sampled one under it. ahead:
+        tokens the step in flight may still add to each row."""
+        plain = [self.pinned_k is None and r.params.seed is not None and r.params.temperature > 0 for r in reqs]
+        if all(plain):
+            return 0
+        return self.policy.choose(len(reqs), max(r.num_computed for r in reqs) + ahead,
+                                  sampling_mode([r.params for r in reqs]))
+
+    def _launch_chained(self, flight: InFlight, decode: list[Request]
+                        ) -> tuple[InFlight | None, tuple[list[Request], int] | None]:
+        """The next step queued before `flight` is read, its rows continuing flight's on the device, when its
+        inputs do not need the host to know flight's result. The rows that certainly finish in flight (no room
+        after it) sit it out. Not launched (None) when each row left may finish in flight (its room is within what
+        flight may emit: a step wasted on a finished request costs more than waiting for the read), or when a row
+        would need a context flush first; then also (rows, k) if a k was chosen for them (one choice per step)."""
+        if not self.overlap:
+            return None, None
+        rows = {id(r): b for b, r in enumerate(flight.reqs)}
+        room = {id(r): r.params.max_tokens - len(r.output_ids) for r in decode}
+        reqs = [r for r in decode if id(r) not in rows or room[id(r)] > 1]
+        if all(id(r) in rows and room[id(r)] <= flight.k + 1 for r in reqs):
+            return None, None
+        k = self._choose_k(reqs, flight.k + 1)
+        if k > 0 and flight.k == 0 and any(id(r) in rows for r in reqs):  # stashed context rows to flush first
+            return None, (reqs, k)
+        return self._launch(reqs, k, flight, [rows.get(id(r), -1) for r in reqs]), None
+
+    def _launch(self, reqs: list[Request], k: int, chain: InFlight | None = None, src: list[int] | None = None
+                ) -> InFlight:
+        """Queue one device step for these rows (the runner's graph for their batch bucket). chain: the step in
+        flight, src: each row's row in it (-1: none); such rows may grow by up to chain.k + 1 tokens before this
+        step starts."""
         self.policy.step_started()
         ps = [r.params for r in reqs]
         mode = sampling_mode(ps)
-        longest = max(r.num_computed for r in reqs)
-        # a seeded sampled row decodes plainly unless k is pinned: which tokens it draws depends on where its blocks
-        # start, so under the policy's changing k its seed would not fix its text
         plain = [self.pinned_k is None and p.seed is not None and p.temperature > 0 for p in ps]
-        k = 0 if all(plain) else self.policy.choose(len(reqs), longest, mode)
-        if k > 0:
+        if k > 0 and chain is None:
             self._flush_context(reqs)
-        key = self.runner.key_for(len(reqs), k, longest + k + 1, mode)
+        src = src or [-1] * len(reqs)
+        ahead = [0 if s < 0 else chain.k + 1 for s in src]
         rids = [r.id for r in reqs]
-        num_cached, tables, slots = self.cache.step_rows(rids, k + 1)
-        rows = [RowInput(r.last_token, 0 if no else max(0, min(k, p.max_tokens - len(r.output_ids) - 1)), r.seed,
-                         p.temperature, p.top_k, p.top_p) for r, p, no in zip(reqs, ps, plain)]
+        # room for this step after what the step in flight may add, within each request's reservation
+        counts = [min(a + k + 1, self._blocks_for(r) * self.block_size - self.cache.num_tokens(r.id))
+                  for r, a in zip(reqs, ahead)]
+        num_cached, tables, slots = self.cache.step_rows(rids, counts)
+        key = self.runner.key_for(len(reqs), k, max(c + a for c, a in zip(num_cached, ahead)) + k + 1, mode)
+        rows = []
+        for r, p, no, s in zip(reqs, ps, plain, src):
+            room = p.max_tokens - len(r.output_ids)
+            rows.append(RowInput(r.last_token, 0 if no else max(0, min(k, room - 1)), r.seed, p.temperature,
+                                 p.top_k, p.top_p, room, s))
         self.counters["target_forwards"] += 1
         self.counters["decode_steps_per_k"][k] += 1
+        self.counters["overlapped_steps"] += chain is not None
         self.step_requests = reqs
-        outs = self.runner.decode(rows, tables, num_cached, slots, key, self.on_launch)
-        self.policy.step_replayed(self.runner.last_replay_ms, k)
-        self.cache.advance(rids, [o[0] + 1 for o in outs])
+        launched = self.runner.launch(rows, tables, num_cached, slots, key)
+        self.policy.step_replayed(launched.ms, k)
+        return InFlight(reqs, k, launched)
+
+    def _read(self, flight: InFlight) -> list[tuple[Request, list[int]]]:
+        """Wait for a launched step and commit its result: each row's accepted drafts and next token (rows whose
+        request finished meanwhile, by a stop or an abort, are dropped)."""
+        outs = self.runner.read(flight.step)
+        live = [(r, o) for r, o in zip(flight.reqs, outs) if r.status is not Status.FINISHED]
+        self.cache.advance([r.id for r, _ in live], [o[0] + 1 for _, o in live])
         emitted = []
-        for r, o in zip(reqs, outs):
+        for r, o in live:
             a, n = o[0], o[1]
             r.num_computed += a + 1
-            r.num_context = r.num_computed if k > 0 else r.num_context
+            r.num_context = r.num_computed if flight.k > 0 else r.num_context
             r.num_steps += 1
             if self.drafts is not None:
                 r.accepted_per_step.append(a)
@@ -265,6 +338,12 @@ class Engine:
                 self._count(n, a, "greedy" if r.params.temperature == 0 else "sampled")
             emitted.append((r, self._emit(r, o[2: a + 3])))
         return emitted
+
+    def sync(self) -> None:
+        """Read the step in flight, if any (its tokens come back from the next step())."""
+        if self.in_flight is not None:
+            flight, self.in_flight = self.in_flight, None
+            self._resolved += self._read(flight)
 
     def _flush_context(self, reqs: list[Request]) -> None:
         """Before a drafting step: the drafter's context rows of the positions plain steps only stashed."""
@@ -360,6 +439,7 @@ class Engine:
         """After a request's prefill (it has emitted its first token): its tokens, sampling state and cache
         (paged KV rows incl. the drafter context + the per-request KDA state), detached; the request leaves this
         engine. The single-machine form of prefill/decode disaggregation."""
+        self.sync()  # the request's cache holds what the step in flight writes only once that step is read
         req = next((r for r in self.running if r.id == request_id), None)
         if req is None or req.status is not Status.DECODE or req.finish_reason is not None:
             raise ValueError(f"export_prefilled: request {request_id!r} is not running with its prefill done")

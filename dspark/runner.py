@@ -6,7 +6,8 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
     drafter's context rows -> verify (greedy, or Leviathan / block rejection with per-row parameters and counter-based
     uniforms) -> KDA commit of a + 1 tokens -> packed [a, n, emitted tokens]
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
-eagerly. k = 0 is plain decoding: of the drafter's context it writes only ctx = context(aux) per position (one GEMM, a
+eagerly. Its first ops complete the inputs of rows that continue a row of the step before (chain_inputs, from that
+step's output kept in `carry`), so a step can be queued while the one before is still in flight. k = 0 is plain decoding: of the drafter's context it writes only ctx = context(aux) per position (one GEMM, a
 norm and a copy, where the full context write is some 30 kernels: a plain step then costs about what an AR step
 does); flush_context turns the stashed positions into context rows, eagerly, before a request drafts again.
 
@@ -30,13 +31,13 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.cache.paged import PagedCache
+from dspark.kernels.chain_inputs import chain_inputs as chain_inputs_op
 from dspark.models.k3.moe import LatentMoE, moe_graph_safe, set_static_moe
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
@@ -51,7 +52,9 @@ PREFILL_MIN = 64  # the narrowest prefill graph (prefill widths are powers of tw
 PREFILL_GRAPH_ROWS = 64
 PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
-_I = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5}  # int columns, then the table
+# int columns, then the table. room: tokens the request may still emit; src: the row of the step before this one that
+# this row continues (-1: its pending token and length are the host's): chain_inputs
+_I = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5, "room": 6, "src": 7}
 NI = len(_I)
 
 
@@ -96,13 +99,34 @@ class _Prefill:
 
 @dataclass
 class RowInput:
-    """One live row of a decode step (host values)."""
+    """One live row of a decode step (host values; with src >= 0, pending, num_cached and num_drafts are completed on
+    the device from the step in flight: chain_inputs)."""
     pending: int  # the last emitted token (position num_cached)
     num_drafts: int  # drafts to verify, <= k
     seed: int
     temperature: float
     top_k: int
     top_p: float
+    room: int = 1 << 30  # tokens the request may still emit
+    src: int = -1  # this row's row in the step in flight, or -1
+
+
+@dataclass
+class Launched:
+    """A decode step queued on the device: its output's copy for the host (pinned on CUDA) and the event that says
+    the copy is done."""
+    host: torch.Tensor  # [live, k + 3]
+    done: torch.cuda.Event | None
+    live: int
+    ms: float | None  # the graph's replay time (None: it ran eagerly)
+
+
+def chain_inputs(ints: torch.Tensor, prev: torch.Tensor) -> None:
+    """Complete a step's inputs on the device from the step before it (the step's first op, so a step can be queued
+    while that one is in flight): every row with a src (ints[:, src] >= 0) continues that row of prev [rows', C] =
+    [a, n, t_0 .. t_k', ...]: its pending token is t_a, its length grows by a + 1, its room shrinks by a + 1 and its
+    drafts are capped by that room (dspark/kernels/chain_inputs.py). ints [rows, NI + W] in place."""
+    chain_inputs_op(ints, prev, **{c: _I[c] for c in ("pending", "num_cached", "num_new", "room", "src")})
 
 
 class _Step:
@@ -113,7 +137,7 @@ class _Step:
         self.ints = torch.zeros(key.rows, NI + key.width, dtype=torch.long, device=device)
         self.floats = torch.zeros(key.rows, 2, dtype=torch.float32, device=device)  # temperature, top_p
         # host staging (pinned on CUDA), filled in place each step through numpy views; its padding rows are set
-        # once. Reused safely: each step ends with a read that waits for the device, copies included.
+        # once. Refilled only after the event `staged` says the last copy out of it ran.
         pin = device.type == "cuda"
         self.ints_host = torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=pin)
         self.floats_host = torch.zeros(self.floats.shape, dtype=torch.float32, pin_memory=pin)
@@ -122,6 +146,7 @@ class _Step:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.ms: float | None = None  # replay time, measured at capture
+        self.staged: torch.cuda.Event | None = None  # recorded after the last copy out of the host staging buffers
 
 
 class ModelRunner:
@@ -151,6 +176,13 @@ class ModelRunner:
         moes = [m for m in target.modules() if isinstance(m, LatentMoE)]
         set_static_moe(target, max([max_batch_size * (max_k + 1)] + [m.static_tokens for m in moes]))
         self.last_replay_ms: float | None = None  # the last decode step's replay time (None: it ran eagerly)
+        self.max_k = max_k
+        # the last step's output [a, n, t_0 .. t_k], which the next step's chain_inputs read (outside the graphs'
+        # memory pool: a prefill's replay may reuse that memory in between)
+        self.carry = torch.zeros(self.buckets[-1], max_k + 3, dtype=torch.long, device=self.device)
+        # (pinned buffer, event) for the host's copies of two steps' outputs (CUDA), in turns (launch)
+        self._outs: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None, None]
+        self._flip = 0
         self.wait_s = 0.0  # host seconds spent waiting for the device in decode steps' reads (bench accounting)
 
     # ------------------------------------------------------------------ forward pieces
@@ -190,6 +222,7 @@ class ModelRunner:
             if not self.compiled:
                 raise
             self._uncompile(err)
+            st.ints.copy_(st.ints_host)  # as launched: chain_inputs changed it in place
             return self._step_fn(st)
 
     # ------------------------------------------------------------------ prefill
@@ -320,6 +353,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step (device ops only)
     def _step_fn(self, st: _Step) -> torch.Tensor:
+        """chain_inputs, the step, and its output kept in `carry` for the next step."""
+        chain_inputs(st.ints, self.carry)
+        out = self._step_body(st)
+        self.carry[:out.shape[0], :out.shape[1]].copy_(out)
+        return out
+
+    def _step_body(self, st: _Step) -> torch.Tensor:
         key, ints, k = st.key, st.ints, st.key.k
         forward = self._compiled_forward or self.forward
         # columns as contiguous vectors: the Triton kernels (KDA step, Markov loop) index them as dense arrays
@@ -391,7 +431,7 @@ class ModelRunner:
 
     def _pad_row(self, width: int) -> list[int]:
         """A padding row's ints: one valid token at position 0, writes to the scratch block and slot only."""
-        return [0, 0, 1, self.cache.scratch_slot, 0, 0] + [self.cache.scratch_block] * width
+        return [0, 0, 1, self.cache.scratch_slot, 0, 0, 1, -1] + [self.cache.scratch_block] * width
 
     def _capture_fn(self, fn, holder, warmup: int) -> torch.Tensor:
         """Run fn `warmup` times on a side stream (lazy loading, Triton autotuning), then capture it into
@@ -420,6 +460,7 @@ class ModelRunner:
 
     @torch.no_grad()
     def _capture(self, st: _Step, warmup: int = 2, timed: int = 3) -> None:
+        carry = self.carry.clone()  # a step may be in flight: the next one reads its output, which these runs overwrite
         st.ints.copy_(st.ints_host)  # padding rows only
         st.floats.copy_(st.floats_host)
         self._run(st)  # a compiled step that fails falls back to eager here, before the capture
@@ -433,21 +474,24 @@ class ModelRunner:
             end.synchronize()
             best = min(best, start.elapsed_time(end))
         st.ms = best
+        self.carry.copy_(carry)
 
     def step_ms(self, key: StepKey) -> float | None:
         """The replay time of a key's graph (captured now if needed); None without graphs."""
         return self._get(key).ms if self.graphs else None
 
     @torch.no_grad()
-    def decode(self, rows: list[RowInput], tables: list[list[int]], num_cached: list[int], slots: list[int],
-               key: StepKey, launched: Callable[[], None] | None = None) -> list[list[int]]:
-        """One step for the live rows (tables: each row's blocks, padded here with the scratch block to key.width)
-        -> per row [a, n, t_0 .. t_k]: a accepted drafts, n verified, then the emitted tokens (a drafts and the next
-        token; -1 after). launched() runs once the step is queued on the device, before its read."""
+    def launch(self, rows: list[RowInput], tables: list[list[int]], num_cached: list[int], slots: list[int],
+               key: StepKey) -> Launched:
+        """Queue one step for the live rows (tables: each row's blocks, padded here with the scratch block to
+        key.width); on CPU it runs now. Rows with a src continue that row of the step launched before this one
+        (chain_inputs), which may still be in flight. read() returns its result."""
         st = self._get(key)
         B, W, ints, flo = len(rows), key.width, st.ints_np, st.floats_np
+        if st.staged is not None:  # the last copy out of this staging buffer has run (with a step in flight it may not)
+            st.staged.synchronize()
         # whole-array numpy writes: a per-row loop of small writes costs milliseconds of host time at 512 rows
-        ints[:B, :NI] = [(r.pending, c, r.num_drafts + 1, s, r.seed, r.top_k)
+        ints[:B, :NI] = [(r.pending, c, r.num_drafts + 1, s, r.seed, r.top_k, r.room, r.src)
                          for r, c, s in zip(rows, num_cached, slots)]
         ints[:B, NI:] = self.cache.scratch_block
         for b, t in enumerate(tables):
@@ -458,17 +502,36 @@ class ModelRunner:
             ints[B:st.live] = self._pad_row(key.width)
             flo[B:st.live] = (0.0, 1.0)
         st.live = B
+        cuda = self.device.type == "cuda"
         st.ints.copy_(st.ints_host, non_blocking=True)
         st.floats.copy_(st.floats_host, non_blocking=True)
+        if cuda:
+            st.staged = st.staged or torch.cuda.Event()
+            st.staged.record()
         if st.graph is not None:
             st.graph.replay()
             out = st.out
         else:
             out = self._run(st)
         self.last_replay_ms = st.ms
-        if launched is not None:
-            launched()
+        done, host = None, out[:B]
+        if cuda:  # the copy the host reads, into one of two pinned buffers (one step's read while the next one's fills)
+            self._flip ^= 1
+            if self._outs[self._flip] is None:
+                self._outs[self._flip] = (torch.empty(self.buckets[-1], self.max_k + 3, dtype=out.dtype,
+                                                      pin_memory=True), torch.cuda.Event())
+            buf, done = self._outs[self._flip]
+            host = buf[:B, :out.shape[1]]
+            host.copy_(out[:B], non_blocking=True)
+            done.record()
+        return Launched(host, done, B, st.ms)
+
+    def read(self, step: Launched) -> list[list[int]]:
+        """Wait for a launched step -> per row [a, n, t_0 .. t_k]: a accepted drafts, n verified, then the emitted
+        tokens (a drafts and the next token; -1 after)."""
         t0 = time.perf_counter()
-        res = out[:B].tolist()  # the step's one host read
+        if step.done is not None:
+            step.done.synchronize()
+        res = step.host.tolist()
         self.wait_s += time.perf_counter() - t0
         return res

@@ -21,7 +21,8 @@ def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *
                 max_batch_size: int = 32, max_model_len: int | None = None, adaptive_verification: bool = False,
                 draft_top_k: int = 0, served_model_name: str | None = None, max_concurrent: int = 64,
                 device: str = "auto", dtype: str = "auto", api_key: str | None = None,
-                max_prompt_bytes: int | None = None, enforce_eager: bool = False, compile: bool = False):
+                max_prompt_bytes: int | None = None, enforce_eager: bool = False, compile: bool = False,
+                async_scheduling: bool | None = None):
     """Load the models, start the engine thread and return the FastAPI app (app.state.runner holds the thread)."""
     from dspark.checkpoint import load_drafter, load_target
     from dspark.device import resolve_device, resolve_dtype
@@ -35,7 +36,8 @@ def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *
     drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
     engine = Engine(target, drafter, num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
                     max_model_len=max_model_len, adaptive_verification=adaptive_verification,
-                    draft_top_k=draft_top_k, graphs=False if enforce_eager else None, compile=compile)
+                    draft_top_k=draft_top_k, graphs=False if enforce_eager else None, compile=compile,
+                    overlap=async_scheduling)
     # the greedy and sampled step graphs captured before the first request; those of top-k / top-p requests (they
     # sort the vocabulary) at their first use: a third more graphs at start for a mode few clients send
     engine.warmup(modes=("greedy", "sample"), progress=True)

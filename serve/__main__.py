@@ -61,6 +61,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "much slower on a GPU)")
     p.add_argument("--compile", action="store_true", help="ours: torch.compile the decode step before its graphs are "
                    "captured (a longer start: bench/RESULTS.md)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="ours: queue each decode step before the previous one is read, so the host's work overlaps "
+                   "the device (vLLM's flag; default: on with CUDA graphs)")
     p.add_argument("--dry-run", action="store_true", help="vllm: print the command only; ours: load and exit")
     return p.parse_args(argv)
 
@@ -162,12 +165,14 @@ def _run_ours(args) -> int:
                       adaptive_verification=o.adaptive_verification, draft_top_k=o.draft_top_k,
                       served_model_name=o.served_model_name, max_concurrent=args.max_concurrent, device=o.device,
                       dtype=o.dtype, api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes,
-                      enforce_eager=args.enforce_eager, compile=args.compile)
+                      enforce_eager=args.enforce_eager, compile=args.compile,
+                      async_scheduling=args.async_scheduling)
     cfg, eng = app.state.cfg, app.state.runner.engine
     print(f"serving {cfg.served_model_name!r} on http://{o.host}:{o.port}/v1 ({o.device}, {o.dtype}, k={eng.k}, "
           f"max_model_len={eng.max_model_len}, max_batch_size={eng.max_batch_size}, "
           f"max_concurrent={cfg.max_concurrent}, auth={'on' if cfg.api_key else 'off'}, "
-          f"graphs={'on' if eng.runner.graphs else 'off'}, compiled={'on' if eng.runner.compiled else 'off'}"
+          f"graphs={'on' if eng.runner.graphs else 'off'}, compiled={'on' if eng.runner.compiled else 'off'}, "
+          f"async_scheduling={'on' if eng.overlap else 'off'}"
           f"{step_times(eng)})", flush=True)
     if args.dry_run:
         shutdown(app)

@@ -131,6 +131,8 @@ def metrics_text(runner: EngineRunner, model: str) -> str:
            [(lab, c["generation_tokens"])])
     metric("dspark:decode_steps_total", "counter", "Decode steps by the drafts per row the engine chose (k).",
            [(f'{lab},k="{k}"', v) for k, v in enumerate(c["decode_steps_per_k"])])
+    metric("dspark:overlapped_steps_total", "counter", "Decode steps queued while the one before was in flight "
+           "(async scheduling).", [(lab, c.get("overlapped_steps", 0))])
     metric("dspark:step_host_ms", "gauge", "Host time per decode step beyond its graph replay (moving average).",
            [(lab, c.get("host_ms", 0.0))])
     for key, name, kind, help_ in [

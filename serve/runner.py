@@ -83,11 +83,6 @@ class EngineRunner:
         self.snapshot = self._snap()
         self._out: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}  # events to deliver
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
-        # a step's events are handed to their event loops once the next step is queued on the device (engine.on_launch)
-        # rather than at once: the loop's work then runs while the device works, and never holds the GIL while the
-        # engine thread prepares a launch
-        self._launched = False
-        engine.on_launch = self._on_launch
 
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> EngineRunner:
@@ -134,11 +129,9 @@ class EngineRunner:
                         cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = ...
-                self._launched = False
                 if self.engine.has_work():
-                    self._step()
-                if not (self._launched and self.engine.has_work()):  # no next step to overlap the delivery with
-                    self._flush()
+                    self._step()  # with the engine's overlap its next step is queued: the delivery overlaps it
+                self._flush()
                 self.snapshot = self._snap()
         except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop
             self.error = f"engine thread died: {type(e).__name__}: {e}"
@@ -147,7 +140,6 @@ class EngineRunner:
                 self._finish(rid, "error", self.error)
         finally:
             self._flush()
-            self.engine.on_launch = None  # no cycle engine -> runner: a stopped server's engine frees without the gc
             self._exited.set()
             self._drain()
 
@@ -225,10 +217,6 @@ class EngineRunner:
         self.recent.append(r.output())
         self._push(s, Event(list(toks), self._delta(s, final=True), reason, len(r.prompt_ids), len(r.output_ids),
                             error))
-
-    def _on_launch(self) -> None:
-        self._launched = True
-        self._flush()
 
     def _push(self, s: _Stream, ev: Event) -> None:
         self._out.setdefault(s.loop, []).append((s.events, ev))

@@ -38,6 +38,7 @@ def _interp_checks() -> dict:
     """Runs with TRITON_INTERPRET=1: name -> [max abs error, tolerance]."""
     from dspark.kernels import interpreting
     from dspark.kernels.attn_res import attn_res_mix_ref, attn_res_mix_triton
+    from dspark.kernels.chain_inputs import chain_inputs_triton
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
     from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
     from dspark.kernels.mxfp4_matmul import (
@@ -119,7 +120,27 @@ def _interp_checks() -> dict:
         res[name] = [float((ri != ki).sum()), 0.0]
         res[name + "_logit"] = [_err(rl, kl), 1e-5]
     res.update(_decode_checks(g))
+    seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
+    res["chain_inputs"] = [float((_chain_case("cpu", seed, chain_inputs_triton) != _chain_case("cpu", seed,
+                                                                                             None)).sum()), 0.0]
     return res
+
+
+def _chain_case(device, seed, op, rows=37, width=5):
+    """chain_inputs on one random case: ints [rows, 8 + width] (src -1 for a third of the rows, room from 1), prev
+    [23, 9] (a <= 6 accepted drafts); -> ints after op (None: the reference)."""
+    from dspark.kernels.chain_inputs import chain_inputs_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    ints = torch.randint(0, 1000, (rows, 8 + width), generator=gen)
+    ints[:, 2] = torch.randint(1, 8, (rows,), generator=gen)  # num_new
+    ints[:, 6] = torch.randint(1, 12, (rows,), generator=gen)  # room
+    ints[:, 7] = torch.where(torch.rand(rows, generator=gen) < 1 / 3, -1, torch.randint(0, 23, (rows,), generator=gen))
+    prev = torch.randint(0, 1000, (23, 9), generator=gen)
+    prev[:, 0] = torch.randint(0, 7, (23,), generator=gen)
+    ints, prev = ints.to(device), prev.to(device)
+    (op or chain_inputs_ref)(ints, prev, pending=0, num_cached=1, num_new=2, room=6, src=7)
+    return ints.cpu()
 
 
 def _decode_checks(g) -> dict:
@@ -216,7 +237,7 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",
-                "k3_engine_pair_tokens", "k3_engine_pair_accepted", "k3_engine_batch_tokens"]
+                "k3_engine_pair_tokens", "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU box tests the compiled kernels (test_cuda_*); the "
@@ -411,3 +432,13 @@ def test_cuda_grouped_gemv():
     x, idx = torch.randn(4, 2048, device="cuda").bfloat16(), torch.tensor([5, 63, 5, 0], device="cuda")
     ref = grouped_gemv_ref(x.float(), w.float(), idx)
     assert _err(grouped_gemv_triton(x, w, idx), ref) <= 1e-2 * ref.abs().max().item()
+
+
+@cuda
+def test_cuda_chain_inputs():
+    """The chain kernel at one row and at a regeneration's batch (512 rows, two programs) equals its reference."""
+    from dspark.kernels.chain_inputs import chain_inputs_triton
+
+    for seed, rows in ((0, 1), (1, 512)):
+        assert torch.equal(_chain_case("cuda", seed, chain_inputs_triton, rows=rows), _chain_case("cpu", seed, None,
+                                                                                                 rows=rows))

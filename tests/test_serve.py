@@ -222,15 +222,15 @@ def test_seeded_sampling_is_reproducible(client):
 
 def test_engine_error_is_500_and_server_survives(server, client, monkeypatch, caplog):
     eng = server.app.state.runner.engine
-    decode, calls = eng._decode, []
+    launch, calls = eng._launch, []
 
-    def broken(reqs):  # the engine's own except-path finishes the batch with "error" and re-raises
+    def broken(*a, **kw):  # the engine's own except-path finishes the batch with "error" and re-raises
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("boom in decode")
-        return decode(reqs)
+        return launch(*a, **kw)
 
-    monkeypatch.setattr(eng, "_decode", broken)
+    monkeypatch.setattr(eng, "_launch", broken)
     with caplog.at_level("ERROR", logger="serve"), pytest.raises(openai.InternalServerError) as e:
         client.completions.create(model="tiny-target", prompt="def f():", max_tokens=8, temperature=0)
     msg = e.value.body["message"]
@@ -331,9 +331,9 @@ def test_cli_defaults_and_host_warning(models, capsys, caplog):
     capsys.readouterr()
     graphs = "on" if torch.cuda.is_available() else "off"  # CUDA graphs by default where there is a GPU
     assert serve_main(base + ["--port", str(free_port()), "--compile"]) == 0
-    assert f"graphs={graphs}, compiled=on" in capsys.readouterr().out
-    assert serve_main(base + ["--port", str(free_port()), "--enforce-eager"]) == 0
-    assert "graphs=off, compiled=off" in capsys.readouterr().out
+    assert f"graphs={graphs}, compiled=on, async_scheduling={graphs}" in capsys.readouterr().out
+    assert serve_main(base + ["--port", str(free_port()), "--enforce-eager", "--async-scheduling"]) == 0
+    assert "graphs=off, compiled=off, async_scheduling=on" in capsys.readouterr().out
 
 
 def test_banner_shows_the_k_policys_step_times(server, monkeypatch):

@@ -1,0 +1,163 @@
+"""The engine's overlap on CPU fp32: a decode step left in flight, the next one queued before it is read, its inputs
+completed on the device (dspark.runner.chain_inputs). Against an engine that reads every step at once: the same
+tokens, accepted counts and finish reasons (AR and speculative, greedy and seeded-sampled, rows ending on length, on
+a stop token and by abort, requests joining mid-run, plain and drafting steps mixed), the target's greedy, a cache
+left empty, and steps that really were overlapped."""
+import asyncio
+
+import pytest
+import torch
+
+from dspark.engine import Engine
+from dspark.request import SamplingParams
+from dspark.runner import _I, NI, chain_inputs
+from serve.runner import EngineRunner
+from tests.targets import make_target
+from tests.test_drafter_k3 import make_k3_drafter
+from tests.test_engine import make_drafter, reference_greedy
+from tests.test_runner import live_markov
+
+V = 300
+
+
+@pytest.fixture(scope="module", params=["qwen3", "k3"])
+def pair(request):
+    target = make_target(request.param, vocab=V)
+    drafter = make_drafter(target) if request.param == "qwen3" else make_k3_drafter(target)
+    return target, live_markov(drafter)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(2, V, (n,), generator=g).tolist() for n in (4, 13, 7, 21, 9)]
+
+
+def run(engine, prompts, params, arrive_at=(0, 0, 0, 3, 7), abort=None):
+    """Requests added at the step numbers arrive_at; abort=(step, index) cancels one; -> outputs in prompt order."""
+    reqs, step = [None] * len(prompts), 0
+    while step <= max(arrive_at) or engine.has_work():
+        for i, at in enumerate(arrive_at):
+            if at == step:
+                reqs[i] = engine.add_request(prompts[i], params[i], request_id=f"r{i}")
+        if abort is not None and step == abort[0]:
+            engine.abort(reqs[abort[1]].id)
+        engine.step()
+        step += 1
+    assert engine.in_flight is None and engine.cache.pool.num_used == 0
+    return [r.output() for r in reqs]
+
+
+def same(a, b):
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+
+
+def test_chain_inputs_continue_the_rows_of_the_step_in_flight():
+    """Rows with a src take t_a of that row as their pending token, grow by a + 1 and cap their drafts by the room
+    left; rows without one and padding rows keep the host's values."""
+    prev = torch.tensor([[2, 3, 11, 12, 13, -1], [0, 3, 21, -1, -1, -1], [3, 3, 31, 32, 33, 34]])  # [a, n, t0..t3]
+    ints = torch.zeros(4, NI + 2, dtype=torch.long)
+    cols = ("pending", "num_cached", "num_new", "room", "src")
+    host = [(5, 10, 4, 50, 2), (6, 20, 4, 3, 0), (7, 30, 2, 9, -1), (0, 0, 1, 1, -1)]  # the last: padding
+    for b, row in enumerate(host):
+        for c, v in zip(cols, row):
+            ints[b, _I[c]] = v
+    before = ints.clone()
+    chain_inputs(ints, prev)
+    got = [[int(ints[b, _I[c]]) for c in ("pending", "num_cached", "num_new")] for b in range(4)]
+    # row 0 continues row 2 (a = 3): t_3, 10 + 4, room 50 - 4 leaves its 3 drafts; row 1 continues row 0 (a = 2):
+    # t_2, 20 + 3, room 3 - 3 = 0 leaves no draft; row 2 has no src; row 3 is padding
+    assert got == [[34, 14, 4], [13, 23, 1], [7, 30, 2], [0, 0, 1]]
+    assert torch.equal(ints[:, _I["seed"]], before[:, _I["seed"]]) and torch.equal(ints[:, NI:], before[:, NI:])
+
+
+@pytest.mark.parametrize("spec", ["ar", "pinned", "policy"])
+def test_overlap_gives_the_tokens_of_reading_every_step(pair, prompts, spec):
+    """Greedy rows of different lengths, one ending on a stop token, a seeded sampled row (top-p), requests joining
+    at steps 3 and 7 (prefilled while a step is in flight): the same outputs as without overlap, greedy rows the
+    target's own, and most decode steps queued behind the one before."""
+    target, drafter = pair
+    d, k = (None, None) if spec == "ar" else (drafter, 3 if spec == "pinned" else None)
+    refs = [reference_greedy(target, p, 16) for p in prompts]
+    stop = refs[2][6]
+    params = [SamplingParams(max_tokens=16, ignore_eos=True), SamplingParams(max_tokens=9, ignore_eos=True),
+              SamplingParams(max_tokens=16, stop_token_ids=[stop], ignore_eos=True),
+              SamplingParams(max_tokens=14, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True),
+              SamplingParams(max_tokens=11, ignore_eos=True)]
+    want = run(Engine(target, d, k, max_batch_size=4, prefill_chunk=8, overlap=False), prompts, params)
+    engine = Engine(target, d, k, max_batch_size=4, prefill_chunk=8, overlap=True)
+    got = run(engine, prompts, params)
+    same(got, want)
+    assert [o.accepted_per_step for o in got] == [o.accepted_per_step for o in want]
+    for i in (0, 1, 4):
+        assert got[i].token_ids == refs[i][: params[i].max_tokens]
+    assert got[2].token_ids == refs[2][: refs[2].index(stop) + 1] and got[2].finish_reason == "stop"
+    c = engine.metrics()
+    assert c["overlapped_steps"] >= sum(c["decode_steps_per_k"]) // 2
+    if d is not None:
+        assert c["num_accepted_tokens"] > 0  # the drafts do get accepted (a live Markov head on a random drafter)
+
+
+def test_overlap_across_plain_and_drafting_steps(pair, prompts, monkeypatch):
+    """Under a k schedule of plain runs and drafting steps (a drafting step after a plain one waits for the read: the
+    stashed context rows are flushed first) the greedy rows stay the target's, a seeded sampled row the AR engine's
+    for its seed (it decodes plainly under the policy), and an aborted request frees its cache."""
+    target, drafter = pair
+    engine = Engine(target, drafter, max_batch_size=4, prefill_chunk=8, overlap=True)
+    schedule = iter([0, 0, 3, 3, 0, 3, 1, 0, 0, 3] * 20)
+    monkeypatch.setattr(engine.policy, "choose", lambda *a: next(schedule))
+    params = [SamplingParams(max_tokens=16, ignore_eos=True)] * 3 + [
+        SamplingParams(max_tokens=14, temperature=0.9, seed=8, ignore_eos=True),
+        SamplingParams(max_tokens=12, ignore_eos=True)]
+    got = run(engine, prompts, params, abort=(5, 1))
+    ar = run(Engine(target, None, max_batch_size=4, overlap=True), prompts, params, abort=(5, 1))
+    for i in (0, 2, 4):
+        assert got[i].token_ids == reference_greedy(target, prompts[i], params[i].max_tokens)
+    assert got[3].token_ids == ar[3].token_ids
+    assert got[1].finish_reason == "abort" and len(got[1].token_ids) < 16
+    per_k = engine.metrics()["decode_steps_per_k"]
+    assert per_k[0] > 0 and per_k[3] > 0 and engine.metrics()["overlapped_steps"] > 0
+
+
+def test_handoff_reads_the_step_in_flight(pair, prompts):
+    """export_prefilled with a step in flight reads it first: the moved requests continue to the target's greedy."""
+    target, drafter = pair
+    src = Engine(target, drafter, max_batch_size=4, overlap=True)
+    dst = Engine(target, drafter, max_batch_size=4, overlap=True)
+    reqs = [src.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts[:3]]
+    while any(not r.output_ids for r in reqs):
+        src.step()
+    assert src.in_flight is not None
+    moved = [dst.import_prefilled(src.export_prefilled(r.id)) for r in reqs]
+    assert src.cache.pool.num_used == 0
+    while dst.has_work():
+        dst.step()
+    assert [r.output_ids for r in moved] == [reference_greedy(target, p, 12) for p in prompts[:3]]
+
+
+def test_served_streams_carry_the_overlapped_tokens(pair, prompts):
+    """The server's engine thread over an overlapping engine: each stream's events add up to the request's tokens,
+    the same as reading every step, and end with the finish reason."""
+    target, drafter = pair
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9)]
+    want = Engine(target, drafter, max_batch_size=4, overlap=False).generate(prompts[:3], params)
+
+    async def stream(runner, i):
+        _, events = await runner.submit(prompts[i], params[i], f"s{i}")
+        toks = []
+        while True:
+            ev = await events.get()
+            toks += ev.token_ids
+            if ev.finish_reason is not None:
+                return toks, ev.finish_reason
+
+    async def main():
+        runner = EngineRunner(Engine(target, drafter, max_batch_size=4, overlap=True)).start()
+        try:
+            return await asyncio.gather(*(stream(runner, i) for i in range(3)))
+        finally:
+            runner.stop()
+
+    got = asyncio.run(main())
+    assert [t for t, _ in got] == [o.token_ids for o in want] and all(r == "length" for _, r in got)
