@@ -117,7 +117,8 @@ def test_k_per_step_follows_measured_step_times(targets, prompts):
     target = targets["qwen3"]
     refs = [reference_greedy(target, p, N_NEW) for p in prompts]
     for spec_cost in (-0.5, 40.0):  # step time with k drafts: 1 + spec_cost * k / 4 ms
-        engine = Engine(target, make_drafter(target))
+        # each step read before the next is chosen (with overlap, on CUDA, a choice sees the steps one step late)
+        engine = Engine(target, make_drafter(target), overlap=False)
         # the policy reads graph replay times (None without graphs: the whole block); here they are given, and the
         # host time it would learn between graph steps on CUDA stays 0 (its own test below)
         engine.runner.step_ms = lambda key, c=spec_cost: 1.0 + c * key.k / 4
