@@ -31,17 +31,29 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.cache.paged import PagedCache
-from dspark.kernels.chain_inputs import chain_inputs as chain_inputs_op
 from dspark.models.k3.moe import LatentMoE, moe_graph_safe, set_static_moe
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
 from dspark.spec.verify import choose_verify_lengths_device, verify_block, verify_greedy, verify_rejection
+from dspark.step_buffers import (
+    INT_COLS,
+    NI,
+    PREFILL_COLS,
+    Launched,
+    PrefillBuffers,
+    PrefillKey,
+    RowInput,
+    StepBuffers,
+    StepKey,
+    buckets,
+    chain_inputs,
+    pow2_at_least,
+)
 
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one
@@ -52,103 +64,6 @@ PREFILL_MIN = 64  # the narrowest prefill graph (prefill widths are powers of tw
 PREFILL_GRAPH_ROWS = 64
 PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
-# int columns, then the table. room: tokens the request may still emit; src: the row of the step before this one that
-# this row continues (-1: its pending token and length are the host's): chain_inputs
-_I = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5, "room": 6, "src": 7}
-NI = len(_I)
-
-
-def buckets(max_batch_size: int) -> list[int]:
-    out = [1]
-    while out[-1] < max_batch_size:
-        out.append(min(out[-1] * 2, max_batch_size))
-    return out
-
-
-def pow2_at_least(n: int, lo: int) -> int:
-    return max(lo, 1 << max(0, (n - 1).bit_length()))
-
-
-@dataclass(frozen=True)
-class StepKey:
-    rows: int  # batch bucket
-    k: int  # drafts per row (0: plain decoding)
-    width: int  # block-table width: the step sees width * block_size positions
-    mode: str  # one of MODES
-
-
-@dataclass(frozen=True)
-class PrefillKey:
-    T: int  # new tokens per row (the chunk, right-padded)
-    width: int  # block-table width: the forward sees width * block_size positions
-
-
-_P = 3  # prefill int columns: num_cached, num_new, slot; then the block table
-
-
-class _Prefill:
-    """The static buffers, graph (if any) and output (each row's last logits [rows, V]) of a prefill forward."""
-
-    def __init__(self, rows: int, key: PrefillKey, device):
-        self.key = key
-        self.ids = torch.zeros(rows, key.T, dtype=torch.long, device=device)
-        self.ints = torch.zeros(rows, _P + key.width, dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-
-
-@dataclass
-class RowInput:
-    """One live row of a decode step (host values; with src >= 0, pending, num_cached and num_drafts are completed on
-    the device from the step in flight: chain_inputs)."""
-    pending: int  # the last emitted token (position num_cached)
-    num_drafts: int  # drafts to verify, <= k
-    seed: int
-    temperature: float
-    top_k: int
-    top_p: float
-    room: int = 1 << 30  # tokens the request may still emit
-    src: int = -1  # this row's row in the step in flight, or -1
-
-
-@dataclass
-class Launched:
-    """A decode step queued on the device: its output's copy for the host (pinned on CUDA) and the event that says
-    the copy is done."""
-    host: torch.Tensor  # [live, k + 3]
-    done: torch.cuda.Event | None
-    live: int
-    ms: float | None  # the graph's replay time (None: it ran eagerly)
-
-
-def chain_inputs(ints: torch.Tensor, prev: torch.Tensor) -> None:
-    """Complete a step's inputs on the device from the step before it (the step's first op, so a step can be queued
-    while that one is in flight): every row with a src (ints[:, src] >= 0) continues that row of prev [rows', C] =
-    [a, n, t_0 .. t_k', ...]: its pending token is t_a, its length grows by a + 1, its room shrinks by a + 1 and its
-    drafts are capped by that room (dspark/kernels/chain_inputs.py). ints [rows, NI + W] in place."""
-    chain_inputs_op(ints, prev, **{c: _I[c] for c in ("pending", "num_cached", "num_new", "room", "src")})
-
-
-class _Step:
-    """The static buffers, the CUDA graph (if any) and the output of one StepKey."""
-
-    def __init__(self, key: StepKey, device):
-        self.key = key
-        self.ints = torch.zeros(key.rows, NI + key.width, dtype=torch.long, device=device)
-        self.floats = torch.zeros(key.rows, 2, dtype=torch.float32, device=device)  # temperature, top_p
-        # host staging (pinned on CUDA), filled in place each step through numpy views; its padding rows are set
-        # once. Refilled only after the event `staged` says the last copy out of it ran.
-        pin = device.type == "cuda"
-        self.ints_host = torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=pin)
-        self.floats_host = torch.zeros(self.floats.shape, dtype=torch.float32, pin_memory=pin)
-        self.ints_np, self.floats_np = self.ints_host.numpy(), self.floats_host.numpy()
-        self.live = 0  # rows filled by the last step: rows past it hold padding
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.out: torch.Tensor | None = None
-        self.ms: float | None = None  # replay time, measured at capture
-        self.staged: torch.cuda.Event | None = None  # recorded after the last copy out of the host staging buffers
-
-
 class ModelRunner:
     def __init__(self, target, drafts: DraftRunner | None, cache: PagedCache, max_batch_size: int, max_k: int,
                  rejection: str = "standard", draft_sample: bool = False, adaptive: bool = False,
@@ -167,8 +82,8 @@ class ModelRunner:
         self.buckets = buckets(max_batch_size)
         self.rejection, self.draft_sample, self.adaptive = rejection, draft_sample, adaptive
         self.aux_ids = list(drafts.drafter.config.target_layer_ids) if drafts is not None else None
-        self.steps: dict[StepKey, _Step] = {}
-        self.prefills: dict[PrefillKey, _Prefill] = {}
+        self.steps: dict[StepKey, StepBuffers] = {}
+        self.prefills: dict[PrefillKey, PrefillBuffers] = {}
         self.prefill_failed: set[PrefillKey] = set()
         self.pool = None  # one memory pool for every graph (they never run concurrently)
         # MoE forwards up to the largest step's size take the gathered, graph-safe expert path; the setting lives on
@@ -214,7 +129,7 @@ class ModelRunner:
             self.drafts.uncompile()
 
     @torch.no_grad()  # the cache is written in place: under autograd it would keep every forward's graph alive
-    def _run(self, st: _Step) -> torch.Tensor:
+    def _run(self, st: StepBuffers) -> torch.Tensor:
         """The step function; a compiled one that raises is retried eagerly (and compilation is turned off)."""
         try:
             return self._step_fn(st)
@@ -268,7 +183,7 @@ class ModelRunner:
                 out[i] = last[j: j + 1]
         return torch.cat(out)
 
-    def _prefill_graph_for(self, num_tokens: int, num_cached: int, align: int) -> _Prefill | None:
+    def _prefill_graph_for(self, num_tokens: int, num_cached: int, align: int) -> PrefillBuffers | None:
         """The captured prefill of a chunk's key (captured now if graph-safe), else None."""
         key = self.prefill_key(num_tokens, num_cached, align)
         pf = self.prefills.get(key)  # captured: no need to walk the model's modules again
@@ -277,21 +192,21 @@ class ModelRunner:
     def _prefill_eager(self, rows: list[int], chunks, num_cached, tables, slots, T: int) -> torch.Tensor:
         """One eager forward over the chunks `rows`, right-padded to T tokens -> their last logits [len(rows), V]."""
         width = max(-(-(num_cached[i] + T) // self.cache.block_size) for i in rows)
-        pf = _Prefill(len(rows), PrefillKey(T, width), self.device)
+        pf = PrefillBuffers(len(rows), PrefillKey(T, width), self.device)
         self._fill(pf, [chunks[i] for i in rows], [num_cached[i] for i in rows], [tables[i] for i in rows],
                    [slots[i] for i in rows])
         return self._prefill_fn(pf)
 
     def _row_ints(self, num_cached, num_new, slots, tables, width: int) -> torch.Tensor:
-        """Host rows [num_cached, num_new, slot | block table padded with the scratch block to width] [n, _P + width]
+        """Host rows [num_cached, num_new, slot | block table padded with the scratch block to width] [n, PREFILL_COLS + width]
         (what a prefill or a context flush hands its DeviceView)."""
-        ints = torch.full((len(tables), _P + width), self.cache.scratch_block, dtype=torch.long)
-        ints[:, :_P] = torch.tensor(list(zip(num_cached, num_new, slots)), dtype=torch.long).view(-1, _P)
+        ints = torch.full((len(tables), PREFILL_COLS + width), self.cache.scratch_block, dtype=torch.long)
+        ints[:, :PREFILL_COLS] = torch.tensor(list(zip(num_cached, num_new, slots)), dtype=torch.long).view(-1, PREFILL_COLS)
         for b, t in enumerate(tables):
-            ints[b, _P: _P + min(len(t), width)] = torch.tensor(t[:width], dtype=torch.long)
+            ints[b, PREFILL_COLS: PREFILL_COLS + min(len(t), width)] = torch.tensor(t[:width], dtype=torch.long)
         return ints
 
-    def _fill(self, pf: _Prefill, chunks, num_cached, tables, slots) -> None:
+    def _fill(self, pf: PrefillBuffers, chunks, num_cached, tables, slots) -> None:
         """Host values -> the prefill's device buffers (one copy each); tables padded with the scratch block."""
         ids = torch.zeros(len(chunks), pf.key.T, dtype=torch.long)
         for b, c in enumerate(chunks):
@@ -301,12 +216,12 @@ class ModelRunner:
         pf.ids.copy_(ids.pin_memory() if pin else ids, non_blocking=pin)
         pf.ints.copy_(ints.pin_memory() if pin else ints, non_blocking=pin)
 
-    def _prefill_fn(self, pf: _Prefill) -> torch.Tensor:
+    def _prefill_fn(self, pf: PrefillBuffers) -> torch.Tensor:
         """The prefill forward (device ops only) -> each row's logits at its last valid token [rows, V]. Without
         cuDNN's attention: it builds an execution graph for every new shape."""
         ints = pf.ints
-        num_cached, num_new, slots = (ints[:, i].contiguous() for i in range(_P))
-        view = self.cache.device_view(num_cached, num_new, ints[:, _P:], slots, pf.key.T, False)
+        num_cached, num_new, slots = (ints[:, i].contiguous() for i in range(PREFILL_COLS))
+        view = self.cache.device_view(num_cached, num_new, ints[:, PREFILL_COLS:], slots, pf.key.T, False)
         with sdpa_kernel(PREFILL_ATTENTION):
             logits = self.forward(pf.ids, view)  # [rows, T, V]
         last = (num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, logits.shape[-1])
@@ -325,15 +240,15 @@ class ModelRunner:
         return [k for k in keys if self.prefill_graph_safe(k)]
 
     @torch.no_grad()
-    def prefill_graph(self, key: PrefillKey) -> _Prefill | None:
+    def prefill_graph(self, key: PrefillKey) -> PrefillBuffers | None:
         """The captured prefill of one request for this key (captured at its first use; Engine.warmup captures the
         usual ones before a server takes requests). A capture that fails leaves the key to the eager forward (None),
         with a warning."""
         pf = self.prefills.get(key)
         if pf is None:
-            pf = _Prefill(1, key, self.device)
+            pf = PrefillBuffers(1, key, self.device)
             pf.ints.fill_(self.cache.scratch_block)
-            pf.ints[:, :_P] = torch.tensor([0, 1, self.cache.scratch_slot])
+            pf.ints[:, :PREFILL_COLS] = torch.tensor([0, 1, self.cache.scratch_slot])
             try:
                 pf.out = self._capture_fn(lambda: self._prefill_fn(pf), pf, warmup=1)
             except Exception as err:  # noqa: BLE001 - a kernel that cannot be captured: the eager forward serves
@@ -352,28 +267,28 @@ class ModelRunner:
         return sample_from(process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u)
 
     # ------------------------------------------------------------------ the step (device ops only)
-    def _step_fn(self, st: _Step) -> torch.Tensor:
+    def _step_fn(self, st: StepBuffers) -> torch.Tensor:
         """chain_inputs, the step, and its output kept in `carry` for the next step."""
         chain_inputs(st.ints, self.carry)
         out = self._step_body(st)
         self.carry[:out.shape[0], :out.shape[1]].copy_(out)
         return out
 
-    def _step_body(self, st: _Step) -> torch.Tensor:
+    def _step_body(self, st: StepBuffers) -> torch.Tensor:
         key, ints, k = st.key, st.ints, st.key.k
         forward = self._compiled_forward or self.forward
         # columns as contiguous vectors: the Triton kernels (KDA step, Markov loop) index them as dense arrays
-        pending, num_cached, num_new, slots = (ints[:, _I[c]].contiguous()
+        pending, num_cached, num_new, slots = (ints[:, INT_COLS[c]].contiguous()
                                                for c in ("pending", "num_cached", "num_new", "slot"))
         view = self.cache.device_view(num_cached, num_new, ints[:, NI:], slots, k + 1, k > 0)
         sampling = None
         if key.mode != "greedy":
             filt = key.mode == "filter"
-            sampling = RowSampling(st.floats[:, 0], ints[:, _I["top_k"]] if filt else 0,
+            sampling = RowSampling(st.floats[:, 0], ints[:, INT_COLS["top_k"]] if filt else 0,
                                    st.floats[:, 1] if filt else 1.0)
         # a step's uniforms: [next token | k draft samples | k acceptances]; the next token's comes first, so a row
         # that verifies no drafts draws exactly what a plain (k = 0) step draws
-        u = None if sampling is None else counter_uniform(ints[:, _I["seed"]], num_cached * COUNTER_STRIDE, 2 * k + 1)
+        u = None if sampling is None else counter_uniform(ints[:, INT_COLS["seed"]], num_cached * COUNTER_STRIDE, 2 * k + 1)
         if k == 0:
             logits = forward(pending[:, None], view, True)[:, 0]  # [B, V]
             nxt = logits.argmax(-1) if sampling is None else sample_from(
@@ -405,7 +320,7 @@ class ModelRunner:
         (one eager forward of the context write; tables: each row's blocks, unpadded)."""
         T, bs = max(counts), self.cache.block_size
         ints = self._row_ints(starts, counts, slots, tables, max(-(-(s + T) // bs) for s in starts)).to(self.device)
-        view = self.cache.device_view(ints[:, 0], ints[:, 1], ints[:, _P:], ints[:, 2], T, False)
+        view = self.cache.device_view(ints[:, 0], ints[:, 1], ints[:, PREFILL_COLS:], ints[:, 2], T, False)
         self.drafts.flush_context(view)
 
     # ------------------------------------------------------------------ host side
@@ -419,10 +334,10 @@ class ModelRunner:
             max_len = pow2_at_least(max_len, max(MIN_CONTEXT, bs))
         return StepKey(rows, k, -(-max_len // bs), mode)
 
-    def _get(self, key: StepKey) -> _Step:
+    def _get(self, key: StepKey) -> StepBuffers:
         st = self.steps.get(key)
         if st is None:
-            st = self.steps[key] = _Step(key, self.device)
+            st = self.steps[key] = StepBuffers(key, self.device)
             st.ints_np[:] = self._pad_row(key.width)
             st.floats_np[:] = (0.0, 1.0)
             if self.graphs:
@@ -459,7 +374,7 @@ class ModelRunner:
         return out
 
     @torch.no_grad()
-    def _capture(self, st: _Step, warmup: int = 2, timed: int = 3) -> None:
+    def _capture(self, st: StepBuffers, warmup: int = 2, timed: int = 3) -> None:
         carry = self.carry.clone()  # a step may be in flight: the next one reads its output, which these runs overwrite
         st.ints.copy_(st.ints_host)  # padding rows only
         st.floats.copy_(st.floats_host)

@@ -10,7 +10,7 @@ import torch
 
 from dspark.engine import Engine
 from dspark.request import SamplingParams
-from dspark.runner import _I, NI, chain_inputs
+from dspark.runner import INT_COLS, NI, chain_inputs
 from serve.runner import EngineRunner
 from tests.targets import make_target
 from tests.test_drafter_k3 import make_k3_drafter
@@ -62,14 +62,14 @@ def test_chain_inputs_continue_the_rows_of_the_step_in_flight():
     host = [(5, 10, 4, 50, 2), (6, 20, 4, 3, 0), (7, 30, 2, 9, -1), (0, 0, 1, 1, -1)]  # the last: padding
     for b, row in enumerate(host):
         for c, v in zip(cols, row):
-            ints[b, _I[c]] = v
+            ints[b, INT_COLS[c]] = v
     before = ints.clone()
     chain_inputs(ints, prev)
-    got = [[int(ints[b, _I[c]]) for c in ("pending", "num_cached", "num_new")] for b in range(4)]
+    got = [[int(ints[b, INT_COLS[c]]) for c in ("pending", "num_cached", "num_new")] for b in range(4)]
     # row 0 continues row 2 (a = 3): t_3, 10 + 4, room 50 - 4 leaves its 3 drafts; row 1 continues row 0 (a = 2):
     # t_2, 20 + 3, room 3 - 3 = 0 leaves no draft; row 2 has no src; row 3 is padding
     assert got == [[34, 14, 4], [13, 23, 1], [7, 30, 2], [0, 0, 1]]
-    assert torch.equal(ints[:, _I["seed"]], before[:, _I["seed"]]) and torch.equal(ints[:, NI:], before[:, NI:])
+    assert torch.equal(ints[:, INT_COLS["seed"]], before[:, INT_COLS["seed"]]) and torch.equal(ints[:, NI:], before[:, NI:])
 
 
 @pytest.mark.parametrize("spec", ["ar", "pinned", "policy"])

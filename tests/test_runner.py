@@ -16,7 +16,7 @@ from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
 from dspark.policy import ACCEPT_WINDOW, DRAFT_GAIN, PROBE_EVERY, PROBE_MAX
 from dspark.request import SamplingParams
-from dspark.runner import MODES, _Prefill
+from dspark.runner import MODES, PrefillBuffers
 from tests.targets import make_target
 from tests.test_drafter_k3 import make_k3_drafter
 from tests.test_engine import make_drafter, reference_greedy
@@ -79,7 +79,7 @@ def test_step_reads_no_tensor_values_on_the_host():
                     assert packed.is_meta and packed.shape == (4, k + 3)
             # the prefill forward: a 50-token chunk after 40 cached tokens, one row
             key = runner.prefill_key(50, 40)
-            last = runner._prefill_fn(_Prefill(1, key, torch.device("meta")))
+            last = runner._prefill_fn(PrefillBuffers(1, key, torch.device("meta")))
             assert last.is_meta and last.shape == (1, V)
     set_static_moe(target, 0)
     for m in target.modules():  # nor the inference forms' budget: the loop path

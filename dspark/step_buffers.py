@@ -1,0 +1,106 @@
+"""What a device step is made of: its keys (the graph each one captures), the host values of its rows, its static
+device buffers with their host staging, and the column layout of its int buffer (which chain_inputs completes on the
+device). dspark/runner.py runs the steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dspark.kernels.chain_inputs import chain_inputs as chain_inputs_op
+
+# int columns, then the table. room: tokens the request may still emit; src: the row of the step before this one that
+# this row continues (-1: its pending token and length are the host's): chain_inputs
+INT_COLS = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5, "room": 6, "src": 7}
+NI = len(INT_COLS)
+
+
+def buckets(max_batch_size: int) -> list[int]:
+    out = [1]
+    while out[-1] < max_batch_size:
+        out.append(min(out[-1] * 2, max_batch_size))
+    return out
+
+
+def pow2_at_least(n: int, lo: int) -> int:
+    return max(lo, 1 << max(0, (n - 1).bit_length()))
+
+
+@dataclass(frozen=True)
+class StepKey:
+    rows: int  # batch bucket
+    k: int  # drafts per row (0: plain decoding)
+    width: int  # block-table width: the step sees width * block_size positions
+    mode: str  # one of MODES
+
+
+@dataclass(frozen=True)
+class PrefillKey:
+    T: int  # new tokens per row (the chunk, right-padded)
+    width: int  # block-table width: the forward sees width * block_size positions
+
+
+PREFILL_COLS = 3  # prefill int columns: num_cached, num_new, slot; then the block table
+
+
+class PrefillBuffers:
+    """The static buffers, graph (if any) and output (each row's last logits [rows, V]) of a prefill forward."""
+
+    def __init__(self, rows: int, key: PrefillKey, device):
+        self.key = key
+        self.ids = torch.zeros(rows, key.T, dtype=torch.long, device=device)
+        self.ints = torch.zeros(rows, PREFILL_COLS + key.width, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+
+
+@dataclass
+class RowInput:
+    """One live row of a decode step (host values; with src >= 0, pending, num_cached and num_drafts are completed on
+    the device from the step in flight: chain_inputs)."""
+    pending: int  # the last emitted token (position num_cached)
+    num_drafts: int  # drafts to verify, <= k
+    seed: int
+    temperature: float
+    top_k: int
+    top_p: float
+    room: int = 1 << 30  # tokens the request may still emit
+    src: int = -1  # this row's row in the step in flight, or -1
+
+
+@dataclass
+class Launched:
+    """A decode step queued on the device: its output's copy for the host (pinned on CUDA) and the event that says
+    the copy is done."""
+    host: torch.Tensor  # [live, k + 3]
+    done: torch.cuda.Event | None
+    live: int
+    ms: float | None  # the graph's replay time (None: it ran eagerly)
+
+
+def chain_inputs(ints: torch.Tensor, prev: torch.Tensor) -> None:
+    """Complete a step's inputs on the device from the step before it (the step's first op, so a step can be queued
+    while that one is in flight): every row with a src (ints[:, src] >= 0) continues that row of prev [rows', C] =
+    [a, n, t_0 .. t_k', ...]: its pending token is t_a, its length grows by a + 1, its room shrinks by a + 1 and its
+    drafts are capped by that room (dspark/kernels/chain_inputs.py). ints [rows, NI + W] in place."""
+    chain_inputs_op(ints, prev, **{c: INT_COLS[c] for c in ("pending", "num_cached", "num_new", "room", "src")})
+
+
+class StepBuffers:
+    """The static buffers, the CUDA graph (if any) and the output of one StepKey."""
+
+    def __init__(self, key: StepKey, device):
+        self.key = key
+        self.ints = torch.zeros(key.rows, NI + key.width, dtype=torch.long, device=device)
+        self.floats = torch.zeros(key.rows, 2, dtype=torch.float32, device=device)  # temperature, top_p
+        # host staging (pinned on CUDA), filled in place each step through numpy views; its padding rows are set
+        # once. Refilled only after the event `staged` says the last copy out of it ran.
+        pin = device.type == "cuda"
+        self.ints_host = torch.zeros(self.ints.shape, dtype=torch.long, pin_memory=pin)
+        self.floats_host = torch.zeros(self.floats.shape, dtype=torch.float32, pin_memory=pin)
+        self.ints_np, self.floats_np = self.ints_host.numpy(), self.floats_host.numpy()
+        self.live = 0  # rows filled by the last step: rows past it hold padding
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: torch.Tensor | None = None
+        self.ms: float | None = None  # replay time, measured at capture
+        self.staged: torch.cuda.Event | None = None  # recorded after the last copy out of the host staging buffers
