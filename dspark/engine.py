@@ -263,11 +263,14 @@ class Engine:
     def _choose_k(self, reqs: list[Request], ahead: int = 0) -> int:
         """The step's drafts: the policy's (module doc), or 0 when every row is a seeded sampled one under it. ahead:
         tokens the step in flight may still add to each row."""
-        plain = [self.pinned_k is None and r.params.seed is not None and r.params.temperature > 0 for r in reqs]
-        if all(plain):
+        if all(self._plain(r.params) for r in reqs):
             return 0
         return self.policy.choose(len(reqs), max(r.num_computed for r in reqs) + ahead,
                                   sampling_mode([r.params for r in reqs]))
+
+    def _plain(self, p: SamplingParams) -> bool:
+        """A seeded sampled row under the policy decodes plainly (module doc)."""
+        return self.pinned_k is None and p.seed is not None and p.temperature > 0
 
     def _launch_chained(self, flight: InFlight, decode: list[Request]
                         ) -> tuple[InFlight | None, tuple[list[Request], int] | None]:
@@ -296,7 +299,7 @@ class Engine:
         self.policy.step_started()
         ps = [r.params for r in reqs]
         mode = sampling_mode(ps)
-        plain = [self.pinned_k is None and p.seed is not None and p.temperature > 0 for p in ps]
+        plain = [self._plain(p) for p in ps]
         if k > 0 and chain is None:
             self._flush_context(reqs)
         src = src or [-1] * len(reqs)
