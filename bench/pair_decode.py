@@ -1,14 +1,14 @@
 """A target + drafter pair through `dspark.Engine` (the path `python -m serve` and `python -m eval` run): AR vs
-DSpark, greedy, at bs=1 per prompt and for batches of prompts decoded together.
+DSpark, greedy (or --temperature T, no seeds), at bs=1 per prompt and for batches of prompts decoded together.
 
     python3 bench/pair_decode.py --target runs/quickstart/target/final --drafter runs/quickstart/drafter/final \
         [--tasks humaneval,creative] [--prompts 8] [--max-tokens 128] [--batches 1,4,16,64] [--k auto] [--out F.json]
-        [--profile F.txt]
+        [--temperature 0.7] [--profile F.txt [--profile-batch 4]]
 
 Per task, each prompt alone (max_tokens, no EOS stop): decode tok/s = tokens after the first / wall time of the
 engine steps after the prefill step; ms per step; τ = mean (accepted + 1) per verify; host µs per step = step wall
 time minus the time the host waited for the device's result (the step's one read); greedy DSpark output identical
-to AR. Engines are warmed up first (CUDA graphs captured, kernels autotuned). --batches: B prompts decoded together
+to AR (sampled runs: not compared). Engines are warmed up first (CUDA graphs captured, kernels autotuned). --batches: B prompts decoded together
 (continuous batching in one engine), aggregate decode tok/s. On CPU (fp32, no graphs) it checks the script only.
 """
 from __future__ import annotations
@@ -35,10 +35,10 @@ def encode(task, tok, n: int, prompt_tokens: int) -> list[list[int]]:
     return encode_task(dataclasses.replace(task, prompts=select(task.prompts, n)), tok, False, prompt_tokens)
 
 
-def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> dict:
     """All prompts added at once (one batch), stepped to the end: the first step (prefill + first tokens) is timed
     apart; the rest are decode steps."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in prompts]
     t0 = time.perf_counter()
     while any(r.num_computed < len(r.prompt_ids) or not r.output_ids for r in reqs):
@@ -59,8 +59,8 @@ def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dic
             "drafts": [n for o in outs for n in o.num_drafts_per_step]}
 
 
-def per_prompt(engine: Engine, prompts, max_tokens: int) -> dict:
-    runs = [decode_run(engine, [p], max_tokens) for p in prompts]
+def per_prompt(engine: Engine, prompts, max_tokens: int, temperature: float = 0.0) -> dict:
+    runs = [decode_run(engine, [p], max_tokens, temperature) for p in prompts]
     secs, steps = sum(r["decode_s"] for r in runs), sum(r["steps"] for r in runs)
     acc = [a for r in runs for a in r["accepted"]]
     return {"tok_s": sum(r["tokens"] for r in runs) / secs, "ms_step": 1e3 * secs / steps,
@@ -70,9 +70,12 @@ def per_prompt(engine: Engine, prompts, max_tokens: int) -> dict:
             "mean_drafts": sum(n for r in runs for n in r["drafts"]) / max(steps, 1)}
 
 
-def profile(name: str, engine: Engine, prompt: list[int], max_tokens: int, steps: int = 32) -> str:
-    """The kernels of `steps` decode steps of one request (after its prefill), by total device time."""
-    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+def profile(name: str, engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
+            steps: int = 32) -> str:
+    """The kernels of `steps` decode steps of these requests decoded together (after their prefill), by total device
+    time."""
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True))
     engine.step()
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
                                                     if engine.device.type == "cuda" else [])
@@ -82,7 +85,7 @@ def profile(name: str, engine: Engine, prompt: list[int], max_tokens: int, steps
     while engine.has_work():
         engine.step()
     sort = "device_time_total" if engine.device.type == "cuda" else "cpu_time_total"
-    return f"## {name}: {steps} steps at bs=1\n" + prof.key_averages().table(sort_by=sort, row_limit=30)
+    return f"## {name}: {steps} steps at bs={len(prompts)}, T={temperature:g}\n" + prof.key_averages().table(sort_by=sort, row_limit=30)
 
 
 def main(argv=None) -> None:
@@ -99,8 +102,10 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--compile", action="store_true", help="torch.compile the engine's decode step")
     ap.add_argument("--out", help="write every figure as JSON here")
-    ap.add_argument("--profile", help="also write the device kernels of 32 bs=1 steps per engine (torch.profiler, "
-                    "by device time) to this text file")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sample at this temperature (no seeds)")
+    ap.add_argument("--profile", help="also write the device kernels of 32 steps per engine (torch.profiler, by "
+                    "device time) to this text file")
+    ap.add_argument("--profile-batch", type=int, default=1, help="requests decoded together in the profiled steps")
     a = ap.parse_args(argv)
     dev = resolve_device(a.device)
     target = load_target(a.target, device=dev, dtype=resolve_dtype(a.dtype, dev))
@@ -111,7 +116,7 @@ def main(argv=None) -> None:
     tasks = {name: encode(build_task(name), tok, a.prompts, a.prompt_tokens) for name in a.tasks.split(",")}
     longest = max(len(p) for ps in tasks.values() for p in ps)
     mml = longest + a.max_tokens + drafter.config.num_drafts + 1
-    mbs = max([1, *batches])
+    mbs = max([1, a.profile_batch, *batches])
     engines = {"AR": Engine(target, None, max_batch_size=mbs, max_model_len=mml, compile=a.compile),
                "DSpark": Engine(target, drafter, num_speculative_tokens=k, max_batch_size=mbs, max_model_len=mml,
                                 compile=a.compile)}
@@ -132,17 +137,18 @@ def main(argv=None) -> None:
           "AR host µs/step | DSpark host µs/step | identical to AR |")
     print("|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
     for name, prompts in tasks.items():
-        ar, ds = (per_prompt(engines[m], prompts, a.max_tokens) for m in ("AR", "DSpark"))
-        same = sum(x == y for x, y in zip(ar["token_ids"], ds["token_ids"]))
+        ar, ds = (per_prompt(engines[m], prompts, a.max_tokens, a.temperature) for m in ("AR", "DSpark"))
+        same = sum(x == y for x, y in zip(ar["token_ids"], ds["token_ids"])) if a.temperature == 0 else None
         res["tasks"][name] = {"AR": ar, "DSpark": ds, "identical": same, "speedup": ds["tok_s"] / ar["tok_s"]}
         print(f"| {name} | {len(prompts)} | {ar['tok_s']:.0f} | {ds['tok_s']:.0f} | {ds['tok_s'] / ar['tok_s']:.2f}x | "
               f"{ds['tau']:.2f} | {ds['mean_drafts']:.1f} | {ar['ms_step']:.3f} | {ds['ms_step']:.3f} | "
-              f"{ar['host_us_step']:.0f} | {ds['host_us_step']:.0f} | {same}/{len(prompts)} |", flush=True)
+              f"{ar['host_us_step']:.0f} | {ds['host_us_step']:.0f} | "
+              f"{'—' if same is None else f'{same}/{len(prompts)}'} |", flush=True)
     if batches:
         print("\n| batch | AR tok/s | DSpark tok/s | DSpark / AR | τ | mean k |\n|--:|--:|--:|--:|--:|--:|")
     for b in batches:
         ps = [first[i % len(first)] for i in range(b)]
-        ar, ds = (decode_run(engines[m], ps, a.max_tokens) for m in ("AR", "DSpark"))
+        ar, ds = (decode_run(engines[m], ps, a.max_tokens, a.temperature) for m in ("AR", "DSpark"))
         row = {m: {"tok_s": r["tokens"] / r["decode_s"], "tau": r["tau"],
                    "mean_drafts": sum(r["drafts"]) / max(len(r["drafts"]), 1)} for m, r in (("AR", ar), ("DSpark", ds))}
         res["batches"][b] = row
@@ -150,7 +156,9 @@ def main(argv=None) -> None:
               f"{row['DSpark']['tok_s'] / row['AR']['tok_s']:.2f}x | {ds['tau']:.2f} | "
               f"{row['DSpark']['mean_drafts']:.1f} |", flush=True)
     if a.profile:
-        Path(a.profile).write_text("\n\n".join(profile(name, e, first[0], a.max_tokens) for name, e in engines.items()))
+        ps = [first[i % len(first)] for i in range(a.profile_batch)]
+        Path(a.profile).write_text("\n\n".join(profile(name, e, ps, a.max_tokens, a.temperature)
+                                               for name, e in engines.items()))
     if a.out:
         for t in res["tasks"].values():
             for m in ("AR", "DSpark"):
