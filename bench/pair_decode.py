@@ -8,8 +8,9 @@ DSpark, greedy (or --temperature T, no seeds), at bs=1 per prompt and for batche
 Per task, each prompt alone (max_tokens, no EOS stop): decode tok/s = tokens after the first / wall time of the
 engine steps after the prefill step; ms per step; τ = mean (accepted + 1) per verify; host µs per step = step wall
 time minus the time the host waited for the device's result (the step's one read); greedy DSpark output identical
-to AR (sampled runs: not compared). Engines are warmed up first (CUDA graphs captured, kernels autotuned). --batches: B prompts decoded together
-(continuous batching in one engine), aggregate decode tok/s. On CPU (fp32, no graphs) it checks the script only.
+to AR (sampled runs: not compared). Engines are warmed up first (CUDA graphs captured, kernels autotuned).
+--batches: B prompts decoded together (continuous batching in one engine), aggregate decode tok/s. On CPU (fp32, no
+graphs) it checks the script only.
 """
 from __future__ import annotations
 
@@ -85,7 +86,8 @@ def profile(name: str, engine: Engine, prompts: list[list[int]], max_tokens: int
     while engine.has_work():
         engine.step()
     sort = "device_time_total" if engine.device.type == "cuda" else "cpu_time_total"
-    return f"## {name}: {steps} steps at bs={len(prompts)}, T={temperature:g}\n" + prof.key_averages().table(sort_by=sort, row_limit=30)
+    table = prof.key_averages().table(sort_by=sort, row_limit=30)
+    return f"## {name}: {steps} steps at bs={len(prompts)}, T={temperature:g}\n" + table
 
 
 def main(argv=None) -> None:

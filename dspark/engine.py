@@ -205,10 +205,10 @@ class Engine:
             if launched is None and decode:
                 same = choice is not None and [id(r) for r in choice[0]] == [id(r) for r in decode]
                 launched = self._launch(decode, choice[1] if same else self._choose_k(decode))
-            self.in_flight = launched
             if launched is not None and not self.overlap:
-                self.in_flight = None
                 emitted += self._read(launched)
+            else:
+                self.in_flight = launched
         except Exception:
             self.in_flight = None
             for r in list(self.running):  # never leave a half-updated request holding cache

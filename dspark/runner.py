@@ -6,10 +6,11 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
     drafter's context rows -> verify (greedy, or Leviathan / block rejection with per-row parameters and counter-based
     uniforms) -> KDA commit of a + 1 tokens -> packed [a, n, emitted tokens]
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
-eagerly. Its first ops complete the inputs of rows that continue a row of the step before (chain_inputs, from that
-step's output kept in `carry`), so a step can be queued while the one before is still in flight. k = 0 is plain decoding: of the drafter's context it writes only ctx = context(aux) per position (one GEMM, a
-norm and a copy, where the full context write is some 30 kernels: a plain step then costs about what an AR step
-does); flush_context turns the stashed positions into context rows, eagerly, before a request drafts again.
+eagerly. Its first op completes the inputs of rows that continue a row of the step before (chain_inputs, from that
+step's output kept in `carry`), so a step can be queued while the one before is still in flight. k = 0 is plain
+decoding: of the drafter's context it writes only ctx = context(aux) per position (one GEMM, a norm and a copy, where
+the full context write is some 30 kernels: a plain step then costs about what an AR step does); flush_context turns
+the stashed positions into context rows, eagerly, before a request drafts again.
 
 A prefill chunk goes through the same DeviceView: on CUDA each request's chunk is one graph replay, keyed by its
 padded width (a power of two >= PREFILL_MIN) and the context it sees, while the forward is graph-safe (no MoE host
@@ -90,7 +91,6 @@ class ModelRunner:
         # the model, so an engine never lowers what another engine on the same target needs
         moes = [m for m in target.modules() if isinstance(m, LatentMoE)]
         set_static_moe(target, max([max_batch_size * (max_k + 1)] + [m.static_tokens for m in moes]))
-        self.last_replay_ms: float | None = None  # the last decode step's replay time (None: it ran eagerly)
         self.max_k = max_k
         # the last step's output [a, n, t_0 .. t_k], which the next step's chain_inputs read (outside the graphs'
         # memory pool: a prefill's replay may reuse that memory in between)
@@ -198,12 +198,13 @@ class ModelRunner:
         return self._prefill_fn(pf)
 
     def _row_ints(self, num_cached, num_new, slots, tables, width: int) -> torch.Tensor:
-        """Host rows [num_cached, num_new, slot | block table padded with the scratch block to width] [n, PREFILL_COLS + width]
-        (what a prefill or a context flush hands its DeviceView)."""
-        ints = torch.full((len(tables), PREFILL_COLS + width), self.cache.scratch_block, dtype=torch.long)
-        ints[:, :PREFILL_COLS] = torch.tensor(list(zip(num_cached, num_new, slots)), dtype=torch.long).view(-1, PREFILL_COLS)
+        """Host rows [num_cached, num_new, slot | block table padded with the scratch block to width]
+        [n, PREFILL_COLS + width] (what a prefill or a context flush hands its DeviceView)."""
+        P = PREFILL_COLS
+        ints = torch.full((len(tables), P + width), self.cache.scratch_block, dtype=torch.long)
+        ints[:, :P] = torch.tensor(list(zip(num_cached, num_new, slots)), dtype=torch.long).view(-1, P)
         for b, t in enumerate(tables):
-            ints[b, PREFILL_COLS: PREFILL_COLS + min(len(t), width)] = torch.tensor(t[:width], dtype=torch.long)
+            ints[b, P: P + min(len(t), width)] = torch.tensor(t[:width], dtype=torch.long)
         return ints
 
     def _fill(self, pf: PrefillBuffers, chunks, num_cached, tables, slots) -> None:
@@ -288,7 +289,8 @@ class ModelRunner:
                                    st.floats[:, 1] if filt else 1.0)
         # a step's uniforms: [next token | k draft samples | k acceptances]; the next token's comes first, so a row
         # that verifies no drafts draws exactly what a plain (k = 0) step draws
-        u = None if sampling is None else counter_uniform(ints[:, INT_COLS["seed"]], num_cached * COUNTER_STRIDE, 2 * k + 1)
+        u = None if sampling is None else counter_uniform(ints[:, INT_COLS["seed"]], num_cached * COUNTER_STRIDE,
+                                                          2 * k + 1)
         if k == 0:
             logits = forward(pending[:, None], view, True)[:, 0]  # [B, V]
             nxt = logits.argmax(-1) if sampling is None else sample_from(
@@ -428,7 +430,6 @@ class ModelRunner:
             out = st.out
         else:
             out = self._run(st)
-        self.last_replay_ms = st.ms
         done, host = None, out[:B]
         if cuda:  # the copy the host reads, into one of two pinned buffers (one step's read while the next one's fills)
             self._flip ^= 1

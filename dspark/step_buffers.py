@@ -13,6 +13,7 @@ from dspark.kernels.chain_inputs import chain_inputs as chain_inputs_op
 # this row continues (-1: its pending token and length are the host's): chain_inputs
 INT_COLS = {"pending": 0, "num_cached": 1, "num_new": 2, "slot": 3, "seed": 4, "top_k": 5, "room": 6, "src": 7}
 NI = len(INT_COLS)
+CHAIN_COLS = {c: INT_COLS[c] for c in ("pending", "num_cached", "num_new", "room", "src")}  # what chain_inputs reads
 
 
 def buckets(max_batch_size: int) -> list[int]:
@@ -83,7 +84,7 @@ def chain_inputs(ints: torch.Tensor, prev: torch.Tensor) -> None:
     while that one is in flight): every row with a src (ints[:, src] >= 0) continues that row of prev [rows', C] =
     [a, n, t_0 .. t_k', ...]: its pending token is t_a, its length grows by a + 1, its room shrinks by a + 1 and its
     drafts are capped by that room (dspark/kernels/chain_inputs.py). ints [rows, NI + W] in place."""
-    chain_inputs_op(ints, prev, **{c: INT_COLS[c] for c in ("pending", "num_cached", "num_new", "room", "src")})
+    chain_inputs_op(ints, prev, **CHAIN_COLS)
 
 
 class StepBuffers:

@@ -69,7 +69,8 @@ def test_chain_inputs_continue_the_rows_of_the_step_in_flight():
     # row 0 continues row 2 (a = 3): t_3, 10 + 4, room 50 - 4 leaves its 3 drafts; row 1 continues row 0 (a = 2):
     # t_2, 20 + 3, room 3 - 3 = 0 leaves no draft; row 2 has no src; row 3 is padding
     assert got == [[34, 14, 4], [13, 23, 1], [7, 30, 2], [0, 0, 1]]
-    assert torch.equal(ints[:, INT_COLS["seed"]], before[:, INT_COLS["seed"]]) and torch.equal(ints[:, NI:], before[:, NI:])
+    seed = INT_COLS["seed"]
+    assert torch.equal(ints[:, seed], before[:, seed]) and torch.equal(ints[:, NI:], before[:, NI:])
 
 
 @pytest.mark.parametrize("spec", ["ar", "pinned", "policy"])
