@@ -47,14 +47,18 @@ def decode_run(engine: Engine, prompts: list[list[int]], max_tokens: int, temper
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     t1 = time.perf_counter()
-    wait0, steps = engine.runner.wait_s, 0
+    wait0, steps, c = engine.runner.wait_s, 0, engine.counters
+    dev0 = (sum(c["device_ms_per_k"]), sum(c["device_steps_per_k"]))
     while engine.has_work():
         engine.step()
         steps += 1
     t2 = time.perf_counter()
+    timed = sum(c["device_steps_per_k"]) - dev0[1]
     outs = [r.output() for r in reqs]
     acc = [a for o in outs for a in o.accepted_per_step]
     return {"decode_s": t2 - t1, "prefill_s": t1 - t0, "steps": steps, "wait_s": engine.runner.wait_s - wait0,
+            # the mean time of a step's graph on the device (CUDA events around the replays)
+            "device_ms_step": (sum(c["device_ms_per_k"]) - dev0[0]) / timed if timed else None,
             "tokens": sum(len(o.token_ids) - 1 for o in outs), "token_ids": [o.token_ids for o in outs],
             "tau": 1 + sum(acc) / len(acc) if acc else 1.0, "accepted": acc,
             "drafts": [n for o in outs for n in o.num_drafts_per_step]}
@@ -147,16 +151,22 @@ def main(argv=None) -> None:
               f"{ar['host_us_step']:.0f} | {ds['host_us_step']:.0f} | "
               f"{'—' if same is None else f'{same}/{len(prompts)}'} |", flush=True)
     if batches:
-        print("\n| batch | AR tok/s | DSpark tok/s | DSpark / AR | τ | mean k |\n|--:|--:|--:|--:|--:|--:|")
+        print("\n| batch | AR tok/s | DSpark tok/s | DSpark / AR | τ | mean k | ms/step AR / DSpark | "
+              "device ms/step AR / DSpark |\n|--:|--:|--:|--:|--:|--:|--:|--:|")
     for b in batches:
         ps = [first[i % len(first)] for i in range(b)]
         ar, ds = (decode_run(engines[m], ps, a.max_tokens, a.temperature) for m in ("AR", "DSpark"))
         row = {m: {"tok_s": r["tokens"] / r["decode_s"], "tau": r["tau"],
-                   "mean_drafts": sum(r["drafts"]) / max(len(r["drafts"]), 1)} for m, r in (("AR", ar), ("DSpark", ds))}
+                   "mean_drafts": sum(r["drafts"]) / max(len(r["drafts"]), 1),
+                   "ms_step": 1e3 * r["decode_s"] / max(r["steps"], 1), "device_ms_step": r["device_ms_step"]}
+               for m, r in (("AR", ar), ("DSpark", ds))}
         res["batches"][b] = row
+        dev = " / ".join("—" if row[m]["device_ms_step"] is None else f"{row[m]['device_ms_step']:.3f}"
+                         for m in ("AR", "DSpark"))
         print(f"| {b} | {row['AR']['tok_s']:.0f} | {row['DSpark']['tok_s']:.0f} | "
               f"{row['DSpark']['tok_s'] / row['AR']['tok_s']:.2f}x | {ds['tau']:.2f} | "
-              f"{row['DSpark']['mean_drafts']:.1f} |", flush=True)
+              f"{row['DSpark']['mean_drafts']:.1f} | {row['AR']['ms_step']:.3f} / {row['DSpark']['ms_step']:.3f} | "
+              f"{dev} |", flush=True)
     if a.profile:
         ps = [first[i % len(first)] for i in range(a.profile_batch)]
         Path(a.profile).write_text("\n\n".join(profile(name, e, ps, a.max_tokens, a.temperature)

@@ -41,7 +41,9 @@
 #                  pair through the engine (pair, with the kernel profile; PAIR=0 skips it), then the CUDA tests the
 #                  side run did not reach. The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360),
 #                  QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the
-#                  first serve run (`--concurrency 1,16`)
+#                  first serve run (`--concurrency 1,16`); SYNC_SERVE_S (0: skipped) adds that run once more with
+#                  `--no-async-scheduling` -> $OUT/serve-sync.json; PAIR_ARGS replace the pair run's `--prompts 4
+#                  --batches 1`
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -235,14 +237,18 @@ case "$target" in
     compiled=(--concurrency 1 --tasks humaneval --temperatures 0)
     # shellcheck disable=SC2086 # SERVE_ARGS is a word list
     [ $trained = 1 ] && [ "$s1" != 0 ] && { bash "$0" serve --time-limit "$s1" ${SERVE_ARGS:-} || rc=$?; }
+    # shellcheck disable=SC2086 # SERVE_ARGS is a word list
+    [ $trained = 1 ] && [ "${SYNC_SERVE_S:-0}" != 0 ] && { bash "$0" serve --time-limit "$SYNC_SERVE_S" \
+      ${SERVE_ARGS:-} --out "$OUT/serve-sync.json" -- --no-async-scheduling || rc=$?; }
     [ $trained = 1 ] && [ "$s3" != 0 ] && { bash "$0" serve "${compiled[@]}" --time-limit "$s3" \
       --out "$OUT/serve-compiled.json" -- --compile --max-batch-size 1 || rc=$?; }
     [ "$s2" != 0 ] && { "${quickstart[@]}" bash "$0" serve --time-limit "$s2" --out "$OUT/serve-quickstart.json" \
       || rc=$?; }
     [ "$s4" != 0 ] && { "${quickstart[@]}" bash "$0" serve "${compiled[@]}" --time-limit "$s4" \
       --out "$OUT/serve-quickstart-compiled.json" -- --compile --max-batch-size 1 || rc=$?; }
-    [ $trained = 1 ] && [ "${PAIR:-1}" != 0 ] && { bash "$0" pair --prompts 4 --batches 1 --profile "$OUT/profile.txt" \
-      || rc=$?; }
+    # shellcheck disable=SC2086 # PAIR_ARGS is a word list
+    [ $trained = 1 ] && [ "${PAIR:-1}" != 0 ] && { bash "$0" pair ${PAIR_ARGS:---prompts 4 --batches 1} \
+      --profile "$OUT/profile.txt" || rc=$?; }
     # the rest of the CUDA suite: every test the side run did not report
     outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # `-v` lines, with xdist ("[gw0] [ 5%] PASSED id") or without
     mapfile -t done_ids < <(grep -oE "($outcome) tests/[^ ]+|tests/[^ ]+::[^ ]+ ($outcome)" "$OUT/tests-cuda.txt" \

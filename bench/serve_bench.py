@@ -270,7 +270,11 @@ async def one(client: httpx.AsyncClient, a, prompt: str, temperature: float, r: 
 FIRST_TOKEN = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
                "prefill": "vllm:request_prefill_time_seconds"}  # histograms: their _sum and _count
 PER_K = {"dspark:decode_steps_total": "steps_per_k", "dspark:step_cycles_total": "cycles_per_k",
-         "dspark:step_cycle_ms_total": "cycle_ms_per_k", "dspark:step_replay_ms_total": "replay_ms_per_k"}
+         "dspark:step_cycle_ms_total": "cycle_ms_per_k", "dspark:step_replay_ms_total": "replay_ms_per_k",
+         "dspark:step_device_timed_total": "device_steps_per_k", "dspark:step_device_ms_total": "device_ms_per_k"}
+# the engine thread's time (s): busy, inside step(), waiting for results, waiting to refill a step's inputs
+HOST = {"loop": "dspark:engine_loop_seconds_total", "step": "dspark:engine_step_seconds_total",
+        "read_wait": "dspark:step_read_wait_seconds_total", "launch_wait": "dspark:step_launch_wait_seconds_total"}
 
 
 def per_k_delta(c0: dict, c1: dict, key: str) -> dict[int, float]:
@@ -299,6 +303,7 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
                     "overlapped_steps": vals.get("dspark:overlapped_steps_total", 0.0),
                     **{key: per_k[name] for name, key in PER_K.items()},
                     "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy,
+                    "host_s": {key: vals.get(name, 0.0) for key, name in HOST.items()},
                     "first_token": {key: (vals.get(f"{name}_sum", 0.0), vals.get(f"{name}_count", 0.0))
                                     for key, name in FIRST_TOKEN.items()}}
         await asyncio.sleep(0.05)
@@ -308,7 +313,15 @@ def step_ms_per_k(c0: dict, c1: dict) -> dict[int, dict[str, float]]:
     """Per k the server chose in the level: its back-to-back graph steps' mean time from one start to the next and
     mean replay (ms), what the k policy weighs against the drafts' acceptance."""
     n, cycle, replay = (per_k_delta(c0, c1, key) for key in ("cycles_per_k", "cycle_ms_per_k", "replay_ms_per_k"))
-    return {k: {"steps": c, "cycle_ms": cycle[k] / c, "replay_ms": replay[k] / c} for k, c in n.items() if c > 0}
+    timed, device = (per_k_delta(c0, c1, key) for key in ("device_steps_per_k", "device_ms_per_k"))
+    return {k: {"steps": c, "cycle_ms": cycle[k] / c, "replay_ms": replay[k] / c,
+                "device_ms": device[k] / timed[k] if timed.get(k) else None} for k, c in n.items() if c > 0}
+
+
+def host_ms_per_step(c0: dict, c1: dict, steps: float) -> dict[str, float | None]:
+    """The engine thread's time per decode step of the level (ms): busy (loop), inside step(), and of that waiting
+    for results (read_wait) and to refill a step's inputs (launch_wait)."""
+    return {key: 1e3 * (c1["host_s"][key] - c0["host_s"][key]) / steps if steps else None for key in HOST}
 
 
 def server_first_token_ms(c0: dict, c1: dict) -> dict[str, float | None]:
@@ -368,6 +381,7 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "steps_per_k": per_k_delta(c0, c1, "steps_per_k"), "step_host_ms": c1["step_host_ms"],
         "overlapped_steps": c1["overlapped_steps"] - c0["overlapped_steps"],
         "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
+        "host_ms_per_step": host_ms_per_step(c0, c1, sum(per_k_delta(c0, c1, "steps_per_k").values())),
         "server_idle_at_reads": c0["idle"] and c1["idle"], "client_cpu_fraction": cpu / wall,
         "per_request": [asdict(r) for r in reqs]}
 
@@ -487,13 +501,16 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 finally:
                     gc.unfreeze()
                 report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
-                step_ms = {k: (round(v["cycle_ms"], 3), round(v["replay_ms"], 3))
+                step_ms = {k: tuple(None if v[x] is None else round(v[x], 3)
+                                    for x in ("cycle_ms", "replay_ms", "device_ms"))
                            for k, v in lv["step_ms_per_k"].items()}
+                host = {k: None if v is None else round(v, 3) for k, v in lv["host_ms_per_step"].items()}
                 log(f"[serve_bench] {where}: {lv['output_tok_s']:.1f} tok/s, "
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
                     f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})} "
                     f"({int(lv.get('overlapped_steps', 0))} overlapped), "
-                    f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay) {step_ms}, "
+                    f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay / device) "
+                    f"{step_ms}, engine thread ms per step {host}, "
                     f"server first-token ms "
                     f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")
                 if lv["cut_by_time_limit"]:

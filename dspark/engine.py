@@ -119,6 +119,10 @@ class Engine:
                          "generation_tokens": 0, "target_forwards": 0,
                          "decode_steps_per_k": [0] * (self.k + 1),  # device steps by the drafts they verified
                          "overlapped_steps": 0,  # decode steps queued while the one before was still in flight
+                         # graph steps by k: how many were timed on the device (events around the replay) and
+                         # their time there (ms), against the replay time measured at capture that the policy uses
+                         "device_steps_per_k": [0] * (self.k + 1), "device_ms_per_k": [0.0] * (self.k + 1),
+                         "step_s": 0.0,  # host seconds inside step() (its waits for the device included)
                          # over the requests that emitted their first token: added -> admitted (queue) and
                          # admitted -> first token (prefill), seconds; their sum is the time to first token
                          "first_tokens": 0, "queue_s": 0.0, "prefill_s": 0.0}
@@ -188,6 +192,7 @@ class Engine:
     def step(self) -> list[tuple[Request, list[int]]]:
         """One scheduler step. Returns (request, newly emitted token ids) for every request that emitted. With
         overlap, the decode step it launches is read by the next call (its tokens come back then)."""
+        t0 = time.perf_counter()
         self._admit()
         emitted, self._resolved = self._resolved, []
         prefill = [r for r in self.running if r.status is Status.PREFILL]
@@ -214,6 +219,8 @@ class Engine:
             for r in list(self.running):  # never leave a half-updated request holding cache
                 self._finish(r, "error")
             raise
+        finally:
+            self.counters["step_s"] += time.perf_counter() - t0
         return emitted
 
     def _chunk_end(self, r: Request) -> int:
@@ -327,6 +334,9 @@ class Engine:
         """Wait for a launched step and commit its result: each row's accepted drafts and next token (rows whose
         request finished meanwhile, by a stop or an abort, are dropped)."""
         outs = self.runner.read(flight.step)
+        if flight.step.device_ms is not None:
+            self.counters["device_steps_per_k"][flight.k] += 1
+            self.counters["device_ms_per_k"][flight.k] += flight.step.device_ms
         live = [(r, o) for r, o in zip(flight.reqs, outs) if r.status is not Status.FINISHED]
         self.cache.advance([r.id for r, _ in live], [o[0] + 1 for _, o in live])
         emitted = []
@@ -488,10 +498,12 @@ class Engine:
         return [r.output() for r in reqs]
 
     def metrics(self) -> dict:
-        """The counters, host_ms (what the k policy adds to each step's replay time) and, per k, the back-to-back
-        graph steps the policy timed: how many, their whole time and their replay time (ms)."""
+        """The counters, the host's waits for the device (in reads, before refilling a step's inputs; seconds),
+        host_ms (what the k policy adds to each step's replay time) and, per k, the back-to-back graph steps the
+        policy timed: how many, their whole time and their replay time (ms)."""
         p = self.policy
         return {**{k: (list(v) if isinstance(v, list) else v) for k, v in self.counters.items()},
+                "read_wait_s": self.runner.wait_s, "launch_wait_s": self.runner.launch_wait_s,
                 "host_ms": p.host_ms, "step_cycles_per_k": list(p.cycles), "step_cycle_ms_per_k": list(p.cycle_ms),
                 "step_replay_ms_per_k": list(p.replay_ms)}
 

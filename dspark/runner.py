@@ -95,10 +95,12 @@ class ModelRunner:
         # the last step's output [a, n, t_0 .. t_k], which the next step's chain_inputs read (outside the graphs'
         # memory pool: a prefill's replay may reuse that memory in between)
         self.carry = torch.zeros(self.buckets[-1], max_k + 3, dtype=torch.long, device=self.device)
-        # (pinned buffer, event) for the host's copies of two steps' outputs (CUDA), in turns (launch)
-        self._outs: list[tuple[torch.Tensor, torch.cuda.Event] | None] = [None, None]
+        # (pinned buffer, copy-done event, timing events) for the host's copies of two steps' outputs (CUDA), in
+        # turns (launch)
+        self._outs: list[tuple | None] = [None, None]
         self._flip = 0
-        self.wait_s = 0.0  # host seconds spent waiting for the device in decode steps' reads (bench accounting)
+        # host seconds spent waiting for the device: in decode steps' reads, and before refilling a step's staging
+        self.wait_s, self.launch_wait_s = 0.0, 0.0
 
     # ------------------------------------------------------------------ forward pieces
     def forward(self, ids: torch.Tensor, batch, stash: bool = False) -> torch.Tensor:
@@ -406,7 +408,9 @@ class ModelRunner:
         st = self._get(key)
         B, W, ints, flo = len(rows), key.width, st.ints_np, st.floats_np
         if st.staged is not None:  # the last copy out of this staging buffer has run (with a step in flight it may not)
+            t0 = time.perf_counter()
             st.staged.synchronize()
+            self.launch_wait_s += time.perf_counter() - t0
         # whole-array numpy writes: a per-row loop of small writes costs milliseconds of host time at 512 rows
         ints[:B, :NI] = [(r.pending, c, r.num_drafts + 1, s, r.seed, r.top_k, r.room, r.src)
                          for r, c, s in zip(rows, num_cached, slots)]
@@ -422,32 +426,37 @@ class ModelRunner:
         cuda = self.device.type == "cuda"
         st.ints.copy_(st.ints_host, non_blocking=True)
         st.floats.copy_(st.floats_host, non_blocking=True)
-        if cuda:
+        done, timing = None, None
+        if cuda:  # the copy the host reads goes to one of two pinned buffers (a step's read while the next one's fills)
             st.staged = st.staged or torch.cuda.Event()
             st.staged.record()
-        if st.graph is not None:
-            st.graph.replay()
-            out = st.out
-        else:
-            out = self._run(st)
-        done, host = None, out[:B]
-        if cuda:  # the copy the host reads, into one of two pinned buffers (one step's read while the next one's fills)
             self._flip ^= 1
             if self._outs[self._flip] is None:
-                self._outs[self._flip] = (torch.empty(self.buckets[-1], self.max_k + 3, dtype=out.dtype,
-                                                      pin_memory=True), torch.cuda.Event())
-            buf, done = self._outs[self._flip]
+                self._outs[self._flip] = (torch.empty(self.buckets[-1], self.max_k + 3, dtype=torch.long,
+                                                      pin_memory=True), torch.cuda.Event(),
+                                          (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+            buf, done, timing = self._outs[self._flip]
+        if st.graph is not None:
+            timing[0].record()
+            st.graph.replay()
+            timing[1].record()
+            out = st.out
+        else:
+            out, timing = self._run(st), None
+        host = out[:B]
+        if cuda:
             host = buf[:B, :out.shape[1]]
             host.copy_(out[:B], non_blocking=True)
             done.record()
-        return Launched(host, done, B, st.ms)
+        return Launched(host, done, B, st.ms, timing)
 
     def read(self, step: Launched) -> list[list[int]]:
         """Wait for a launched step -> per row [a, n, t_0 .. t_k]: a accepted drafts, n verified, then the emitted
-        tokens (a drafts and the next token; -1 after)."""
+        tokens (a drafts and the next token; -1 after). Sets step.device_ms for a replayed graph."""
         t0 = time.perf_counter()
         if step.done is not None:
             step.done.synchronize()
-        res = step.host.tolist()
         self.wait_s += time.perf_counter() - t0
-        return res
+        if step.timing is not None:
+            step.device_ms = step.timing[0].elapsed_time(step.timing[1])
+        return step.host.tolist()

@@ -71,12 +71,14 @@ class RowInput:
 
 @dataclass
 class Launched:
-    """A decode step queued on the device: its output's copy for the host (pinned on CUDA) and the event that says
-    the copy is done."""
+    """A decode step queued on the device: its output's copy for the host (pinned on CUDA), the event that says
+    the copy is done, and the timing events around its graph's replay."""
     host: torch.Tensor  # [live, k + 3]
     done: torch.cuda.Event | None
     live: int
-    ms: float | None  # the graph's replay time (None: it ran eagerly)
+    ms: float | None  # the graph's replay time measured at capture (None: it ran eagerly)
+    timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # (before, after) the replay on the stream
+    device_ms: float | None = None  # set by the read: the replay's time on the device in this step
 
 
 def chain_inputs(ints: torch.Tensor, prev: torch.Tensor) -> None:

@@ -135,7 +135,19 @@ def metrics_text(runner: EngineRunner, model: str) -> str:
            "(async scheduling).", [(lab, c.get("overlapped_steps", 0))])
     metric("dspark:step_host_ms", "gauge", "Host time per decode step beyond its graph replay (moving average).",
            [(lab, c.get("host_ms", 0.0))])
+    for key, name, help_ in [
+            ("loop_s", "dspark:engine_loop_seconds_total",
+             "The engine thread's busy time: steps and delivery."),
+            ("step_s", "dspark:engine_step_seconds_total", "Time inside the engine's step(), its waits included."),
+            ("read_wait_s", "dspark:step_read_wait_seconds_total", "Time the host waited for decode steps' results."),
+            ("launch_wait_s", "dspark:step_launch_wait_seconds_total", "Time the host waited before refilling a "
+             "step's inputs (the copy out of them had not run).")]:
+        metric(name, "counter", help_, [(lab, c.get(key, 0.0))])
     for key, name, kind, help_ in [
+            ("device_steps_per_k", "dspark:step_device_timed_total", "counter",
+             "Graph decode steps timed on the device (events around the replay), by k."),
+            ("device_ms_per_k", "dspark:step_device_ms_total", "counter",
+             "Their replays' time on the device (ms), by k."),
             ("step_cycles_per_k", "dspark:step_cycles_total", "counter",
              "Back-to-back graph decode steps timed, by the drafts per row (k)."),
             ("step_cycle_ms_per_k", "dspark:step_cycle_ms_total", "counter",

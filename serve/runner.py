@@ -80,6 +80,7 @@ class EngineRunner:
         self._exited = threading.Event()  # set when _run ends, before it answers what is still queued
         self.recent: collections.deque[RequestOutput] = collections.deque(maxlen=recent)  # finished outputs
         self.error: str | None = None  # set if the thread died
+        self.loop_s = 0.0  # seconds of the thread's iterations: steps and delivery (not its idle waits)
         self.snapshot = self._snap()
         self._out: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}  # events to deliver
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
@@ -129,9 +130,11 @@ class EngineRunner:
                         cmd = self._cmds.get_nowait()
                     except queue.Empty:
                         cmd = ...
+                t0 = time.perf_counter()
                 if self.engine.has_work():
                     self._step()  # with the engine's overlap its next step is queued: the delivery overlaps it
                 self._flush()
+                self.loop_s += time.perf_counter() - t0
                 self.snapshot = self._snap()
         except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop
             self.error = f"engine thread died: {type(e).__name__}: {e}"
@@ -233,4 +236,5 @@ class EngineRunner:
     def _snap(self) -> Snapshot:
         e = self.engine
         pool = e.cache.pool
-        return Snapshot(e.metrics(), len(e.running), len(e.waiting), pool.num_used, pool.num_free)
+        return Snapshot({**e.metrics(), "loop_s": self.loop_s}, len(e.running), len(e.waiting), pool.num_used,
+                        pool.num_free)

@@ -171,6 +171,14 @@ def test_metrics_agree_with_requests(server, client):
     cycles = [d[f"dspark:step_cycles_total[{k}]"] for k in range(eng.k + 1)]
     assert sum(cycles) <= sum(steps) and (sum(cycles) > 0) == eng.runner.graphs
     assert all((d[f"dspark:step_cycle_ms_total[{k}]"] > 0) == (n > 0) for k, n in enumerate(cycles))
+    # graph steps timed on the device: every one read (none on CPU); the engine thread's time holds its step()'s,
+    # which holds its waits for the device
+    timed = [d[f"dspark:step_device_timed_total[{k}]"] for k in range(eng.k + 1)]
+    assert (timed == steps) if eng.runner.graphs else sum(timed) == 0
+    assert all((d[f"dspark:step_device_ms_total[{k}]"] > 0) == (n > 0) for k, n in enumerate(timed))
+    loop, step = d["dspark:engine_loop_seconds_total"], d["dspark:engine_step_seconds_total"]
+    waits = d["dspark:step_read_wait_seconds_total"] + d["dspark:step_launch_wait_seconds_total"]
+    assert loop >= step > waits >= 0
     # time to first token: one sample per request, split into the wait for admission and the prefill
     ttft = "vllm:time_to_first_token_seconds"
     assert d[f"{ttft}_count"] == d[f"{ttft}_bucket"] == d["vllm:request_queue_time_seconds_count"] == 3

@@ -49,6 +49,8 @@ def test_serve_bench_end_to_end(models, tmp_path):
             assert lv["tau"] is None and lv["spec_decode"]["num_steps"] == 0
             assert set(steps) == {0} and steps[0] > 0
         assert lv["step_ms_per_k"] == {}  # CPU: eager steps, none timed against a replay
+        host = lv["host_ms_per_step"]  # the engine thread's busy time per step holds its step()'s, which holds waits
+        assert host["loop"] >= host["step"] > host["read_wait"] + host["launch_wait"] >= 0
         first = lv["server_first_token_ms"]  # the server's share of the TTFT: within what the client saw
         assert 0 < first["queue"] < first["ttft"] and 0 < first["prefill"] < first["ttft"]
         assert abs(first["queue"] + first["prefill"] - first["ttft"]) < 1e-6 * first["ttft"]
@@ -102,7 +104,7 @@ def test_serve_bench_time_limit_shares(models, monkeypatch):
     async def level(url, a, prompts, temperature, conc, deadline):
         now[0] += 10.0
         return {"output_tok_s": 1.0, "tau": None, "errors": 0, "steps_per_k": {}, "step_ms_per_k": {},
-                "server_first_token_ms": {}, "cut_by_time_limit": now[0] > deadline}
+                "host_ms_per_step": {}, "server_first_token_ms": {}, "cut_by_time_limit": now[0] > deadline}
 
     monkeypatch.setattr(bench.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(bench, "run_level", level)
