@@ -105,6 +105,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
     p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--out", help="JSON file for every number")
+    p.add_argument("--profile", default="", help="TASK:T:C, e.g. creative:0.7:4: each server's engine thread under "
+                   "torch.profiler over that level (POST /start_profile, /stop_profile), written next to --out")
     a = p.parse_args(argv)
     a.modes = _list(a.modes, str, "--modes", lambda m: m in MODES, "modes from ar,dspark")
     a.tasks = _list(a.tasks, str, "--tasks", lambda t: t in TASKS, f"tasks from {','.join(TASKS)}")
@@ -119,6 +121,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                     ("--time-limit", a.time_limit)]:
         if not v > 0:
             raise ValueError(f"{flag}: expected seconds > 0, got {v}")
+    if a.profile:
+        parts = a.profile.split(":")
+        try:
+            a.profile = (parts[0], float(parts[1]), int(parts[2])) if len(parts) == 3 else None
+        except ValueError:
+            a.profile = None
+        if a.profile is None or a.profile[0] not in a.tasks or a.profile[1] not in a.temperatures \
+                or a.profile[2] not in a.concurrency:
+            raise ValueError(f"--profile: expected TASK:T:C naming one of the levels run (--tasks, --temperatures, "
+                             f"--concurrency), got {':'.join(parts)!r}")
     if "dspark" in a.modes and not a.drafter:
         raise ValueError("--drafter: required for mode dspark (or pass --modes ar)")
     for flag, d in [("--target", a.target), ("--drafter", a.drafter)]:
@@ -163,7 +175,15 @@ def serve_command(a, mode: str, port: int, extra: list[str]) -> list[str]:
     for flag, v in [("--max-batch-size", c), ("--max-concurrent", 2 * c), ("--max-model-len", a.max_model_len)]:
         if not _has(extra, flag):
             cmd += [flag, str(v)]
+    if a.profile and not _has(extra, "--profile-dir"):
+        cmd += ["--profile-dir", str(profile_dir(a, mode))]
     return cmd + extra
+
+
+def profile_dir(a, mode: str) -> Path:
+    """Where a server writes the --profile level's engine profile: beside --out, else in the temp dir."""
+    return (Path(a.out).with_suffix(f".profile-{mode}") if a.out
+            else Path(tempfile.gettempdir()) / f"serve-bench-profile-{mode}")
 
 
 def _tail(path: Path, lines: int = 30) -> str:
@@ -342,7 +362,10 @@ def pcts(xs: list[float]) -> dict:
     return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
 
 
-async def run_level(url: str, a, prompts: list[str], temperature: float, conc: int, deadline: float) -> dict:
+async def run_level(url: str, a, prompts: list[str], temperature: float, conc: int, deadline: float,
+                    profile: bool = False) -> dict:
+    """One level: max(4C, 16) requests (or --requests-per-level) from C clients; profile: the server's engine
+    thread under torch.profiler over the timed requests."""
     n = a.requests_per_level or max(4 * conc, 16)  # a level long enough that one prefill stall is not its wall time
     seed = (lambda i: a.seed + i) if temperature > 0 and a.seed is not None else (lambda i: None)
     reqs = [Req(i, i % len(prompts), seed(i)) for i in range(n)]
@@ -351,6 +374,8 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         warm = Req(-1, 0, seed(0))
         await one(client, a, prompts[0], temperature, warm)
         c0 = await counters(client)
+        if profile:
+            (await client.post("/start_profile", timeout=60.0)).raise_for_status()
         todo = iter(reqs)
 
         async def worker():
@@ -364,6 +389,8 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
             cut = True
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         c1 = await counters(client)
+        files = (await client.post("/stop_profile", timeout=300.0)).raise_for_status().json()["files"] if profile \
+            else []
     for r in reqs:
         if not r.ok and not r.error:
             r.error = "not finished when the time limit (--time-limit) was reached"
@@ -383,6 +410,7 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
         "host_ms_per_step": host_ms_per_step(c0, c1, sum(per_k_delta(c0, c1, "steps_per_k").values())),
         "server_idle_at_reads": c0["idle"] and c1["idle"], "client_cpu_fraction": cpu / wall,
+        "profile_files": files,
         "per_request": [asdict(r) for r in reqs]}
 
 
@@ -497,7 +525,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 gc.collect()
                 gc.freeze()
                 try:
-                    lv = asyncio.run(run_level(f"http://127.0.0.1:{port}", a, prompts[task], temp, conc, deadline))
+                    lv = asyncio.run(run_level(f"http://127.0.0.1:{port}", a, prompts[task], temp, conc, deadline,
+                                               a.profile == (task, temp, conc)))
                 finally:
                     gc.unfreeze()
                 report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
@@ -513,6 +542,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                     f"{step_ms}, engine thread ms per step {host}, "
                     f"server first-token ms "
                     f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")
+                if lv["profile_files"]:
+                    log(f"[serve_bench] {where}: engine profile in {lv['profile_files'][0]}")
                 if lv["cut_by_time_limit"]:
                     cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) cut {where}")
                     break

@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch.profiler import record_function
 from tqdm.auto import tqdm
 
 from dspark.cache.blocks import OutOfBlocks
@@ -199,7 +200,8 @@ class Engine:
         try:
             if prefill:  # a step in flight runs on: the prefill's rows are others'
                 self.policy.step_chain_broken()
-                emitted += self._prefill(prefill)
+                with record_function("engine.prefill"):
+                    emitted += self._prefill(prefill)
             decode = [r for r in self.running if r.status is Status.DECODE]
             flight, launched, choice = self.in_flight, None, None
             if flight is not None:
@@ -303,6 +305,10 @@ class Engine:
         """Queue one device step for these rows (the runner's graph for their batch bucket). chain: the step in
         flight, src: each row's row in it (-1: none); such rows may grow by up to chain.k + 1 tokens before this
         step starts."""
+        with record_function("engine.launch"):
+            return self._queue_step(reqs, k, chain, src)
+
+    def _queue_step(self, reqs: list[Request], k: int, chain: InFlight | None, src: list[int] | None) -> InFlight:
         self.policy.step_started()
         ps = [r.params for r in reqs]
         mode = sampling_mode(ps)
@@ -333,7 +339,8 @@ class Engine:
     def _read(self, flight: InFlight) -> list[tuple[Request, list[int]]]:
         """Wait for a launched step and commit its result: each row's accepted drafts and next token (rows whose
         request finished meanwhile, by a stop or an abort, are dropped)."""
-        outs = self.runner.read(flight.step)
+        with record_function("engine.read"):
+            outs = self.runner.read(flight.step)
         if flight.step.device_ms is not None:
             self.counters["device_steps_per_k"][flight.k] += 1
             self.counters["device_ms_per_k"][flight.k] += flight.step.device_ms
@@ -364,8 +371,9 @@ class Engine:
         if not lag:
             return
         _, tables, slots = self.cache.step_rows([r.id for r in lag], 0)
-        self.runner.flush_context([r.num_context for r in lag], [r.num_computed - r.num_context for r in lag], tables,
-                                  slots)
+        with record_function("engine.flush_context"):
+            self.runner.flush_context([r.num_context for r in lag], [r.num_computed - r.num_context for r in lag],
+                                      tables, slots)
         for r in lag:
             r.num_context = r.num_computed
         self.policy.step_chain_broken()  # an eager forward ran: the next step's gap is not host time

@@ -22,8 +22,9 @@ def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *
                 draft_top_k: int = 0, served_model_name: str | None = None, max_concurrent: int = 64,
                 device: str = "auto", dtype: str = "auto", api_key: str | None = None,
                 max_prompt_bytes: int | None = None, enforce_eager: bool = False, compile: bool = False,
-                async_scheduling: bool | None = None):
-    """Load the models, start the engine thread and return the FastAPI app (app.state.runner holds the thread)."""
+                async_scheduling: bool | None = None, profile_dir: str | None = None):
+    """Load the models, start the engine thread and return the FastAPI app (app.state.runner holds the thread).
+    profile_dir: POST /start_profile and /stop_profile write the engine thread's profile there (serve/profile.py)."""
     from dspark.checkpoint import load_drafter, load_target
     from dspark.device import resolve_device, resolve_dtype
     from dspark.engine import Engine
@@ -41,7 +42,7 @@ def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *
     # the greedy and sampled step graphs captured before the first request; those of top-k / top-p requests (they
     # sort the vocabulary) at their first use: a third more graphs at start for a mode few clients send
     engine.warmup(modes=("greedy", "sample"), progress=True)
-    runner = EngineRunner(engine).start()
+    runner = EngineRunner(engine, profile_dir=profile_dir).start()
     name = served_model_name or Path(target_dir).resolve().name
     return create_app(runner, ServerConfig(name, max_concurrent=max_concurrent, api_key=api_key,
                                            max_prompt_bytes=max_prompt_bytes))

@@ -12,6 +12,7 @@ import errno
 import gc
 import ipaddress
 import logging
+import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -64,6 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="ours: queue each decode step before the previous one is read, so the host's work overlaps "
                    "the device (vLLM's flag; default: on with CUDA graphs)")
+    p.add_argument("--profile-dir", default=os.environ.get("VLLM_TORCH_PROFILER_DIR"),
+                   help="ours: enable POST /start_profile and /stop_profile, which write the engine thread's "
+                   "torch.profiler tables and trace here (default: $VLLM_TORCH_PROFILER_DIR, as vLLM)")
     p.add_argument("--dry-run", action="store_true", help="vllm: print the command only; ours: load and exit")
     return p.parse_args(argv)
 
@@ -166,7 +170,7 @@ def _run_ours(args) -> int:
                       served_model_name=o.served_model_name, max_concurrent=args.max_concurrent, device=o.device,
                       dtype=o.dtype, api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes,
                       enforce_eager=args.enforce_eager, compile=args.compile,
-                      async_scheduling=args.async_scheduling)
+                      async_scheduling=args.async_scheduling, profile_dir=args.profile_dir)
     cfg, eng = app.state.cfg, app.state.runner.engine
     print(f"serving {cfg.served_model_name!r} on http://{o.host}:{o.port}/v1 ({o.device}, {o.dtype}, k={eng.k}, "
           f"max_model_len={eng.max_model_len}, max_batch_size={eng.max_batch_size}, "

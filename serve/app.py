@@ -241,6 +241,23 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
                                             "owned_by": "dspark", "root": cfg.served_model_name, "parent": None,
                                             "max_model_len": engine.max_model_len}]}
 
+    if runner.profiler is not None:  # vLLM's profiling routes, only with a profile dir (as vLLM registers them)
+        @app.post("/start_profile")
+        async def start_profile():
+            return await profile("start")
+
+        @app.post("/stop_profile")
+        async def stop_profile():
+            return await profile("stop")
+
+        async def profile(action: str):
+            try:
+                return JSONResponse({"files": await runner.profile(action)})
+            except EngineDead:
+                return error_response(503, "the engine thread is not running; see the server log")
+            except RuntimeError as e:
+                return error_response(409, str(e))
+
     @app.get("/metrics")
     async def metrics():
         return PlainTextResponse(metrics_text(runner, cfg.served_model_name),

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from dspark.request import Request, RequestOutput, SamplingParams
+from serve.profile import EngineProfile
 
 log = logging.getLogger("serve.runner")
 
@@ -72,8 +73,9 @@ class EngineDead(RuntimeError):
 
 
 class EngineRunner:
-    def __init__(self, engine, recent: int = 1024):
+    def __init__(self, engine, recent: int = 1024, profile_dir: str | None = None):
         self.engine = engine
+        self.profiler = EngineProfile(profile_dir) if profile_dir else None
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
@@ -114,6 +116,17 @@ class EngineRunner:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    async def profile(self, action: str) -> list[str]:
+        """Start ("start") or stop ("stop": -> the paths written) the engine thread's profile window; RuntimeError
+        when there is no profile dir or the window is already in that state."""
+        if self.profiler is None:
+            raise RuntimeError("profiling is off: start the server with --profile-dir (or VLLM_TORCH_PROFILER_DIR)")
+        if not self.alive:
+            raise EngineDead("engine thread is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._cmds.put(("profile", action, fut))
+        return await asyncio.wrap_future(fut)
+
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
@@ -153,8 +166,9 @@ class EngineRunner:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add) and cmd.future.set_running_or_notify_cancel():
-                cmd.future.set_exception(EngineDead("engine thread is not running"))
+            fut = cmd.future if isinstance(cmd, _Add) else cmd[2] if isinstance(cmd, tuple) and len(cmd) == 3 else None
+            if fut is not None and fut.set_running_or_notify_cancel():
+                fut.set_exception(EngineDead("engine thread is not running"))
 
     def _handle(self, cmd) -> None:
         if isinstance(cmd, _Add):
@@ -172,6 +186,17 @@ class EngineRunner:
             s = _Stream(req, cmd.loop, asyncio.Queue(), holdback=max((len(x) for x in req.params.stop), default=1) - 1)
             self._streams[req.id] = s
             cmd.future.set_result((req, s.events))
+        elif cmd[0] == "profile":
+            _, action, fut = cmd
+            counters = {**self.engine.metrics(), "loop_s": self.loop_s}
+            try:
+                if action == "start":
+                    self.profiler.start(counters)
+                    fut.set_result([])
+                else:
+                    fut.set_result(self.profiler.stop(counters))
+            except RuntimeError as e:
+                fut.set_exception(e)
         elif cmd[0] == "abort":
             rid = cmd[1]
             if rid in self._streams:

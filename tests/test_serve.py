@@ -18,8 +18,9 @@ from tests.targets import SERVE_MAX_LEN
 
 MAX_LEN = SERVE_MAX_LEN
 @pytest.fixture(scope="module")
-def server(models):
-    app = load_server(*models, max_model_len=MAX_LEN, max_batch_size=8, max_concurrent=64)
+def server(models, tmp_path_factory):
+    app = load_server(*models, max_model_len=MAX_LEN, max_batch_size=8, max_concurrent=64,
+                      profile_dir=str(tmp_path_factory.mktemp("profile")))
     with ServerThread(app) as srv:
         yield srv
 
@@ -141,6 +142,31 @@ def test_bad_requests(server, client):
     r = httpx.post(url, content=b'{"prompt": "x",', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     wait_idle(server)  # rejected requests hold nothing
+
+
+def test_profile_window_writes_the_engine_threads_tables_and_trace(server, client):
+    """vLLM's POST /start_profile and /stop_profile: the engine thread's torch.profiler window, its counters over
+    the window, the engine's named phases in the host-time table, and a Chrome trace; a window out of order is a
+    409 that names the other route."""
+    url = server.url
+    r = httpx.post(url + "/stop_profile")
+    assert r.status_code == 409 and "/start_profile" in r.json()["error"]["message"]
+    assert httpx.post(url + "/start_profile").json() == {"files": []}
+    r = httpx.post(url + "/start_profile")
+    assert r.status_code == 409 and "/stop_profile" in r.json()["error"]["message"]
+    ids = [client.completions.create(model="tiny-target", prompt=p, max_tokens=12, **GREEDY).id
+           for p in ["def f(a):", "import os"]]
+    wait_idle(server)
+    files = httpx.post(url + "/stop_profile", timeout=60).json()["files"]
+    txt, trace = (open(f).read() for f in files)
+    counters = json.loads(re.search(r"engine counters over the window: (\{.*\})", txt).group(1))
+    outs = [o for o in server.app.state.runner.recent if o.request_id in ids]
+    assert sum(counters["decode_steps_per_k"]) == sum(o.num_steps for o in outs) > 0
+    assert counters["generation_tokens"] == 24 and counters["step_s"] > 0
+    assert all(name in txt for name in ("engine.prefill", "engine.launch", "engine.read"))
+    assert json.loads(trace)["traceEvents"]
+    assert httpx.post(url + "/start_profile").status_code == 200  # a second window, then closed again
+    assert httpx.post(url + "/stop_profile", timeout=60).json()["files"][0].endswith("engine-profile-2.txt")
 
 
 def test_metrics_agree_with_requests(server, client):

@@ -22,7 +22,7 @@ def test_serve_bench_end_to_end(models, tmp_path):
     cmd = [sys.executable, "bench/serve_bench.py", "--target", str(target), "--drafter", str(drafter),
            "--tasks", ",".join(TASKS), "--temperatures", "0,0.7", "--concurrency", "1,2", "--requests-per-level", "2",
            "--max-tokens", "8", "--max-prompt-tokens", "48", "--num-prompts", "4", "--startup-timeout", "120",
-           "--time-limit", "240", "--out", str(out), "--", "--device", "cpu"]
+           "--time-limit", "240", "--out", str(out), "--profile", "creative:0.7:2", "--", "--device", "cpu"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -49,6 +49,12 @@ def test_serve_bench_end_to_end(models, tmp_path):
             assert lv["tau"] is None and lv["spec_decode"]["num_steps"] == 0
             assert set(steps) == {0} and steps[0] > 0
         assert lv["step_ms_per_k"] == {}  # CPU: eager steps, none timed against a replay
+        # --profile: that level only, each server's engine thread, its named phases in the table
+        profiled = (lv["task"], lv["temperature"], lv["concurrency"]) == ("creative", 0.7, 2)
+        assert len(lv["profile_files"]) == (2 if profiled else 0)
+        if profiled:
+            txt = open(lv["profile_files"][0]).read()
+            assert f"{out.stem}.profile-{mode}" in lv["profile_files"][0] and "engine.launch" in txt
         host = lv["host_ms_per_step"]  # the engine thread's busy time per step holds its step()'s, which holds waits
         assert host["loop"] >= host["step"] > host["read_wait"] + host["launch_wait"] >= 0
         first = lv["server_first_token_ms"]  # the server's share of the TTFT: within what the client saw
@@ -86,7 +92,9 @@ def test_serve_bench_bad_options(models, capsys):
                       (["--modes", "ar,fast"], "--modes"), ([], "--drafter: required for mode dspark"),
                       (["--modes", "ar", "--", "--port", "9"], "--port: set by this script"),
                       (["--modes", "ar", "--tasks", "nope"], "--tasks"), (["--modes", "ar", "--max-tokens", "0"],
-                                                                        "--max-tokens: expected an integer >= 1")]:
+                                                                        "--max-tokens: expected an integer >= 1"),
+                      (["--modes", "ar", "--profile", "creative:0.7:3"], "--profile: expected TASK:T:C"),
+                      (["--modes", "ar", "--profile", "creative"], "--profile: expected TASK:T:C")]:
         assert bench.main(["--target", target, *args]) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1, err
@@ -101,10 +109,11 @@ def test_serve_bench_time_limit_shares(models, monkeypatch):
     bench = _bench()
     now = [0.0]
 
-    async def level(url, a, prompts, temperature, conc, deadline):
+    async def level(url, a, prompts, temperature, conc, deadline, profile=False):
         now[0] += 10.0
         return {"output_tok_s": 1.0, "tau": None, "errors": 0, "steps_per_k": {}, "step_ms_per_k": {},
-                "host_ms_per_step": {}, "server_first_token_ms": {}, "cut_by_time_limit": now[0] > deadline}
+                "host_ms_per_step": {}, "server_first_token_ms": {}, "profile_files": [],
+                "cut_by_time_limit": now[0] > deadline}
 
     monkeypatch.setattr(bench.time, "monotonic", lambda: now[0])
     monkeypatch.setattr(bench, "run_level", level)

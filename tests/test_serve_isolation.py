@@ -302,3 +302,9 @@ def test_a_stopped_engine_thread_leaves_no_cycle_with_its_engine():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_profile_routes_are_off_without_a_profile_dir(server):
+    """As in vLLM: /start_profile and /stop_profile exist only when the server was given a profile dir."""
+    for route in ("/start_profile", "/stop_profile"):
+        assert httpx.post(server.url + route).status_code == 404
