@@ -11,7 +11,7 @@ token); a step verifies [pending, d1..dk] and commits pending + the accepted dra
 
 Drafts per step: `num_speculative_tokens=None` lets the k policy (dspark/policy.py) pick k each step, 0 .. the
 drafter's block, by expected emitted tokens per millisecond (measured acceptance against each candidate's replay time
-plus the host's time per step); on CPU (no graphs) it drafts the whole block. An int pins k. Under the policy a
+and the host's measured work per step of its kind); on CPU (no graphs) it drafts the whole block. An int pins k. Under the policy a
 sampled request with a seed decodes plainly (its text is then the AR engine's for that seed); with a pinned k it
 drafts like the others.
 
@@ -105,11 +105,11 @@ class Engine:
                                 prefix_cache=PrefixCacheConfig() if prefix_caching is True else prefix_caching or None)
         self.runner = ModelRunner(target, self.drafts, self.cache, max_batch_size, self.k, rejection, draft_sample,
                                   adaptive_verification, graphs, compile)
-        self.policy = KPolicy(self.runner, self.k, self.pinned_k is not None)
         self.step_requests: list[Request] = []  # the rows of the last launched device step, in order
         # overlap (default: with graphs): a decode step stays in flight when step() returns, and the next step is
         # queued before this one is read whenever its inputs can be completed on the device (module doc)
         self.overlap = self.runner.graphs if overlap is None else overlap
+        self.policy = KPolicy(self.runner, self.k, self.pinned_k is not None, self.overlap)
         self.in_flight: InFlight | None = None
         self._resolved: list[tuple[Request, list[int]]] = []  # tokens read outside step(), returned by the next one
         self.waiting: collections.deque[Request] = collections.deque()
@@ -309,12 +309,12 @@ class Engine:
             return self._queue_step(reqs, k, chain, src)
 
     def _queue_step(self, reqs: list[Request], k: int, chain: InFlight | None, src: list[int] | None) -> InFlight:
-        self.policy.step_started()
+        if k > 0 and chain is None:
+            self._flush_context(reqs)
+        self.policy.step_started(1e3 * (self.runner.wait_s + self.runner.launch_wait_s))
         ps = [r.params for r in reqs]
         mode = sampling_mode(ps)
         plain = [self._plain(p) for p in ps]
-        if k > 0 and chain is None:
-            self._flush_context(reqs)
         src = src or [-1] * len(reqs)
         ahead = [0 if s < 0 else chain.k + 1 for s in src]
         rids = [r.id for r in reqs]
@@ -333,7 +333,7 @@ class Engine:
         self.counters["overlapped_steps"] += chain is not None
         self.step_requests = reqs
         launched = self.runner.launch(rows, tables, num_cached, slots, key)
-        self.policy.step_replayed(launched.ms, k)
+        self.policy.step_replayed(launched.ms, key)
         return InFlight(reqs, k, launched)
 
     def _read(self, flight: InFlight) -> list[tuple[Request, list[int]]]:
@@ -371,12 +371,14 @@ class Engine:
         if not lag:
             return
         _, tables, slots = self.cache.step_rows([r.id for r in lag], 0)
+        t0 = time.perf_counter()
         with record_function("engine.flush_context"):
             self.runner.flush_context([r.num_context for r in lag], [r.num_computed - r.num_context for r in lag],
                                       tables, slots)
         for r in lag:
             r.num_context = r.num_computed
-        self.policy.step_chain_broken()  # an eager forward ran: the next step's gap is not host time
+        self.policy.flushed(1e3 * (time.perf_counter() - t0))
+        self.policy.step_chain_broken()  # an eager forward ran: the gap to the next step is not a step's host work
 
     @torch.no_grad()  # what the forwards run under (the MoE's inference paths; no autograd on the cache)
     def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",), progress: bool = False) -> int:
@@ -507,8 +509,9 @@ class Engine:
 
     def metrics(self) -> dict:
         """The counters, the host's waits for the device (in reads, before refilling a step's inputs; seconds),
-        host_ms (what the k policy adds to each step's replay time) and, per k, the back-to-back graph steps the
-        policy timed: how many, their whole time and their replay time (ms)."""
+        host_ms (the host's own work per decode step, its waits left out: what the k policy weighs against the
+        replay times) and, per k, the back-to-back graph steps the policy timed: how many, their whole time and their
+        replay time (ms)."""
         p = self.policy
         return {**{k: (list(v) if isinstance(v, list) else v) for k, v in self.counters.items()},
                 "read_wait_s": self.runner.wait_s, "launch_wait_s": self.runner.launch_wait_s,

@@ -1,23 +1,28 @@
 """The k policy: how many drafts each decode step verifies, 0 (plain decoding) up to the drafter's block.
 
 A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
-position j given all before it, greedy and sampled rows apart, over the recent row-steps) and costs its graph's
-replay time at the step's batch bucket plus the host's time per step. The policy picks the k with the most expected
-tokens per millisecond, so speculation runs plainly where drafting does not pay; drafting must beat plain decoding by
-DRAFT_GAIN, since part of its cost is outside the step's time (the eager flush of stashed context rows, a prompt's
-drafter context) and a marginal estimate is as likely to lose as to win. On CPU (no graphs, no step times) it
-drafts the whole block.
+position j given all before it, greedy and sampled rows apart, over the recent row-steps). It costs its graph's
+replay time at the step's batch bucket and the host's own work for a step of its kind (batch bucket, k, sampling
+mode: launching a bigger graph costs the host more), measured between back-to-back steps with the host's waits for
+the device left out: with async scheduling the larger of the two (they overlap), else their sum. Drafting after plain
+steps also pays the eager flush of their stashed context rows, spread over the REPICK_EVERY steps a choice lasts.
+The policy picks the k with the most expected tokens per millisecond, so speculation runs plainly where drafting
+does not pay; drafting must beat plain decoding by DRAFT_GAIN (a prompt's drafter context is still outside these
+costs, and a marginal estimate is as likely to lose as to win). On CPU (no graphs, no step times) it drafts the
+whole block.
 """
 from __future__ import annotations
 
 import time
 
 from dspark.runner import ModelRunner
+from dspark.step_buffers import StepKey
 
 PROBE_EVERY = 64  # plain steps after which the policy drafts once more, to refresh its acceptance statistics ...
 PROBE_MAX = 1024  # ... an interval that doubles, up to this, each time such a probe leaves the choice at plain decoding
 REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
+HOST_EMA = 0.05  # weight of each new sample in the host-time moving averages
 ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
 # estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
 DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects this many times its tokens per ms
@@ -25,9 +30,10 @@ GROUPS = ("greedy", "sampled")
 
 
 class KPolicy:
-    def __init__(self, runner: ModelRunner, k: int, pinned: bool):
-        """k: the most drafts a step may verify (0: no drafter); pinned: always k."""
-        self.runner, self.k, self.pinned = runner, k, pinned
+    def __init__(self, runner: ModelRunner, k: int, pinned: bool, overlap: bool = False):
+        """k: the most drafts a step may verify (0: no drafter); pinned: always k; overlap: the engine queues each
+        step before it reads the one before (host work and device time overlap)."""
+        self.runner, self.k, self.pinned, self.overlap = runner, k, pinned, overlap
         self.choices = sorted({0, k} | {1 << i for i in range(8) if 1 << i < k}) if k else [0]
         self.reset()
 
@@ -41,10 +47,16 @@ class KPolicy:
         self.probe_every = {g: PROBE_EVERY for g in GROUPS}
         self.probed = {g: False for g in GROUPS}  # a probe ran and the next choice has not judged it yet
         self.memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
-        # a decode step's time beyond its graph's replay (host work: scheduling, the step's inputs and read, the
-        # server's loop), a moving average over back-to-back graph steps
+        # the host's own work per decode step (ms: scheduling, the launch, reading, the server's loop; its waits for
+        # the device left out), moving averages over back-to-back graph steps: over all of them, and per kind
+        # (batch bucket, k, sampling mode)
         self.host_ms, self.host_samples = 0.0, 0
-        self.last_step: tuple[float, float | None, int] | None = None  # (perf_counter at its start, replay ms, k)
+        self.host_by_kind: dict[tuple[int, int, str], float] = {}
+        self.flush_ms: float | None = None  # an eager context flush's host time (ms), moving average
+        self.last_k = 0  # the k of the last choice (a k > 0 after plain steps flushes their context first)
+        # the step in progress: (perf_counter at its start, the host's total wait for the device then (ms), its key,
+        # its replay ms); key None until it is launched as a graph step
+        self.last_step: tuple[float, float, StepKey | None, float | None] | None = None
         # per k, over back-to-back graph steps: the steps, their whole time from one step's start to the next (ms)
         # and their replay time (ms): what a step of k drafts costs, against what the choice above assumes
         self.cycles, self.cycle_ms, self.replay_ms = [0] * (self.k + 1), [0.0] * (self.k + 1), [0.0] * (self.k + 1)
@@ -66,6 +78,7 @@ class KPolicy:
         if reach[0] < 8 or self.plain_steps[group] >= self.probe_every[group]:
             self.probed[group] = reach[0] >= 8
             self.plain_steps[group] = 0
+            self.last_k = self.k
             return self.k
         memo = (num_rows, longest.bit_length(), mode)
         hit = self.memo.get(memo)
@@ -78,6 +91,7 @@ class KPolicy:
             self.probed[group] = False
         hit[1] -= 1
         self.plain_steps[group] = self.plain_steps[group] + 1 if hit[0] == 0 else 0
+        self.last_k = hit[0]
         return hit[0]
 
     def step_times(self, num_rows: int, longest: int, mode: str) -> dict[int, float] | None:
@@ -87,12 +101,20 @@ class KPolicy:
         ms = {k: r.step_ms(r.key_for(num_rows, k, longest + k + 1, mode)) for k in self.choices}
         return None if None in ms.values() else ms
 
+    def step_cost(self, key: StepKey, replay_ms: float) -> float:
+        """A step's expected time (ms): its replay and the host's work for its kind (module doc); a kind not timed
+        yet takes the mean over all steps."""
+        host = self.host_by_kind.get((key.rows, key.k, key.mode), self.host_ms)
+        return max(replay_ms, host) if self.overlap else replay_ms + host
+
     def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
-        """The candidate with the most expected tokens per millisecond (replay + host_ms), plain decoding's rate
-        counted DRAFT_GAIN times; a position reached fewer than 8 times takes the acceptance of the one before it."""
+        """The candidate with the most expected tokens per millisecond (step_cost; a k > 0 after plain steps also
+        pays a flush spread over REPICK_EVERY steps), plain decoding's rate counted DRAFT_GAIN times; a position
+        reached fewer than 8 times takes the acceptance of the one before it."""
         times = self.step_times(num_rows, longest, mode)
         if times is None:  # no graphs, no step times: draft the whole block
             return self.k
+        flush = (self.flush_ms or 0.0) / REPICK_EVERY if self.last_k == 0 else 0.0
         alpha, last = [], 0.5
         for j in range(self.k):
             last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
@@ -103,7 +125,8 @@ class KPolicy:
             for j in range(k):
                 surv *= alpha[j]
                 expected += surv
-            rate = expected / (ms + self.host_ms) * (DRAFT_GAIN if k == 0 else 1.0)
+            cost = self.step_cost(self.runner.key_for(num_rows, k, longest + k + 1, mode), ms)
+            rate = expected / (cost + (flush if k else 0.0)) * (DRAFT_GAIN if k == 0 else 1.0)
             if rate > best_rate:
                 best, best_rate = k, rate
         return best
@@ -119,27 +142,35 @@ class KPolicy:
         if reach[0] >= ACCEPT_WINDOW:
             self.accepted[group], self.reached[group] = [x // 2 for x in acc], [x // 2 for x in reach]
 
-    def step_started(self) -> None:
-        """At a decode step's start: the time since the last one began, less that one's replay, into host_ms; the
-        whole time and the replay into that step's k's cycle counters."""
+    def step_started(self, waited_ms: float = 0.0) -> None:
+        """At a decode step's start (waited_ms: the host's running total of waits for the device, ms): the last
+        step's host work (the time since it began less the waits in between) into host_ms and its kind's average;
+        its whole time and replay into its k's cycle counters."""
         now, last = time.perf_counter(), self.last_step
-        if last is not None and last[1] is not None:
+        if last is not None and last[3] is not None:
             cycle = (now - last[0]) * 1e3
-            gap = max(0.0, cycle - last[1])
-            if gap < HOST_PAUSE_MS:
-                self.host_ms = gap if self.host_samples == 0 else self.host_ms + 0.05 * (gap - self.host_ms)
+            if cycle < HOST_PAUSE_MS:
+                work = max(0.0, cycle - (waited_ms - last[1]))
+                self.host_ms = work if self.host_samples == 0 else self.host_ms + HOST_EMA * (work - self.host_ms)
                 self.host_samples += 1
-                k = last[2]
-                self.cycles[k] += 1
-                self.cycle_ms[k] += cycle
-                self.replay_ms[k] += last[1]
-        self.last_step = (now, None, 0)
+                key = last[2]
+                kind = (key.rows, key.k, key.mode)
+                prev = self.host_by_kind.get(kind)
+                self.host_by_kind[kind] = work if prev is None else prev + HOST_EMA * (work - prev)
+                self.cycles[key.k] += 1
+                self.cycle_ms[key.k] += cycle
+                self.replay_ms[key.k] += last[3]
+        self.last_step = (now, waited_ms, None, None)
 
-    def step_replayed(self, ms: float | None, k: int) -> None:
-        """The step just started drafted k and replayed a graph of `ms` (None: it ran eagerly, nothing to learn
+    def step_replayed(self, ms: float | None, key: StepKey) -> None:
+        """The step just started is `key` and replayed a graph of `ms` (None: it ran eagerly, nothing to learn
         from)."""
         if self.last_step is not None:
-            self.last_step = (self.last_step[0], ms, k)
+            self.last_step = (*self.last_step[:2], key, ms)
+
+    def flushed(self, ms: float) -> None:
+        """An eager context flush took ms of host time (drafting after plain steps pays it)."""
+        self.flush_ms = ms if self.flush_ms is None else self.flush_ms + HOST_EMA * (ms - self.flush_ms)
 
     def step_chain_broken(self) -> None:
         """Something other than a decode step ran (a prefill): the next step's gap is not host time."""

@@ -122,7 +122,7 @@ def test_k_per_step_follows_measured_step_times(targets, prompts):
         # the policy reads graph replay times (None without graphs: the whole block); here they are given, and the
         # host time it would learn between graph steps on CUDA stays 0 (its own test below)
         engine.runner.step_ms = lambda key, c=spec_cost: 1.0 + c * key.k / 4
-        engine.policy.step_started = lambda: None
+        engine.policy.step_started = lambda *a: None
         outs = engine.generate(prompts, SamplingParams(max_tokens=N_NEW, ignore_eos=True))
         assert [o.token_ids for o in outs] == refs
         drafted = [[n > 0 for n in o.num_drafts_per_step] for o in outs]
@@ -198,33 +198,61 @@ def test_k_policy_acceptance_follows_recent_traffic(targets):
 
 
 def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
-    """The host's time per step (learnt between back-to-back graph steps, beyond their replay) is added to every
-    candidate's time: at acceptance 0.5 per position, drafting 4 loses when a step is its replay alone and wins when
-    each step also costs 10 ms of host work. Pauses longer than a step's work (an idle server) are not learnt. The
-    timed steps' whole time and replay are counted per k (what /metrics reports)."""
+    """The host's own work per step (learnt between back-to-back graph steps: the time from one step's start to the
+    next less the host's waits for the device in between) is part of every candidate's cost, per kind of step
+    (batch bucket, k, mode). Read at once (no overlap) a step costs its replay plus that work: at acceptance 0.5 per
+    position, drafting 4 loses when a step is its replay alone and wins when each step also costs 10 ms of host
+    work. Pauses longer than a step's work (an idle server) are not learnt. The timed steps' whole time and replay
+    are counted per k (what /metrics reports)."""
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target))
     engine.runner.step_ms = lambda key: 0.2 + 0.3 * key.k
     acc, reach = [50, 25, 12, 6], [100, 50, 25, 12]
-    assert engine.policy.best(1, 100, "greedy", acc, reach) == 0
-    clock = iter([10.0, 10.0102, 10.6, 20.0])  # starts of four decode steps (s)
+    assert not engine.policy.overlap and engine.policy.best(1, 100, "greedy", acc, reach) == 0
+    clock = iter([10.0, 10.0152, 10.6, 20.0])  # starts of four decode steps (s)
     monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: next(clock))
-    p = engine.policy
-    p.step_started()
-    p.step_replayed(0.2, 4)  # the first step drafted 4 and replayed a 0.2 ms graph
-    p.step_started()
-    assert p.host_ms == pytest.approx(10.0)
-    p.step_replayed(0.2, 0)
-    p.step_started()  # 590 ms later: a pause, not a step's cost
-    assert p.host_ms == pytest.approx(10.0)
-    p.step_replayed(None, 0)  # an eager step: nothing to learn from
-    p.step_started()
-    assert p.host_ms == pytest.approx(10.0)
-    # the per-k counters of the steps timed: only the first (10.2 ms from its start to the next, 0.2 ms replay)
-    assert p.cycles == [0, 0, 0, 0, 1] and p.cycle_ms[4] == pytest.approx(10.2) and p.replay_ms[4] == 0.2
+    p, key = engine.policy, engine.runner.key_for
+    p.step_started(0.0)
+    p.step_replayed(0.2, key(1, 4, 100, "greedy"))  # the first step drafted 4 and replayed a 0.2 ms graph
+    p.step_started(5.0)  # 15.2 ms later, 5 ms of it waiting for the device: 10.2 ms of host work
+    assert p.host_ms == pytest.approx(10.2) and p.host_by_kind == {(1, 4, "greedy"): pytest.approx(10.2)}
+    p.step_replayed(0.2, key(1, 0, 100, "greedy"))
+    p.step_started(5.0)  # 584.8 ms later: a pause, not a step's cost
+    assert p.host_ms == pytest.approx(10.2)
+    p.step_replayed(None, key(1, 0, 100, "greedy"))  # an eager step: nothing to learn from
+    p.step_started(5.0)
+    assert p.host_ms == pytest.approx(10.2) and len(p.host_by_kind) == 1
+    # the per-k counters of the steps timed: only the first (15.2 ms from its start to the next, 0.2 ms replay)
+    assert p.cycles == [0, 0, 0, 0, 1] and p.cycle_ms[4] == pytest.approx(15.2) and p.replay_ms[4] == 0.2
     m = engine.metrics()
     assert (m["step_cycles_per_k"], m["step_replay_ms_per_k"][4]) == ([0, 0, 0, 0, 1], 0.2)
     assert engine.policy.best(1, 100, "greedy", acc, reach) == 4
+
+
+def test_k_policy_weighs_each_kinds_host_work_against_its_replay_with_async_scheduling(targets):
+    """With async scheduling host work and device time overlap, so a step costs the larger of the two. Where
+    launching a drafting step's bigger graph keeps the host busier than the device (the host-bound sampled steps of a
+    server), the policy decodes plainly even at an acceptance under which the replay times alone favour drafting;
+    where the host's work hides under the replays, it drafts. After plain steps, drafting also pays their context
+    flush, spread over the steps a choice lasts."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p, key = engine.policy, engine.runner.key_for
+    assert p.overlap
+    engine.runner.step_ms = lambda key: 1.0 + 0.1 * key.k
+    acc, reach = [80, 64, 51, 41], [100, 80, 64, 51]  # 0.8 per position: 3.4 tokens per step at k = 4
+    p.last_k = 4
+    for host4, want in ((3.5, 0), (1.2, 4)):  # host ms per drafting step (the drafter's graph); plain: 0.5 ms
+        p.host_by_kind = {(1, k, "greedy"): host4 if k else 0.5 for k in p.choices}
+        assert p.best(1, 100, "greedy", acc, reach) == want
+    # cost = max(replay 1.4, host 1.2) = 1.4 ms at k = 4: a 40 ms flush after plain steps spread over 16 steps
+    # (2.5 ms each) makes drafting lose; without plain steps before it, it is not paid
+    p.flushed(40.0)
+    p.last_k = 0
+    assert p.best(1, 100, "greedy", acc, reach) == 0
+    p.last_k = 4
+    assert p.best(1, 100, "greedy", acc, reach) == 4
+    assert p.step_cost(key(1, 4, 100, "greedy"), 1.4) == 1.4 and p.step_cost(key(1, 2, 100, "greedy"), 1.2) == 1.2
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
