@@ -280,10 +280,13 @@ class ModelRunner:
     def _step_body(self, st: StepBuffers) -> torch.Tensor:
         key, ints, k = st.key, st.ints, st.key.k
         forward = self._compiled_forward or self.forward
-        # columns as contiguous vectors: the Triton kernels (KDA step, Markov loop) index them as dense arrays
-        pending, num_cached, num_new, slots = (ints[:, INT_COLS[c]].contiguous()
+        # the columns and the block table as tensors of their own, contiguous whatever the rows and the width: the
+        # Triton kernels (KDA step, Markov loop) index them as dense arrays, and torch.compile guards on strides (a
+        # slice of the int buffer has a row stride that varies with the width: a recompile per context bucket)
+        dense = torch.contiguous_format
+        pending, num_cached, num_new, slots = (ints[:, INT_COLS[c]].clone(memory_format=dense)
                                                for c in ("pending", "num_cached", "num_new", "slot"))
-        view = self.cache.device_view(num_cached, num_new, ints[:, NI:], slots, k + 1, k > 0)
+        view = self.cache.device_view(num_cached, num_new, ints[:, NI:].clone(memory_format=dense), slots, k + 1, k > 0)
         sampling = None
         if key.mode != "greedy":
             filt = key.mode == "filter"

@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import dspark.runner as runner_mod
 from dspark.engine import Engine
@@ -393,6 +394,25 @@ def test_cuda_graph_step_equals_eager(prompts, pair):
         assert engine.runner.prefills and all(p.graph is not None for p in engine.runner.prefills.values())
         assert [o.token_ids for o in graphed] == [o.token_ids for o in eager]
         assert [o.accepted_per_step for o in graphed] == [o.accepted_per_step for o in eager]
+
+
+def test_compiled_step_compiles_once_for_every_context_bucket(targets, monkeypatch):
+    """torch.compile guards on its inputs' strides: the step hands its forward the block table and the row columns as
+    dense tensors of their own (a slice of the step's int buffer has a row stride that grows with the block-table
+    width), so the steps of one batch bucket and k share their compiled frames at every context bucket. Dynamo's
+    eager backend here: its guards, not the code generator, decide what recompiles."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    target = targets["k3"]
+    engine = Engine(target, k3_drafter(target), num_speculative_tokens=2, max_batch_size=2, max_model_len=600,
+                    compile=True)
+    r, frames = engine.runner, []
+    for n in (128, 256, 512):
+        key = r.key_for(2, 2, n, "greedy")
+        r._run(r._get(key))
+        frames.append(counters["stats"]["unique_graphs"])
+    assert len({r.key_for(2, 2, n, "greedy").width for n in (128, 256, 512)}) == 3
+    assert frames[0] == frames[1] == frames[2] and r.compiled
 
 
 def test_compiled_step_equals_eager(targets, prompts):
