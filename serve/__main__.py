@@ -66,8 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="ours: queue each decode step before the previous one is read, so the host's work overlaps "
                    "the device (vLLM's flag; default: on with CUDA graphs)")
     p.add_argument("--profile-dir", default=os.environ.get("VLLM_TORCH_PROFILER_DIR"),
-                   help="ours: enable POST /start_profile and /stop_profile, which write the engine thread's "
-                   "torch.profiler tables and trace here (default: $VLLM_TORCH_PROFILER_DIR, as vLLM)")
+                   help="enable POST /start_profile and /stop_profile, which write the engine's torch.profiler "
+                   "tables and trace here (default: $VLLM_TORCH_PROFILER_DIR; with --engine vllm it sets that)")
     p.add_argument("--dry-run", action="store_true", help="vllm: print the command only; ours: load and exit")
     return p.parse_args(argv)
 

@@ -248,6 +248,8 @@ def main(args) -> int:
                         adaptive_verification=args.adaptive_verification or None, draft_top_k=args.draft_top_k,
                         tensor_parallel_size=args.tensor_parallel_size, max_model_len=args.max_model_len,
                         enable_prefix_caching=args.enable_prefix_caching or None)
+    if getattr(args, "profile_dir", None):  # vLLM's /start_profile and /stop_profile write there
+        cmd.env["VLLM_TORCH_PROFILER_DIR"] = str(args.profile_dir)
     print(cmd.shell(), flush=True)
     if not args.dry_run:
         cmd.exec()

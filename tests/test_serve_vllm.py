@@ -197,6 +197,10 @@ def test_cli_engine_vllm(tmp_path, capsys):
     assert words[words.index("--port") + 1] == "8123" and words[words.index("--max-model-len") + 1] == "2048"
     assert json.loads(words[words.index("--speculative-config") + 1]) == {
         "method": "dflash", "model": str(d.resolve()), "num_speculative_tokens": 2}
+    # --profile-dir becomes vLLM's profiler dir (its /start_profile and /stop_profile routes)
+    assert serve_main(["--target", str(t), "--engine", "vllm", "--dry-run", "--profile-dir", str(tmp_path / "p")]) == 0
+    words = shlex.split(capsys.readouterr().out.strip())
+    assert words[0] == f"VLLM_TORCH_PROFILER_DIR={tmp_path / 'p'}" and "--model" in words
     empty = ckpt(tmp_path, "empty", None)
     assert serve_main(["--target", str(t), "--drafter", str(empty), "--engine", "vllm", "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
