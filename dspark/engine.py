@@ -11,9 +11,9 @@ token); a step verifies [pending, d1..dk] and commits pending + the accepted dra
 
 Drafts per step: `num_speculative_tokens=None` lets the k policy (dspark/policy.py) pick k each step, 0 .. the
 drafter's block, by expected emitted tokens per millisecond (measured acceptance against each candidate's replay time
-and the host's measured work per step of its kind); on CPU (no graphs) it drafts the whole block. An int pins k. Under the policy a
-sampled request with a seed decodes plainly (its text is then the AR engine's for that seed); with a pinned k it
-drafts like the others.
+and the host's measured work per step of its kind); on CPU (no graphs) it drafts the whole block. An int pins k.
+Under the policy a sampled request with a seed decodes plainly (its text is then the AR engine's for that seed); with
+a pinned k it drafts like the others.
 
 Overlap (on by default with graphs): step() leaves the decode step it launches in flight, and the next call queues
 the following step before it reads that one, so the host's work (reading, stop handling, scheduling, a server's
