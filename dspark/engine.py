@@ -3,9 +3,10 @@
     engine = Engine(target, drafter)     # drafter=None: plain autoregressive decoding
     outs = engine.generate(["def add(a, b):"], SamplingParams(max_tokens=64))
 
-The engine schedules (FCFS admission under a block budget, chunked prefill, continuous batching), keeps each
-request's tokens and stop conditions, and hands every decode step to the model runner (dspark/runner.py), which runs
-the whole speculative step on the device (a CUDA graph per batch bucket on a GPU) and returns one small tensor.
+Its scheduler (dspark/scheduler.py) admits requests (FCFS under a block budget, continuous batching), keeps their
+tokens and stop conditions; the engine prefills them in chunks and hands every decode step to the model runner
+(dspark/runner.py), which runs the whole speculative step on the device (a CUDA graph per batch bucket on a GPU) and
+returns one small tensor.
 Each running request has its committed tokens in the target cache except the last emitted one (the "pending"
 token); a step verifies [pending, d1..dk] and commits pending + the accepted drafts.
 
@@ -25,7 +26,6 @@ would first flush a row's stashed context rows (drafting after plain steps) wait
 """
 from __future__ import annotations
 
-import collections
 import copy
 import gc
 import math
@@ -43,6 +43,7 @@ from dspark.cache.prefix import PrefixCacheConfig
 from dspark.policy import KPolicy
 from dspark.request import Request, RequestOutput, SamplingParams, Status
 from dspark.runner import Launched, ModelRunner, RowInput
+from dspark.scheduler import Scheduler
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
 
@@ -112,9 +113,6 @@ class Engine:
         self.policy = KPolicy(self.runner, self.k, self.pinned_k is not None, self.overlap)
         self.in_flight: InFlight | None = None
         self._resolved: list[tuple[Request, list[int]]] = []  # tokens read outside step(), returned by the next one
-        self.waiting: collections.deque[Request] = collections.deque()
-        self.running: list[Request] = []
-        self.reserved: dict[str, int] = {}
         self.counters = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
                          "generation_tokens": 0, "target_forwards": 0,
@@ -128,7 +126,8 @@ class Engine:
                          # admitted -> first token (prefill), seconds; their sum is the time to first token
                          "first_tokens": 0, "queue_s": 0.0, "prefill_s": 0.0}
         eos = getattr(target.config, "eos_token_id", None)
-        self.eos_id = eos if isinstance(eos, int) else None
+        self.scheduler = Scheduler(self.cache, max_batch_size, self.max_model_len, self.k + 1,
+                                   eos if isinstance(eos, int) else None, self.counters)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -141,52 +140,16 @@ class Engine:
         else:
             ids, text = list(prompt), None
         req = Request(ids, params, request_id, text, self.tokenizer)
-        need = len(ids) + params.max_tokens + self.k + 1
-        if need > self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} exceed the context "
-                             f"length {self.max_model_len}")
-        if self._blocks_for(req) > self.cache.pool.num_blocks:
-            raise ValueError(f"prompt: needs {self._blocks_for(req)} cache blocks, the pool has "
-                             f"{self.cache.pool.num_blocks}")
-        self.waiting.append(req)
+        self.scheduler.add(req)
         return req
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (client gone): frees its cache at once."""
-        for req in list(self.waiting):
-            if req.id == request_id:
-                self.waiting.remove(req)
-                req.status, req.finish_reason = Status.FINISHED, "abort"
-        for req in list(self.running):
-            if req.id == request_id:
-                self._finish(req, "abort")
+        self.scheduler.abort(request_id)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.in_flight or self._resolved)
-
-    def _blocks_for(self, req: Request) -> int:
-        return math.ceil((len(req.prompt_ids) + req.params.max_tokens + self.k + 1) / self.block_size)
-
-    def _admit(self) -> None:
-        """FCFS admission while a batch slot and the worst-case blocks of the request are free."""
-        while self.waiting and len(self.running) < self.max_batch_size:
-            req = self.waiting[0]
-            need = self._blocks_for(req)
-            if sum(self.reserved.values()) + need > self.cache.pool.num_blocks:
-                return  # waits until a running request frees its blocks
-            self.waiting.popleft()
-            self.cache.add_request(req.id)
-            req.num_computed = req.num_context = self.cache.match_prefix(req.id, req.prompt_ids)
-            self.reserved[req.id] = need
-            req.status, req.admitted = Status.PREFILL, time.perf_counter()
-            self.running.append(req)
-
-    def _finish(self, req: Request, reason: str) -> None:
-        req.status, req.finish_reason = Status.FINISHED, reason
-        self.cache.free_request(req.id)
-        self.reserved.pop(req.id, None)
-        if req in self.running:
-            self.running.remove(req)
+        s = self.scheduler
+        return bool(s.waiting or s.running or self.in_flight or self._resolved)
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
@@ -194,21 +157,22 @@ class Engine:
         """One scheduler step. Returns (request, newly emitted token ids) for every request that emitted. With
         overlap, the decode step it launches is read by the next call (its tokens come back then)."""
         t0 = time.perf_counter()
-        self._admit()
+        sched = self.scheduler
+        sched.admit()
         emitted, self._resolved = self._resolved, []
-        prefill = [r for r in self.running if r.status is Status.PREFILL]
+        prefill = [r for r in sched.running if r.status is Status.PREFILL]
         try:
             if prefill:  # a step in flight runs on: the prefill's rows are others'
                 self.policy.step_chain_broken()
                 with record_function("engine.prefill"):
                     emitted += self._prefill(prefill)
-            decode = [r for r in self.running if r.status is Status.DECODE]
+            decode = [r for r in sched.running if r.status is Status.DECODE]
             flight, launched, choice = self.in_flight, None, None
             if flight is not None:
                 launched, choice = self._launch_chained(flight, decode)
                 self.in_flight = None
                 emitted = self._read(flight) + emitted
-                decode = [r for r in self.running if r.status is Status.DECODE]
+                decode = [r for r in sched.running if r.status is Status.DECODE]
             if launched is None and decode:
                 same = choice is not None and [id(r) for r in choice[0]] == [id(r) for r in decode]
                 launched = self._launch(decode, choice[1] if same else self._choose_k(decode))
@@ -218,8 +182,8 @@ class Engine:
                 self.in_flight = launched
         except Exception:
             self.in_flight = None
-            for r in list(self.running):  # never leave a half-updated request holding cache
-                self._finish(r, "error")
+            for r in list(sched.running):  # never leave a half-updated request holding cache
+                sched.finish(r, "error")
             raise
         finally:
             self.counters["step_s"] += time.perf_counter() - t0
@@ -266,7 +230,7 @@ class Engine:
             c["queue_s"] += r.admitted - r.arrival
             c["prefill_s"] += now - r.admitted
             r.status = Status.DECODE
-            emitted.append((r, self._emit(r, [tok])))
+            emitted.append((r, self.scheduler.emit(r, [tok])))
         return emitted
 
     def _choose_k(self, reqs: list[Request], ahead: int = 0) -> int:
@@ -319,7 +283,7 @@ class Engine:
         ahead = [0 if s < 0 else chain.k + 1 for s in src]
         rids = [r.id for r in reqs]
         # room for this step after what the step in flight may add, within each request's reservation
-        counts = [min(a + k + 1, self._blocks_for(r) * self.block_size - self.cache.num_tokens(r.id))
+        counts = [min(a + k + 1, self.scheduler.blocks_for(r) * self.block_size - self.cache.num_tokens(r.id))
                   for r, a in zip(reqs, ahead)]
         num_cached, tables, slots = self.cache.step_rows(rids, counts)
         key = self.runner.key_for(len(reqs), k, max(c + a for c, a in zip(num_cached, ahead)) + k + 1, mode)
@@ -356,7 +320,7 @@ class Engine:
                 r.accepted_per_step.append(a)
                 r.num_drafts_per_step.append(n)
                 self._count(n, a, "greedy" if r.params.temperature == 0 else "sampled")
-            emitted.append((r, self._emit(r, o[2: a + 3])))
+            emitted.append((r, self.scheduler.emit(r, o[2: a + 3])))
         return emitted
 
     def sync(self) -> None:
@@ -412,11 +376,12 @@ class Engine:
         """Short requests end to end, their statistics then forgotten: the first prefill on a device loads its
         kernels (CUDA's lazy module loading, library handles) and each new kind of shape compiles Triton
         specialisations (a full chunk alone; two rows of one aligned block), one-off costs no request should pay."""
-        saved = copy.deepcopy(self.counters)
+        saved = copy.deepcopy(self.counters)  # restored in place: the scheduler counts into the same dict
         n = max(1, min(self.prefill_chunk, self.max_model_len - self.k - 3))
         for prompts in ([[0] * n], [[0] * min(n, self.prefill_align)] * 2):
             self.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
-        self.counters = saved
+        self.counters.clear()
+        self.counters.update(saved)
         self.policy.reset()
 
     def step_times(self, num_rows: int, longest: int, mode: str) -> dict[int, float] | None:
@@ -434,36 +399,13 @@ class Engine:
             c["num_accepted_tokens_per_pos"][i] += 1
         self.policy.record(n, a, group)
 
-    def _emit(self, r: Request, toks: list[int]) -> list[int]:
-        """Append tokens, apply max_tokens / EOS / stop strings; finish the request when done."""
-        toks = toks[: r.params.max_tokens - len(r.output_ids)]
-        reason = None
-        stops = r.params.stop_token_ids
-        eos = None if r.params.ignore_eos else self.eos_id
-        hit = next((i for i, t in enumerate(toks) if t == eos or t in stops), None)
-        if hit is not None:
-            toks, reason = toks[: hit + 1], "stop"
-        r.output_ids += toks
-        self.counters["generation_tokens"] += len(toks)
-        if r.params.stop and r.tokenizer is not None:  # the text is decoded only when a stop string needs it
-            text = r.text
-            for stop in r.params.stop:
-                at = text.find(stop)
-                if at >= 0:
-                    r.text, reason, text = text[:at], "stop", text[:at]
-        if reason is None and len(r.output_ids) >= r.params.max_tokens:
-            reason = "length"
-        if reason is not None:
-            self._finish(r, reason)
-        return toks
-
     # ------------------------------------------------------------------ prefill/decode handoff
     def export_prefilled(self, request_id: str) -> dict:
         """After a request's prefill (it has emitted its first token): its tokens, sampling state and cache
         (paged KV rows incl. the drafter context + the per-request KDA state), detached; the request leaves this
         engine. The single-machine form of prefill/decode disaggregation."""
         self.sync()  # the request's cache holds what the step in flight writes only once that step is read
-        req = next((r for r in self.running if r.id == request_id), None)
+        req = next((r for r in self.scheduler.running if r.id == request_id), None)
         if req is None or req.status is not Status.DECODE or req.finish_reason is not None:
             raise ValueError(f"export_prefilled: request {request_id!r} is not running with its prefill done")
         if self.drafts is not None:
@@ -471,7 +413,7 @@ class Engine:
         handoff = {"request_id": req.id, "prompt_ids": req.prompt_ids, "output_ids": list(req.output_ids),
                    "params": req.params, "seed": req.seed,
                    "cache": self.cache.export_request(req.id)}
-        self._finish(req, "exported")
+        self.scheduler.finish(req, "exported")
         return handoff
 
     def import_prefilled(self, handoff: dict) -> Request:
@@ -479,14 +421,11 @@ class Engine:
         req = Request(handoff["prompt_ids"], handoff["params"], handoff["request_id"], tokenizer=self.tokenizer,
                       seed=handoff["seed"])
         req.output_ids = list(handoff["output_ids"])
-        need = self._blocks_for(req)
-        if sum(self.reserved.values()) + need > self.cache.pool.num_blocks or len(self.running) >= self.max_batch_size:
-            raise OutOfBlocks(need, self.cache.pool.num_free)
+        need = self.scheduler.room_for(req)
         self.cache.import_request(req.id, handoff["cache"])
         req.num_computed = req.num_context = handoff["cache"]["num_tokens"]
         req.status = Status.DECODE
-        self.reserved[req.id] = need
-        self.running.append(req)
+        self.scheduler.run(req, need)
         return req
 
     # ------------------------------------------------------------------ convenience

@@ -261,5 +261,5 @@ class EngineRunner:
     def _snap(self) -> Snapshot:
         e = self.engine
         pool = e.cache.pool
-        return Snapshot({**e.metrics(), "loop_s": self.loop_s}, len(e.running), len(e.waiting), pool.num_used,
+        return Snapshot({**e.metrics(), "loop_s": self.loop_s}, len(e.scheduler.running), len(e.scheduler.waiting), pool.num_used,
                         pool.num_free)
