@@ -65,6 +65,14 @@ PREFILL_MIN = 64  # the narrowest prefill graph (prefill widths are powers of tw
 PREFILL_GRAPH_ROWS = 64
 PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
+
+
+def _dense(x: torch.Tensor, own: bool) -> torch.Tensor:
+    """x contiguous; own: in memory of its own, strides set by its shape alone (a view of one row is contiguous too,
+    with its parent's strides)."""
+    return x.clone(memory_format=torch.contiguous_format) if own else x.contiguous()
+
+
 class ModelRunner:
     def __init__(self, target, drafts: DraftRunner | None, cache: PagedCache, max_batch_size: int, max_k: int,
                  rejection: str = "standard", draft_sample: bool = False, adaptive: bool = False,
@@ -280,13 +288,14 @@ class ModelRunner:
     def _step_body(self, st: StepBuffers) -> torch.Tensor:
         key, ints, k = st.key, st.ints, st.key.k
         forward = self._compiled_forward or self.forward
-        # the columns and the block table as tensors of their own, contiguous whatever the rows and the width: the
-        # Triton kernels (KDA step, Markov loop) index them as dense arrays, and torch.compile guards on strides (a
-        # slice of the int buffer has a row stride that varies with the width: a recompile per context bucket)
-        dense = torch.contiguous_format
-        pending, num_cached, num_new, slots = (ints[:, INT_COLS[c]].clone(memory_format=dense)
+        # columns as contiguous vectors: the Triton kernels (KDA step, Markov loop) index them as dense arrays. A
+        # compiled forward gets the columns and the table as tensors of their own: torch.compile guards on strides,
+        # and a slice of the int buffer has a row stride that varies with the width (a recompile per context bucket)
+        own = self._compiled_forward is not None
+        pending, num_cached, num_new, slots = (_dense(ints[:, INT_COLS[c]], own)
                                                for c in ("pending", "num_cached", "num_new", "slot"))
-        view = self.cache.device_view(num_cached, num_new, ints[:, NI:].clone(memory_format=dense), slots, k + 1, k > 0)
+        table = _dense(ints[:, NI:], own) if own else ints[:, NI:]
+        view = self.cache.device_view(num_cached, num_new, table, slots, k + 1, k > 0)
         sampling = None
         if key.mode != "greedy":
             filt = key.mode == "filter"

@@ -63,6 +63,12 @@ class _Add:
     future: concurrent.futures.Future
 
 
+@dataclass
+class _Profile:
+    action: str  # "start" or "stop"
+    future: concurrent.futures.Future
+
+
 def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
     for q, ev in items:
         q.put_nowait(ev)
@@ -124,7 +130,7 @@ class EngineRunner:
         if not self.alive:
             raise EngineDead("engine thread is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(("profile", action, fut))
+        self._cmds.put(_Profile(action, fut))
         return await asyncio.wrap_future(fut)
 
     # ------------------------------------------------------------------ engine thread
@@ -166,9 +172,8 @@ class EngineRunner:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            fut = cmd.future if isinstance(cmd, _Add) else cmd[2] if isinstance(cmd, tuple) and len(cmd) == 3 else None
-            if fut is not None and fut.set_running_or_notify_cancel():
-                fut.set_exception(EngineDead("engine thread is not running"))
+            if isinstance(cmd, (_Add, _Profile)) and cmd.future.set_running_or_notify_cancel():
+                cmd.future.set_exception(EngineDead("engine thread is not running"))
 
     def _handle(self, cmd) -> None:
         if isinstance(cmd, _Add):
@@ -186,17 +191,16 @@ class EngineRunner:
             s = _Stream(req, cmd.loop, asyncio.Queue(), holdback=max((len(x) for x in req.params.stop), default=1) - 1)
             self._streams[req.id] = s
             cmd.future.set_result((req, s.events))
-        elif cmd[0] == "profile":
-            _, action, fut = cmd
+        elif isinstance(cmd, _Profile):
             counters = {**self.engine.metrics(), "loop_s": self.loop_s}
             try:
-                if action == "start":
+                if cmd.action == "start":
                     self.profiler.start(counters)
-                    fut.set_result([])
+                    cmd.future.set_result([])
                 else:
-                    fut.set_result(self.profiler.stop(counters))
+                    cmd.future.set_result(self.profiler.stop(counters))
             except RuntimeError as e:
-                fut.set_exception(e)
+                cmd.future.set_exception(e)
         elif cmd[0] == "abort":
             rid = cmd[1]
             if rid in self._streams:
