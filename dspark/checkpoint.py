@@ -54,13 +54,18 @@ def load_target(path: str | Path, device="cpu", dtype="float32"):
         raise ValueError(f"{Path(path) / 'config.json'}: model_type {mt!r} is not a supported target; "
                          "expected 'qwen3', 'kimi_linear' or 'kimi_k3'")
     model = TARGETS[mt].from_pretrained(path, device=device, dtype=dtype)
-    model.tokenizer = None
-    if (Path(path) / TOKENIZER_FILE).is_file():
-        from transformers import AutoTokenizer  # slow to import: only when there is a tokenizer
-
-        model.tokenizer = AutoTokenizer.from_pretrained(str(path))
+    model.tokenizer = load_tokenizer(path)
     model.name_or_path = str(path)
     return model
+
+
+def load_tokenizer(path: str | Path):
+    """The tokenizer of a checkpoint dir, None when it has none."""
+    if not (Path(path) / TOKENIZER_FILE).is_file():
+        return None
+    from transformers import AutoTokenizer  # slow to import: only when there is a tokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def export_drafter(drafter, out_dir: str | Path, layout: str = "dspark", tokenizer=None) -> Path:

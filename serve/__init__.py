@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from serve.app import ServerConfig, create_app, shutdown
+from serve.engine_proc import EngineClient, build_engine
 from serve.runner import EngineRunner
 
 
@@ -22,27 +23,20 @@ def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *
                 draft_top_k: int = 0, served_model_name: str | None = None, max_concurrent: int = 64,
                 device: str = "auto", dtype: str = "auto", api_key: str | None = None,
                 max_prompt_bytes: int | None = None, enforce_eager: bool = False, compile: bool = False,
-                async_scheduling: bool | None = None, profile_dir: str | None = None):
-    """Load the models, start the engine thread and return the FastAPI app (app.state.runner holds the thread).
-    profile_dir: POST /start_profile and /stop_profile write the engine thread's profile there (serve/profile.py)."""
-    from dspark.checkpoint import load_drafter, load_target
-    from dspark.device import resolve_device, resolve_dtype
-    from dspark.engine import Engine
-
-    device = resolve_device(device, "device")
-    dtype = resolve_dtype(dtype, device, "dtype")
+                async_scheduling: bool | None = None, profile_dir: str | None = None, engine_process: bool = False):
+    """Load the models, start the engine and return the FastAPI app (app.state.runner: the engine thread, or with
+    engine_process the handle on the engine's own process, serve/engine_proc.py). profile_dir: POST /start_profile
+    and /stop_profile write the engine thread's profile there (serve/profile.py)."""
     check_max_model_len(max_model_len, target_positions(target_dir))
-    target = load_target(target_dir, device=device, dtype=dtype)
-    check_max_model_len(max_model_len, getattr(target.config, "max_position_embeddings", None))
-    drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
-    engine = Engine(target, drafter, num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
-                    max_model_len=max_model_len, adaptive_verification=adaptive_verification,
-                    draft_top_k=draft_top_k, graphs=False if enforce_eager else None, compile=compile,
-                    overlap=async_scheduling)
-    # the greedy and sampled step graphs captured before the first request; those of top-k / top-p requests (they
-    # sort the vocabulary) at their first use: a third more graphs at start for a mode few clients send
-    engine.warmup(modes=("greedy", "sample"), progress=True)
-    runner = EngineRunner(engine, profile_dir=profile_dir).start()
+    load = dict(target_dir=str(target_dir), drafter_dir=None if drafter_dir is None else str(drafter_dir),
+                num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
+                max_model_len=max_model_len, adaptive_verification=adaptive_verification, draft_top_k=draft_top_k,
+                device=device, dtype=dtype, enforce_eager=enforce_eager, compile=compile,
+                async_scheduling=async_scheduling)
+    if engine_process:
+        runner = EngineClient(load, profile_dir=profile_dir)
+    else:
+        runner = EngineRunner(build_engine(**load), profile_dir=profile_dir).start()
     name = served_model_name or Path(target_dir).resolve().name
     return create_app(runner, ServerConfig(name, max_concurrent=max_concurrent, api_key=api_key,
                                            max_prompt_bytes=max_prompt_bytes))
@@ -100,5 +94,5 @@ class ServerThread:
         shutdown(self.app)
 
 
-__all__ = ["load_server", "ServerThread", "ServerConfig", "EngineRunner", "create_app", "shutdown", "free_port",
+__all__ = ["load_server", "ServerThread", "ServerConfig", "EngineRunner", "EngineClient", "build_engine", "create_app", "shutdown", "free_port",
            "target_positions"]

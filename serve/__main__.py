@@ -21,6 +21,8 @@ from pathlib import Path
 from dspark.device import DTYPES, resolve_device, resolve_dtype
 from dspark.fields import check_int
 from serve import check_max_model_len, load_server, shutdown, target_positions
+from serve.engine_proc import SWITCH_INTERVAL_S
+from serve.runner import EngineInfo
 from serve.vllm import load_serve_section
 
 log = logging.getLogger("serve")
@@ -65,6 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="ours: queue each decode step before the previous one is read, so the host's work overlaps "
                    "the device (vLLM's flag; default: on with CUDA graphs)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="ours: run the engine in a process of its own, so that the HTTP side and the engine do not "
+                   "share a GIL (vLLM's multiprocessing front end; default: on with a GPU)")
     p.add_argument("--profile-dir", default=os.environ.get("VLLM_TORCH_PROFILER_DIR"),
                    help="enable POST /start_profile and /stop_profile, which write the engine's torch.profiler "
                    "tables and trace here (default: $VLLM_TORCH_PROFILER_DIR; with --engine vllm it sets that)")
@@ -92,6 +97,7 @@ class Options:
     draft_top_k: int
     served_model_name: str | None
     adaptive_verification: bool
+    engine_process: bool = False
 
 
 def _check_listen(host: str, port: int) -> None:
@@ -132,6 +138,7 @@ def check_options(args, sec: dict) -> Options:
                 served_model_name=pick(args.served_model_name, "served_model_name"),
                 adaptive_verification=args.adaptive_verification or bool(sec.get("adaptive_verification")))
     o.dtype = resolve_dtype(args.dtype, o.device)
+    o.engine_process = o.device.startswith("cuda") if args.engine_process is None else args.engine_process
     if isinstance(o.port, bool) or not isinstance(o.port, int) or not 1 <= o.port <= 65535:
         raise ValueError(f"--port: expected an integer in 1..65535, got {o.port!r}")
     for flag, value, lo in [("--max-batch-size", args.max_batch_size, 1), ("--max-concurrent", args.max_concurrent, 1),
@@ -151,12 +158,9 @@ def check_options(args, sec: dict) -> Options:
     return o
 
 
-SWITCH_INTERVAL_S = 2e-4
-
-
-def step_times(eng) -> str:
+def step_times(info: EngineInfo) -> str:
     """The k policy's view, for the banner: each candidate k's graph replay time for one row at full context."""
-    ms = eng.step_times(1, eng.max_model_len, "greedy") if eng.drafts is not None else None
+    ms = info.step_ms
     return "" if ms is None else ", step ms at 1 row: " + " ".join(f"k={k} {v:.3f}" for k, v in ms.items())
 
 
@@ -170,19 +174,20 @@ def _run_ours(args) -> int:
                       served_model_name=o.served_model_name, max_concurrent=args.max_concurrent, device=o.device,
                       dtype=o.dtype, api_key=args.api_key, max_prompt_bytes=args.max_prompt_bytes,
                       enforce_eager=args.enforce_eager, compile=args.compile,
-                      async_scheduling=args.async_scheduling, profile_dir=args.profile_dir)
-    cfg, eng = app.state.cfg, app.state.runner.engine
-    print(f"serving {cfg.served_model_name!r} on http://{o.host}:{o.port}/v1 ({o.device}, {o.dtype}, k={eng.k}, "
-          f"max_model_len={eng.max_model_len}, max_batch_size={eng.max_batch_size}, "
-          f"max_concurrent={cfg.max_concurrent}, auth={'on' if cfg.api_key else 'off'}, "
-          f"graphs={'on' if eng.runner.graphs else 'off'}, compiled={'on' if eng.runner.compiled else 'off'}, "
-          f"async_scheduling={'on' if eng.overlap else 'off'}"
-          f"{step_times(eng)})", flush=True)
+                      async_scheduling=args.async_scheduling, profile_dir=args.profile_dir,
+                      engine_process=o.engine_process)
+    cfg, info = app.state.cfg, app.state.runner.info
+    on = lambda x: "on" if x else "off"  # noqa: E731
+    print(f"serving {cfg.served_model_name!r} on http://{o.host}:{o.port}/v1 ({o.device}, {o.dtype}, k={info.k}, "
+          f"max_model_len={info.max_model_len}, max_batch_size={info.max_batch_size}, "
+          f"max_concurrent={cfg.max_concurrent}, auth={on(cfg.api_key)}, graphs={on(info.graphs)}, "
+          f"compiled={on(info.compiled)}, async_scheduling={on(info.overlap)}, "
+          f"engine_process={on(o.engine_process)}{step_times(info)})", flush=True)
     if args.dry_run:
         shutdown(app)
         return 0
-    # the engine thread and the event loop share the GIL: when the loop holds it (streaming to many clients), the
-    # engine thread, whose device step has finished, waits up to the switch interval (5 ms by default) to go on
+    # an engine thread in this process shares the GIL with the event loop: when the loop holds it (streaming to many
+    # clients), the engine thread, whose device step has finished, waits up to the switch interval to go on
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     # what lives now (models, engine, graphs) lives as long as this process: out of the garbage collector's full
     # passes, which otherwise stall the engine thread for milliseconds at large batches (vLLM does the same)

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.request import SamplingParams
+from serve.engine_proc import EngineClient
 from serve.protocol import (
     PROMPT_BYTES_PER_TOKEN,
     ApiError,
@@ -107,7 +108,7 @@ class _Gate:
 
 
 # ---------------------------------------------------------------------------- metrics
-def metrics_text(runner: EngineRunner, model: str) -> str:
+def metrics_text(runner: EngineRunner | EngineClient, model: str) -> str:
     s = runner.snapshot
     c = s.counters
     lab = f'engine="0",model_name="{model}"'
@@ -189,17 +190,18 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
-    engine = runner.engine
+def create_app(runner: EngineRunner | EngineClient, cfg: ServerConfig) -> FastAPI:
+    """The routes over an engine thread in this process (EngineRunner) or an engine process (EngineClient)."""
+    info, tokenizer = runner.info, runner.tokenizer
     if cfg.max_prompt_bytes is None:
-        cfg.max_prompt_bytes = engine.max_model_len * PROMPT_BYTES_PER_TOKEN
+        cfg.max_prompt_bytes = info.max_model_len * PROMPT_BYTES_PER_TOKEN
     app = FastAPI(title="DSpark OpenAI-compatible server")
     app.add_middleware(_Gate, cfg=cfg)
     app.state.runner, app.state.cfg = runner, cfg
     app.state.tokenize_pool = pool = ThreadPoolExecutor(cfg.tokenizer_threads, thread_name_prefix="dspark-tokenize",
                                                         initializer=_lower_priority)
     active = {"n": 0}
-    vocab = engine.target.config.vocab_size
+    vocab = info.vocab_size
 
     @app.exception_handler(ApiError)
     async def _api_error(_, e: ApiError):
@@ -239,7 +241,7 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": cfg.served_model_name, "object": "model", "created": 0,
                                             "owned_by": "dspark", "root": cfg.served_model_name, "parent": None,
-                                            "max_model_len": engine.max_model_len}]}
+                                            "max_model_len": info.max_model_len}]}
 
     if runner.profiler is not None:  # vLLM's profiling routes, only with a profile dir (as vLLM registers them)
         @app.post("/start_profile")
@@ -265,13 +267,13 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
 
     def fit(ids: list[int], params: SamplingParams, explicit: bool, default_max_tokens: int | None) -> None:
         """The token-count check, before the request reaches the engine thread; sets max_tokens when not given."""
-        room = engine.max_model_len - len(ids) - engine.k - 1
+        room = info.max_model_len - len(ids) - info.k - 1
         if explicit and params.max_tokens > room:
             raise ApiError(400, f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} exceed the context "
-                           f"length {engine.max_model_len}", "prompt")
+                           f"length {info.max_model_len}", "prompt")
         if room < 1:
             raise ApiError(400, f"prompt: {len(ids)} tokens leave no room to generate within the context length "
-                           f"{engine.max_model_len}", "prompt")
+                           f"{info.max_model_len}", "prompt")
         if not explicit:
             params.max_tokens = min(room, default_max_tokens or room)
 
@@ -408,9 +410,9 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
             prompt = prompt[0]
         if len(prompt) == 0:
             raise ApiError(400, "prompt: empty", "prompt")
-        check_prompt_size(prompt, cfg.max_prompt_bytes, engine.max_model_len, vocab)
+        check_prompt_size(prompt, cfg.max_prompt_bytes, info.max_model_len, vocab)
         if isinstance(prompt, str):
-            tok = engine.tokenizer
+            tok = tokenizer
             if tok is None:
                 raise ApiError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
             tokenize = lambda: tok.encode(prompt, add_special_tokens=False)  # noqa: E731
@@ -430,7 +432,7 @@ def create_app(runner: EngineRunner, cfg: ServerConfig) -> FastAPI:
         if size > cfg.max_prompt_bytes:
             raise ApiError(400, f"messages: {size} bytes of content exceed this server's limit of "
                            f"{cfg.max_prompt_bytes} bytes (--max-prompt-bytes)", "messages")
-        tok = engine.tokenizer
+        tok = tokenizer
         end_of_turn = tok.convert_tokens_to_ids("<|im_end|>") if tok is not None else None
         if isinstance(end_of_turn, int) and end_of_turn != tok.unk_token_id:
             params.stop_token_ids.append(end_of_turn)  # a chat turn ends at <|im_end|>

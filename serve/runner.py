@@ -1,7 +1,9 @@
 """The engine thread: one background thread owns the (not thread-safe) Engine.
 
 The asyncio side tokenizes and checks a request, then calls `submit()` / `abort()`; both only put commands on a
-thread-safe queue, so the engine thread never tokenizes. The thread admits new requests between steps (continuous
+thread-safe queue, so the engine thread never tokenizes. Each request's events go to its sink: an event loop's
+asyncio queue here, the pipe to the server's process when the engine runs in a process of its own
+(serve/engine_proc.py). The thread admits new requests between steps (continuous
 batching is the engine's: a request joins the running batch at the next step), calls `engine.step()` while there is
 work, and pushes `Event`s onto each request's asyncio queue through `loop.call_soon_threadsafe`. Text deltas are held
 back while they could still change: a trailing partial UTF-8 character ('\\ufffd') and the last len(stop)-1
@@ -35,6 +37,26 @@ class Event:
 
 
 @dataclass
+class EngineInfo:
+    """What the HTTP side needs to know of the engine (plain values: it crosses a process boundary)."""
+    max_model_len: int
+    k: int
+    vocab_size: int
+    max_batch_size: int
+    device: str
+    graphs: bool
+    compiled: bool
+    overlap: bool
+    step_ms: dict[int, float] | None  # the k policy's replay time per candidate k, one row at full context
+
+    @classmethod
+    def of(cls, e) -> EngineInfo:
+        ms = e.step_times(1, e.max_model_len, "greedy") if e.drafts is not None else None
+        return cls(e.max_model_len, e.k, e.target.config.vocab_size, e.max_batch_size, str(e.device),
+                   e.runner.graphs, e.runner.compiled, e.overlap, ms)
+
+
+@dataclass
 class Snapshot:
     """What /metrics reads: taken by the engine thread, read (never mutated) by the event loop."""
     counters: dict
@@ -45,11 +67,27 @@ class Snapshot:
     time: float = field(default_factory=time.time)
 
 
+class LoopSink:
+    """Delivers events to an asyncio event loop of this process: a request's key is its asyncio.Queue."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+
+    def open(self, req: Request) -> asyncio.Queue:
+        return asyncio.Queue()
+
+    def deliver(self, items: list[tuple[asyncio.Queue, Event]]) -> None:
+        try:  # one wake-up of the loop for all of a step's events
+            self.loop.call_soon_threadsafe(_deliver, items)
+        except RuntimeError:  # the loop is closed (server shutting down)
+            pass
+
+
 @dataclass
 class _Stream:
     req: Request
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue
+    sink: LoopSink  # or engine_proc.PipeSink: open(req) -> key, deliver([(key, Event)])
+    key: object  # the request's key in its sink
     sent: int = 0  # characters of req.text already sent
     holdback: int = 0  # characters a stop string could still remove
 
@@ -59,7 +97,7 @@ class _Add:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
-    loop: asyncio.AbstractEventLoop
+    sink: LoopSink
     future: concurrent.futures.Future
 
 
@@ -81,6 +119,7 @@ class EngineDead(RuntimeError):
 class EngineRunner:
     def __init__(self, engine, recent: int = 1024, profile_dir: str | None = None):
         self.engine = engine
+        self.info, self.tokenizer = EngineInfo.of(engine), engine.tokenizer
         self.profiler = EngineProfile(profile_dir) if profile_dir else None
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
@@ -90,7 +129,10 @@ class EngineRunner:
         self.error: str | None = None  # set if the thread died
         self.loop_s = 0.0  # seconds of the thread's iterations: steps and delivery (not its idle waits)
         self.snapshot = self._snap()
-        self._out: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event]]] = {}  # events to deliver
+        # called with each new snapshot and whether the engine is now idle (the engine process sends it on)
+        self.publish = None
+        self._sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
+        self._out: dict[LoopSink, list[tuple[object, Event]]] = {}  # events to deliver, by sink
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
 
     # ------------------------------------------------------------------ event-loop side
@@ -111,13 +153,20 @@ class EngineRunner:
                      ) -> tuple[Request, asyncio.Queue]:
         """Enqueue a tokenized request; the engine thread adds it between steps. Raises ValueError for a request the
         engine rejects, EngineDead when the thread is not running."""
+        loop = asyncio.get_running_loop()
+        sink = self._sinks.get(loop) or self._sinks.setdefault(loop, LoopSink(loop))
+        return await asyncio.wrap_future(self.enqueue(prompt_ids, params, request_id, sink))
+
+    def enqueue(self, prompt_ids: list[int], params: SamplingParams, request_id: str, sink
+                ) -> concurrent.futures.Future:
+        """Queue a request for the engine thread -> a future of (request, its key in `sink`)."""
         if not self.alive:
             raise EngineDead("engine thread is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(_Add(prompt_ids, params, request_id, asyncio.get_running_loop(), fut))
+        self._cmds.put(_Add(prompt_ids, params, request_id, sink, fut))
         if self._exited.is_set():  # it ended between the check and the put: nobody else will answer
             self._drain()
-        return await asyncio.wrap_future(fut)
+        return fut
 
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
@@ -125,13 +174,16 @@ class EngineRunner:
     async def profile(self, action: str) -> list[str]:
         """Start ("start") or stop ("stop": -> the paths written) the engine thread's profile window; RuntimeError
         when there is no profile dir or the window is already in that state."""
+        return await asyncio.wrap_future(self.profile_future(action))
+
+    def profile_future(self, action: str) -> concurrent.futures.Future:
         if self.profiler is None:
             raise RuntimeError("profiling is off: start the server with --profile-dir (or VLLM_TORCH_PROFILER_DIR)")
         if not self.alive:
             raise EngineDead("engine thread is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._cmds.put(_Profile(action, fut))
-        return await asyncio.wrap_future(fut)
+        return fut
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -155,6 +207,8 @@ class EngineRunner:
                 self._flush()
                 self.loop_s += time.perf_counter() - t0
                 self.snapshot = self._snap()
+                if self.publish is not None:
+                    self.publish(self.snapshot, not self.engine.has_work())
         except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop
             self.error = f"engine thread died: {type(e).__name__}: {e}"
             log.exception("engine thread died")
@@ -188,9 +242,10 @@ class EngineRunner:
                 log.exception("adding request %s failed", cmd.request_id)
                 cmd.future.set_exception(e)
                 return
-            s = _Stream(req, cmd.loop, asyncio.Queue(), holdback=max((len(x) for x in req.params.stop), default=1) - 1)
+            s = _Stream(req, cmd.sink, cmd.sink.open(req),
+                        holdback=max((len(x) for x in req.params.stop), default=1) - 1)
             self._streams[req.id] = s
-            cmd.future.set_result((req, s.events))
+            cmd.future.set_result((req, s.key))
         elif isinstance(cmd, _Profile):
             counters = {**self.engine.metrics(), "loop_s": self.loop_s}
             try:
@@ -251,19 +306,16 @@ class EngineRunner:
                             error))
 
     def _push(self, s: _Stream, ev: Event) -> None:
-        self._out.setdefault(s.loop, []).append((s.events, ev))
+        self._out.setdefault(s.sink, []).append((s.key, ev))
 
     def _flush(self) -> None:
-        """Hand this step's events to their event loops: one wake-up per loop per step, not one per request."""
+        """Hand this step's events to their sinks: one delivery per sink per step, not one per request."""
         out, self._out = self._out, {}
-        for loop, items in out.items():
-            try:
-                loop.call_soon_threadsafe(_deliver, items)
-            except RuntimeError:  # the loop is closed (server shutting down)
-                pass
+        for sink, items in out.items():
+            sink.deliver(items)
 
     def _snap(self) -> Snapshot:
         e = self.engine
         pool = e.cache.pool
-        return Snapshot({**e.metrics(), "loop_s": self.loop_s}, len(e.scheduler.running), len(e.scheduler.waiting), pool.num_used,
-                        pool.num_free)
+        return Snapshot({**e.metrics(), "loop_s": self.loop_s}, len(e.scheduler.running), len(e.scheduler.waiting),
+                        pool.num_used, pool.num_free)

@@ -14,6 +14,7 @@ import torch
 from serve import ServerThread, free_port, load_server
 from serve.__main__ import main as serve_main
 from serve.__main__ import step_times
+from serve.runner import EngineInfo
 from tests.targets import SERVE_MAX_LEN
 
 MAX_LEN = SERVE_MAX_LEN
@@ -374,6 +375,7 @@ def test_banner_shows_the_k_policys_step_times(server, monkeypatch):
     """The banner's view of the k policy: each candidate k's graph replay time at one row (graphs only)."""
     eng = server.app.state.runner.engine
     if not eng.runner.graphs:
-        assert step_times(eng) == ""  # CPU: no graphs, no step times
+        assert step_times(EngineInfo.of(eng)) == ""  # CPU: no graphs, no step times
     monkeypatch.setattr(eng.runner, "step_ms", lambda key: 0.1 * (key.k + 1))  # what replay timing gives on a GPU
-    assert step_times(eng) == ", step ms at 1 row: " + " ".join(f"k={k} {0.1 * (k + 1):.3f}" for k in eng.policy.choices)
+    assert step_times(EngineInfo.of(eng)) == ", step ms at 1 row: " + " ".join(
+        f"k={k} {0.1 * (k + 1):.3f}" for k in eng.policy.choices)

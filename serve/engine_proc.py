@@ -1,0 +1,305 @@
+"""The engine in a process of its own (vLLM's EngineCore split): the HTTP side and the engine no longer share a GIL.
+
+In one process, the event loop (parsing, streaming SSE to every client) and the engine thread take turns on the
+GIL, so at high concurrency each decode step waits for the HTTP side and each new request waits for the engine.
+With `python -m serve --engine-process` (the default on a GPU) the server's process keeps the HTTP side and a
+tokenizer; a child process (spawned: it initialises CUDA itself) loads the models, captures the graphs and runs the
+same EngineRunner as the in-process server. One pipe joins them:
+
+    server -> engine   ("add", rid, prompt_ids, params) | ("abort", rid) | ("profile", action) | ("stop",)
+    engine -> server   ("ready", EngineInfo, Snapshot) | ("failed", traceback) at start;
+                       ("added", rid, error) | ("events", [(rid, Event)]) (one message per step) |
+                       ("snapshot", Snapshot) (at most every SNAPSHOT_S, and when it goes idle) | ("profiled", files | error) |
+                       ("dead", error) when the engine thread died
+
+The engine process ends when the pipe closes (the server's process is gone) or on "stop".
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import logging
+import multiprocessing as mp
+import sys
+import threading
+import time
+import traceback
+from collections import deque
+from pathlib import Path
+
+from dspark.checkpoint import load_drafter, load_target, load_tokenizer
+from dspark.device import resolve_device, resolve_dtype
+from dspark.engine import Engine
+from dspark.request import Request, SamplingParams
+from serve.runner import EngineDead, EngineInfo, EngineRunner, Event, Snapshot
+
+log = logging.getLogger("serve.engine_proc")
+
+SNAPSHOT_S = 0.05  # the server's /metrics lags the engine by at most this
+SWITCH_INTERVAL_S = 2e-4  # the engine thread waits at most this for a thread holding the GIL (the default is 5 ms)
+START_TIMEOUT_S = 3600.0  # loading, compiling and capturing: a compiled server's start can take many minutes
+
+
+def build_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, *, num_speculative_tokens=None,
+                 max_batch_size: int = 32, max_model_len: int | None = None, adaptive_verification: bool = False,
+                 draft_top_k: int = 0, device: str = "auto", dtype: str = "auto", enforce_eager: bool = False,
+                 compile: bool = False, async_scheduling: bool | None = None) -> Engine:
+    """Load the pair and build a server's engine, its graphs captured (greedy and sampled; those of top-k / top-p
+    requests, which sort the vocabulary, at their first use)."""
+    device = resolve_device(device, "device")
+    dtype = resolve_dtype(dtype, device, "dtype")
+    target = load_target(target_dir, device=device, dtype=dtype)
+    pos = getattr(target.config, "max_position_embeddings", None)
+    if max_model_len is not None and pos is not None and max_model_len > pos:
+        raise ValueError(f"max_model_len: {max_model_len} exceeds the target's max_position_embeddings {pos}")
+    drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
+    engine = Engine(target, drafter, num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
+                    max_model_len=max_model_len, adaptive_verification=adaptive_verification,
+                    draft_top_k=draft_top_k, graphs=False if enforce_eager else None, compile=compile,
+                    overlap=async_scheduling)
+    engine.warmup(modes=("greedy", "sample"), progress=True)
+    return engine
+
+
+# ---------------------------------------------------------------------------- the engine process
+class PipeSink:
+    """The engine process's side of the pipe: a request's key is its id; sends are serialised (two threads send)."""
+
+    def __init__(self, conn):
+        self.conn, self.lock = conn, threading.Lock()
+        self.snapshot_at = 0.0
+
+    def open(self, req: Request) -> str:
+        return req.id
+
+    def deliver(self, items: list[tuple[str, Event]]) -> None:
+        self.send(("events", items))
+
+    def publish(self, snap: Snapshot, idle: bool) -> None:
+        if idle or snap.time - self.snapshot_at >= SNAPSHOT_S:
+            self.snapshot_at = snap.time
+            self.send(("snapshot", snap))
+
+    def send(self, msg) -> None:
+        with self.lock:
+            self.conn.send(msg)
+
+
+def _answer(sink: PipeSink, kind: str, rid: str | None):
+    """A future's done-callback that sends its outcome: (kind, rid, error) or ("profiled", files | error)."""
+    def done(fut: concurrent.futures.Future) -> None:
+        err = fut.exception()
+        err = None if err is None else (type(err).__name__, str(err))
+        sink.send(("added", rid, err) if kind == "added" else ("profiled", fut.result() if err is None else err))
+    return done
+
+
+def engine_main(conn, load: dict, profile_dir: str | None) -> None:
+    """The engine process: build the engine, answer "ready", then serve the pipe until it closes or says "stop"."""
+    sink = PipeSink(conn)
+    try:
+        engine = build_engine(**load)
+        runner = EngineRunner(engine, profile_dir=profile_dir)
+    except BaseException:  # noqa: BLE001 - the server reports it and exits
+        sink.send(("failed", traceback.format_exc()))
+        return
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    gc.collect()
+    gc.freeze()  # what lives now lives as long as this process (see serve/__main__.py)
+    runner.publish = sink.publish
+    runner.start()
+    sink.send(("ready", runner.info, runner.snapshot))
+    try:
+        while True:
+            if not conn.poll(0.5):
+                if not runner.alive:
+                    sink.send(("dead", runner.error or "engine thread stopped"))
+                    return
+                continue
+            msg = conn.recv()
+            try:
+                if msg[0] == "add":
+                    _, rid, ids, params = msg
+                    runner.enqueue(ids, params, rid, sink).add_done_callback(_answer(sink, "added", rid))
+                elif msg[0] == "abort":
+                    runner.abort(msg[1])
+                elif msg[0] == "profile":
+                    runner.profile_future(msg[1]).add_done_callback(_answer(sink, "profiled", None))
+                elif msg[0] == "stop":
+                    return
+            except (EngineDead, RuntimeError) as e:
+                sink.send(("added", msg[1], (type(e).__name__, str(e))) if msg[0] == "add"
+                          else ("profiled", (type(e).__name__, str(e))))
+    except (EOFError, OSError):  # the server's process is gone
+        pass
+    finally:
+        runner.stop()
+
+
+# ---------------------------------------------------------------------------- the server's side
+class EngineClient:
+    """The server's handle on the engine process; what the routes use of EngineRunner (submit, abort, profile,
+    alive, snapshot, info, tokenizer, stop). load: build_engine's arguments."""
+
+    def __init__(self, load: dict, profile_dir: str | None = None, start_timeout: float = START_TIMEOUT_S):
+        self.profiler = profile_dir  # truthy: the profile routes exist
+        self.tokenizer = load_tokenizer(load["target_dir"])
+        self.error: str | None = None
+        self._stopping = False
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._adds: dict[str, concurrent.futures.Future] = {}
+        self._profiles: deque[concurrent.futures.Future] = deque()
+        self._lock = threading.Lock()
+        ctx = mp.get_context("spawn")  # the child initialises CUDA itself
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=engine_main, args=(child, load, profile_dir), name="dspark-engine")
+        self._proc.start()
+        child.close()
+        msg = self._first(start_timeout)
+        if msg[0] != "ready":
+            self._proc.join(10)
+            raise RuntimeError(f"the engine process failed to start:\n{msg[1]}")
+        self.info: EngineInfo = msg[1]
+        self.snapshot: Snapshot = msg[2]
+        self._reader = threading.Thread(target=self._read, name="dspark-engine-pipe", daemon=True)
+        self._reader.start()
+
+    def _first(self, timeout: float):
+        end = time.monotonic() + timeout
+        while not self._conn.poll(1.0):
+            if not self._proc.is_alive():
+                return ("failed", f"it exited with code {self._proc.exitcode}")
+            if time.monotonic() > end:
+                self._proc.kill()
+                return ("failed", f"not ready within {timeout:.0f} s")
+        try:
+            return self._conn.recv()
+        except EOFError:
+            return ("failed", f"it exited with code {self._proc.join(10) or self._proc.exitcode}")
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self._proc.is_alive()
+
+    def _send(self, msg) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str
+                     ) -> tuple[None, asyncio.Queue]:
+        """Hand a tokenized request to the engine process -> (None, its event queue); ValueError for a request the
+        engine rejects, EngineDead when the engine is not running."""
+        if not self.alive:
+            raise EngineDead("the engine process is not running")
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._streams[request_id] = (loop, events)
+        self._adds[request_id] = fut
+        try:
+            self._send(("add", request_id, prompt_ids, params))
+        except (OSError, ValueError):
+            self._drop(request_id)
+            raise EngineDead("the engine process is not running") from None
+        try:
+            await asyncio.wrap_future(fut)
+        except BaseException:
+            self._drop(request_id)
+            raise
+        return None, events
+
+    def _drop(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+        self._adds.pop(rid, None)
+
+    def abort(self, request_id: str) -> None:
+        if self.alive:
+            try:
+                self._send(("abort", request_id))
+            except (OSError, ValueError):
+                pass
+
+    async def profile(self, action: str) -> list[str]:
+        if not self.profiler:
+            raise RuntimeError("profiling is off: start the server with --profile-dir (or VLLM_TORCH_PROFILER_DIR)")
+        if not self.alive:
+            raise EngineDead("the engine process is not running")
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._profiles.append(fut)
+        self._send(("profile", action))
+        return await asyncio.wrap_future(fut)
+
+    # ------------------------------------------------------------------ the pipe's reader thread
+    def _read(self) -> None:
+        try:
+            while True:
+                msg = self._conn.recv()
+                if msg[0] == "events":
+                    self._deliver(msg[1])
+                elif msg[0] == "added":
+                    self._added(msg[1], msg[2])
+                elif msg[0] == "snapshot":
+                    self.snapshot = msg[1]
+                elif msg[0] == "profiled" and self._profiles:
+                    fut, out = self._profiles.popleft(), msg[1]
+                    if isinstance(out, tuple):
+                        fut.set_exception(EngineDead(out[1]) if out[0] == "EngineDead" else RuntimeError(out[1]))
+                    else:
+                        fut.set_result(out)
+                elif msg[0] == "dead":
+                    self.error = msg[1]
+                    break
+        except (EOFError, OSError):
+            pass
+        self.error = self.error or f"the engine process exited (code {self._proc.exitcode})"
+        if not self._stopping:
+            log.error("engine process: %s", self.error)
+        for fut in [*self._adds.values(), *self._profiles]:
+            if not fut.done():
+                fut.set_exception(EngineDead(self.error))
+        self._deliver([(rid, Event([], "", "error", error=self.error)) for rid in list(self._streams)])
+
+    def _added(self, rid: str, err) -> None:
+        fut = self._adds.pop(rid, None)
+        if fut is None or fut.done():
+            return
+        if err is None:
+            fut.set_result(None)
+        else:
+            kind, text = err
+            fut.set_exception(ValueError(text) if kind == "ValueError" else EngineDead(text)
+                              if kind == "EngineDead" else RuntimeError(text))
+
+    def _deliver(self, items: list[tuple[str, Event]]) -> None:
+        """A step's events into their requests' queues: one wake-up per event loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for rid, ev in items:
+            s = self._streams.get(rid)
+            if ev.finish_reason is not None:
+                self._streams.pop(rid, None)
+            if s is not None:
+                by_loop.setdefault(s[0], []).append((s[1], ev))
+        for loop, evs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, evs)
+            except RuntimeError:  # the loop is closed (server shutting down)
+                pass
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        if self._proc.is_alive():
+            try:
+                self._send(("stop",))
+            except (OSError, ValueError):
+                pass
+            self._proc.join(timeout)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout)
+        self._conn.close()
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
+    for q, ev in items:
+        q.put_nowait(ev)

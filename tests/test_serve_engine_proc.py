@@ -1,0 +1,143 @@
+"""The engine in a process of its own (serve/engine_proc.py, `python -m serve --engine-process`): the same answers as
+the engine in-process, metrics and profiles across the pipe, aborts, a failed start and a dead engine process. Real
+tiny models, a spawned engine process on the CPU, uvicorn on 127.0.0.1."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+from dspark.checkpoint import load_drafter, load_target
+from dspark.engine import Engine
+from dspark.request import SamplingParams
+from serve import EngineClient, ServerThread, load_server
+from tests.targets import SERVE_MAX_LEN
+
+PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(", "x = [1, 2", "while True:"]
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    app = load_server(*models, max_model_len=SERVE_MAX_LEN, max_batch_size=4, device="cpu", engine_process=True,
+                      profile_dir=str(tmp_path_factory.mktemp("profile")))
+    with ServerThread(app) as srv:
+        yield srv
+
+
+def metrics(url: str) -> dict[str, float]:
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {ln.split("{")[0]: float(ln.rsplit(" ", 1)[1]) for ln in lines if ln and not ln.startswith("#")}
+
+
+def wait_idle(url: str, timeout: float = 20.0) -> dict[str, float]:
+    t0 = time.time()
+    while True:
+        m = metrics(url)
+        if m["dspark:num_requests_running"] == 0 and m["dspark:cache_blocks_used"] == 0:
+            return m
+        assert time.time() - t0 < timeout, f"server not idle after {timeout} s: {m}"
+        time.sleep(0.05)
+
+
+def body(prompt: str, **kw) -> dict:
+    return {"prompt": prompt, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True, **kw}
+
+
+async def complete_all(url: str, payloads: list[dict]) -> list[str]:
+    """Texts of concurrent completions (streaming ones joined from their SSE events)."""
+    async def one(client: httpx.AsyncClient, p: dict) -> str:
+        if not p.get("stream"):
+            r = await client.post("/v1/completions", json=p)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        parts = []
+        async with client.stream("POST", "/v1/completions", json=p) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    parts.append(json.loads(line[6:])["choices"][0]["text"])
+        return "".join(parts)
+
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        return await asyncio.gather(*(one(client, p) for p in payloads))
+
+
+def test_engine_process_serves_what_the_engine_generates(server, models):
+    """Greedy texts through the engine process, concurrent, streamed and not, equal the engine's own in this
+    process (CPU fp32: batch-invariant); the counters on /metrics come across the pipe."""
+    target = load_target(models[0])
+    ref = Engine(target, load_drafter(models[1], target), max_batch_size=4, max_model_len=SERVE_MAX_LEN).generate(
+        PROMPTS, SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    before = wait_idle(server.url)
+    payloads = [body(p, stream=i % 2 == 0) for i, p in enumerate(PROMPTS)]
+    texts = asyncio.run(complete_all(server.url, payloads))
+    assert texts == [o.text for o in ref]
+    after = wait_idle(server.url)  # the idle engine's last snapshot is current
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == TOKENS * len(PROMPTS)
+    assert after["vllm:spec_decode_num_draft_tokens_total"] > before["vllm:spec_decode_num_draft_tokens_total"]
+
+
+def test_abort_and_profile_cross_the_pipe(server):
+    """A request aborted mid-stream ends with "abort" well before its max_tokens and frees its cache; the profile
+    routes answer from the engine process (409 out of order, then the files written there)."""
+    client: EngineClient = server.app.state.runner
+    assert httpx.post(server.url + "/stop_profile").status_code == 409
+    assert httpx.post(server.url + "/start_profile").json() == {"files": []}
+    ids = client.tokenizer.encode("def f(x):", add_special_tokens=False)
+    long = SamplingParams(max_tokens=SERVE_MAX_LEN - len(ids) - 16, temperature=0, ignore_eos=True)
+
+    async def run():
+        _, events = await client.submit(ids, long, "abort-me")
+        first = await asyncio.wait_for(events.get(), 30)
+        client.abort("abort-me")
+        ev = first
+        while ev.finish_reason is None:
+            ev = await asyncio.wait_for(events.get(), 30)
+        return first, ev
+
+    first, last = asyncio.run(run())
+    assert first.finish_reason is None and last.finish_reason == "abort"
+    assert 0 < last.completion_tokens < long.max_tokens
+    wait_idle(server.url)
+    files = httpx.post(server.url + "/stop_profile", timeout=60).json()["files"]
+    assert len(files) == 2 and "engine.launch" in open(files[0]).read()
+
+
+def test_engine_process_start_failure_names_the_cause(models, tmp_path):
+    """A drafter the engine process cannot load: the server's start fails with the engine's own error."""
+    bad = tmp_path / "drafter"
+    bad.mkdir()
+    (bad / "config.json").write_text("{not json")
+    load = dict(target_dir=str(models[0]), drafter_dir=str(bad), device="cpu", max_model_len=SERVE_MAX_LEN)
+    with pytest.raises(RuntimeError, match=r"engine process failed to start(.|\n)*config\.json"):
+        EngineClient(load)
+
+
+def test_dead_engine_process_fails_streams_and_answers_503(models):
+    """The engine process killed mid-request: that stream ends with an error, /health and new requests are 503,
+    and the server itself keeps answering."""
+    app = load_server(*models, max_model_len=SERVE_MAX_LEN, max_batch_size=2, device="cpu", engine_process=True)
+    with ServerThread(app) as srv:
+        client: EngineClient = app.state.runner
+        assert httpx.get(srv.url + "/health").status_code == 200
+        ids = client.tokenizer.encode("import os\n", add_special_tokens=False)
+
+        async def run():
+            _, events = await client.submit(ids, SamplingParams(max_tokens=200, ignore_eos=True), "doomed")
+            await asyncio.wait_for(events.get(), 30)
+            client._proc.kill()
+            ev = await asyncio.wait_for(events.get(), 30)
+            while ev.finish_reason is None:
+                ev = await asyncio.wait_for(events.get(), 30)
+            return ev
+
+        ev = asyncio.run(run())
+        assert ev.finish_reason == "error" and "engine process" in ev.error
+        assert httpx.get(srv.url + "/health").status_code == 503
+        r = httpx.post(srv.url + "/v1/completions", json=body("x = 1"), timeout=30)
+        assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
+        assert httpx.get(srv.url + "/v1/models").status_code == 200
