@@ -357,7 +357,9 @@ def test_cli_defaults_and_host_warning(models, capsys, caplog):
         assert serve_main(base + ["--host", "0.0.0.0", "--port", str(free_port())]) == 0
     assert [r.getMessage() for r in caplog.records if "without --api-key" in r.getMessage()]
     want = "(cuda, bfloat16," if torch.cuda.is_available() else "(cpu, float32,"
-    assert want in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert want in out  # and the engine in a process of its own by default on a GPU only
+    assert f"engine_process={'on' if torch.cuda.is_available() else 'off'}" in out
     caplog.clear()
     with caplog.at_level("WARNING", logger="serve"):
         assert serve_main(base + ["--host", "0.0.0.0", "--port", str(free_port()), "--api-key", "k"]) == 0

@@ -13,7 +13,8 @@ import pytest
 from dspark.checkpoint import load_drafter, load_target
 from dspark.engine import Engine
 from dspark.request import SamplingParams
-from serve import EngineClient, ServerThread, load_server
+from serve import EngineClient, ServerThread, free_port, load_server
+from serve.__main__ import main as serve_main
 from tests.targets import SERVE_MAX_LEN
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(", "x = [1, 2", "while True:"]
@@ -141,3 +142,12 @@ def test_dead_engine_process_fails_streams_and_answers_503(models):
         r = httpx.post(srv.url + "/v1/completions", json=body("x = 1"), timeout=30)
         assert r.status_code == 503 and "not running" in r.json()["error"]["message"]
         assert httpx.get(srv.url + "/v1/models").status_code == 200
+
+
+def test_cli_engine_process_flag(models, capsys):
+    """`python -m serve --engine-process` on the CPU: the banner's facts come from the engine process."""
+    argv = ["--target", str(models[0]), "--drafter", str(models[1]), "--dry-run", "--device", "cpu",
+            "--max-model-len", str(SERVE_MAX_LEN), "--max-batch-size", "2", "--port", str(free_port())]
+    assert serve_main(argv + ["--engine-process"]) == 0
+    out = capsys.readouterr().out
+    assert f"k=4, max_model_len={SERVE_MAX_LEN}, max_batch_size=2," in out and "engine_process=on" in out
