@@ -9,7 +9,7 @@ same EngineRunner as the in-process server. One pipe joins them:
     server -> engine   ("add", rid, prompt_ids, params) | ("abort", rid) | ("profile", action) | ("stop",)
     engine -> server   ("ready", EngineInfo, Snapshot) | ("failed", traceback) at start;
                        ("added", rid, error) | ("events", [(rid, Event)]) (one message per step) |
-                       ("snapshot", Snapshot) (at most every SNAPSHOT_S, and when it goes idle) | ("profiled", files | error) |
+                       ("snapshot", Snapshot) (runner.SNAPSHOT_S apart, and when idle) | ("profiled", files | error) |
                        ("dead", error) when the engine thread died
 
 The engine process ends when the pipe closes (the server's process is gone) or on "stop".
@@ -36,7 +36,6 @@ from serve.runner import EngineDead, EngineInfo, EngineRunner, Event, Snapshot
 
 log = logging.getLogger("serve.engine_proc")
 
-SNAPSHOT_S = 0.05  # the server's /metrics lags the engine by at most this
 SWITCH_INTERVAL_S = 2e-4  # the engine thread waits at most this for a thread holding the GIL (the default is 5 ms)
 START_TIMEOUT_S = 3600.0  # loading, compiling and capturing: a compiled server's start can take many minutes
 
@@ -68,7 +67,6 @@ class PipeSink:
 
     def __init__(self, conn):
         self.conn, self.lock = conn, threading.Lock()
-        self.snapshot_at = 0.0
 
     def open(self, req: Request) -> str:
         return req.id
@@ -76,10 +74,8 @@ class PipeSink:
     def deliver(self, items: list[tuple[str, Event]]) -> None:
         self.send(("events", items))
 
-    def publish(self, snap: Snapshot, idle: bool) -> None:
-        if idle or snap.time - self.snapshot_at >= SNAPSHOT_S:
-            self.snapshot_at = snap.time
-            self.send(("snapshot", snap))
+    def publish(self, snap: Snapshot) -> None:
+        self.send(("snapshot", snap))
 
     def send(self, msg) -> None:
         with self.lock:

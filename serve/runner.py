@@ -25,6 +25,8 @@ from serve.profile import EngineProfile
 
 log = logging.getLogger("serve.runner")
 
+SNAPSHOT_S = 0.05  # /metrics lags a busy engine by at most this (an idle one's snapshot is current)
+
 
 @dataclass
 class Event:
@@ -129,8 +131,7 @@ class EngineRunner:
         self.error: str | None = None  # set if the thread died
         self.loop_s = 0.0  # seconds of the thread's iterations: steps and delivery (not its idle waits)
         self.snapshot = self._snap()
-        # called with each new snapshot and whether the engine is now idle (the engine process sends it on)
-        self.publish = None
+        self.publish = None  # called with each new snapshot (the engine process sends it on)
         self._sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._out: dict[LoopSink, list[tuple[object, Event]]] = {}  # events to deliver, by sink
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
@@ -206,9 +207,11 @@ class EngineRunner:
                     self._step()  # with the engine's overlap its next step is queued: the delivery overlaps it
                 self._flush()
                 self.loop_s += time.perf_counter() - t0
-                self.snapshot = self._snap()
-                if self.publish is not None:
-                    self.publish(self.snapshot, not self.engine.has_work())
+                idle = not self.engine.has_work()
+                if idle or time.time() - self.snapshot.time >= SNAPSHOT_S:
+                    self.snapshot = self._snap()
+                    if self.publish is not None:
+                        self.publish(self.snapshot)
         except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop
             self.error = f"engine thread died: {type(e).__name__}: {e}"
             log.exception("engine thread died")
