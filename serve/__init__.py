@@ -94,5 +94,6 @@ class ServerThread:
         shutdown(self.app)
 
 
-__all__ = ["load_server", "ServerThread", "ServerConfig", "EngineRunner", "EngineClient", "build_engine", "create_app", "shutdown", "free_port",
+__all__ = ["load_server", "ServerThread", "ServerConfig", "EngineRunner", "EngineClient", "build_engine", "create_app",
+           "shutdown", "free_port",
            "target_positions"]
