@@ -42,7 +42,9 @@
 #                  side run did not reach. The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360),
 #                  QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the
 #                  first serve run (`--concurrency 1,16`); SYNC_SERVE_S (0: skipped) adds that run once more with
-#                  `--no-async-scheduling` -> $OUT/serve-sync.json; PAIR_ARGS replace the pair run's `--prompts 4
+#                  `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs the pair with the
+#                  engine in the server's process (`--no-engine-process`; INPROC_ARGS, default `--concurrency 16,64
+#                  --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair run's `--prompts 4
 #                  --batches 1`
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
@@ -240,6 +242,10 @@ case "$target" in
     # shellcheck disable=SC2086 # SERVE_ARGS is a word list
     [ $trained = 1 ] && [ "${SYNC_SERVE_S:-0}" != 0 ] && { bash "$0" serve --time-limit "$SYNC_SERVE_S" \
       ${SERVE_ARGS:-} --out "$OUT/serve-sync.json" -- --no-async-scheduling || rc=$?; }
+    # shellcheck disable=SC2086 # INPROC_ARGS is a word list
+    [ $trained = 1 ] && [ "${INPROC_SERVE_S:-0}" != 0 ] && { bash "$0" serve --time-limit "$INPROC_SERVE_S" \
+      ${INPROC_ARGS:---concurrency 16,64 --temperatures 0} --out "$OUT/serve-inproc.json" -- --no-engine-process \
+      || rc=$?; }
     [ $trained = 1 ] && [ "$s3" != 0 ] && { bash "$0" serve "${compiled[@]}" --time-limit "$s3" \
       --out "$OUT/serve-compiled.json" -- --compile --max-batch-size 1 || rc=$?; }
     [ "$s2" != 0 ] && { "${quickstart[@]}" bash "$0" serve --time-limit "$s2" --out "$OUT/serve-quickstart.json" \
