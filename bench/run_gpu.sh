@@ -223,7 +223,7 @@ case "$target" in
     # steps: in a process group of their own (xdist's workers included), stopped when that training begins
     # (the engine's own tests first: the served runs below depend on them)
     setsid bash "$0" tests-cuda -n 8 --timeout 200 tests/test_overlap.py tests/test_runner.py tests/test_engine.py \
-      tests/ > "$OUT/side.txt" 2>&1 &
+      tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
     tests=$!
     ( until grep -qs "trainable params" "$OUT/train-drafter.txt"; do sleep 5; done
       kill -- -$tests 2>/dev/null && echo "served: CUDA tests stopped as the drafter's training began" ) &
