@@ -57,11 +57,12 @@
 #
 # Environment: NGPU (GPUs to use; default: every visible one), OUT (where logs and results go; default runs/gpu; a
 # run that outlives the shell that started it needs an OUT of its own: a remote runner may empty its OUT between calls).
-# Carried inputs, when present: .whl/*.whl (fla-core and other wheels the machine cannot download; installed into
-# .cache/gpu-site, which goes first on PYTHONPATH: without fla-core the KDA layers train on the torch fallback, several
-# times slower), .cache/triton-autotune.tgz (Triton autotune picks from an earlier run on the same GPU / triton / fla:
-# a fresh machine then compiles only the picked configs). Every target saves the picks it has to
-# $OUT/triton-autotune.tgz, to carry as .cache/triton-autotune.tgz next time.
+# Carried inputs, when present: .whl/*.whl (`bash bench/gpu_wheels.sh` downloads them here: fla-core and the other
+# packages the machine lacks; installed into .cache/gpu-site, which goes first on PYTHONPATH: without fla-core the KDA
+# layers train on the torch fallback, several times slower), .cache/triton-autotune.tgz (Triton autotune picks from an
+# earlier run on the same GPU / triton / fla: a fresh machine then compiles only the picked configs; without it the
+# picks in bench/triton-autotune-h200.tgz). Every target saves the picks it has to $OUT/triton-autotune.tgz, to carry
+# as .cache/triton-autotune.tgz next time (or to keep in bench/ when kernels changed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 target=${1:-}
@@ -96,9 +97,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 
 # Triton autotune picks (fla's and ours) persist in Triton's cache as *.autotune.json
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f .cache/triton-autotune.tgz ]; then
-  mkdir -p "$TRITON_CACHE" && tar -xzf .cache/triton-autotune.tgz -C "$TRITON_CACHE" \
-    && echo "triton autotune picks restored: $(tar -tzf .cache/triton-autotune.tgz | grep -c autotune.json)"
+# (a carried .cache/triton-autotune.tgz, else the picks kept in the repository for the H200 image)
+picks=$(ls .cache/triton-autotune.tgz bench/triton-autotune-h200.tgz 2>/dev/null | head -n 1)
+if [ -n "$picks" ]; then
+  mkdir -p "$TRITON_CACHE" && tar -xzf "$picks" -C "$TRITON_CACHE" \
+    && echo "triton autotune picks restored from $picks: $(tar -tzf "$picks" | grep -c autotune.json)"
 fi
 save_autotune() {
   (cd "$TRITON_CACHE" 2>/dev/null && find . -name "*.autotune.json" | tar -czf "$OUT/triton-autotune.tgz" -T -) \

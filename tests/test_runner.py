@@ -206,7 +206,7 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     work. Pauses longer than a step's work (an idle server) are not learnt. The timed steps' whole time and replay
     are counted per k (what /metrics reports)."""
     target = targets["qwen3"]
-    engine = Engine(target, make_drafter(target))
+    engine = Engine(target, make_drafter(target), overlap=False)  # a GPU defaults to async scheduling
     engine.runner.step_ms = lambda key: 0.2 + 0.3 * key.k
     acc, reach = [50, 25, 12, 6], [100, 50, 25, 12]
     assert not engine.policy.overlap and engine.policy.best(1, 100, "greedy", acc, reach) == 0
