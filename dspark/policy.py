@@ -4,7 +4,9 @@ A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: 
 position j given all before it, greedy and sampled rows apart, over the recent row-steps). It costs its graph's
 replay time at the step's batch bucket and the host's own work for a step of its kind (batch bucket, k, sampling
 mode: launching a bigger graph costs the host more), measured between back-to-back steps with the host's waits for
-the device left out: with async scheduling the larger of the two (they overlap), else their sum. Drafting after plain
+the device left out, as the median of the kind's last HOST_WINDOW steps (a first step's one-off costs, or a pause
+inside a step, would otherwise stick to a kind that runs rarely): with async scheduling the larger of the two (they
+overlap), else their sum. Drafting after plain
 steps also pays the eager flush of their stashed context rows, spread over the REPICK_EVERY steps a choice lasts.
 The policy picks the k with the most expected tokens per millisecond, so speculation runs plainly where drafting
 does not pay; drafting must beat plain decoding by DRAFT_GAIN (a prompt's drafter context is still outside these
@@ -13,7 +15,9 @@ whole block.
 """
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 
 from dspark.runner import ModelRunner
 from dspark.step_buffers import StepKey
@@ -22,7 +26,9 @@ PROBE_EVERY = 64  # plain steps after which the policy drafts once more, to refr
 PROBE_MAX = 1024  # ... an interval that doubles, up to this, each time such a probe leaves the choice at plain decoding
 REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
-HOST_EMA = 0.05  # weight of each new sample in the host-time moving averages
+HOST_WINDOW = 16  # a kind of step's host work: the median of its last this many steps ...
+HOST_MIN_SAMPLES = 3  # ... once it has this many (before, the median over the last steps of every kind)
+FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving average
 ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
 # estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
 DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects this many times its tokens per ms
@@ -48,10 +54,10 @@ class KPolicy:
         self.probed = {g: False for g in GROUPS}  # a probe ran and the next choice has not judged it yet
         self.memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
         # the host's own work per decode step (ms: scheduling, the launch, reading, the server's loop; its waits for
-        # the device left out), moving averages over back-to-back graph steps: over all of them, and per kind
-        # (batch bucket, k, sampling mode)
-        self.host_ms, self.host_samples = 0.0, 0
-        self.host_by_kind: dict[tuple[int, int, str], float] = {}
+        # the device left out), the last samples over back-to-back graph steps: of all of them, and per kind (batch
+        # bucket, k, sampling mode)
+        self.host_all: deque[float] = deque(maxlen=4 * HOST_WINDOW)
+        self.host_by_kind: dict[tuple[int, int, str], deque[float]] = {}
         self.flush_ms: float | None = None  # an eager context flush's host time (ms), moving average
         self.last_k = 0  # the k of the last choice (a k > 0 after plain steps flushes their context first)
         # the step in progress: (perf_counter at its start, the host's total wait for the device then (ms), its key,
@@ -101,10 +107,20 @@ class KPolicy:
         ms = {k: r.step_ms(r.key_for(num_rows, k, longest + k + 1, mode)) for k in self.choices}
         return None if None in ms.values() else ms
 
+    @property
+    def host_ms(self) -> float:
+        """The host's work per decode step over the last steps of every kind (ms; median)."""
+        return statistics.median(self.host_all) if self.host_all else 0.0
+
+    def kind_host_ms(self, kind: tuple[int, int, str]) -> float:
+        """The host's work per step of this kind (batch bucket, k, mode): the median of its last steps, or host_ms
+        while it has fewer than HOST_MIN_SAMPLES."""
+        samples = self.host_by_kind.get(kind)
+        return statistics.median(samples) if samples and len(samples) >= HOST_MIN_SAMPLES else self.host_ms
+
     def step_cost(self, key: StepKey, replay_ms: float) -> float:
-        """A step's expected time (ms): its replay and the host's work for its kind (module doc); a kind not timed
-        yet takes the mean over all steps."""
-        host = self.host_by_kind.get((key.rows, key.k, key.mode), self.host_ms)
+        """A step's expected time (ms): its replay and the host's work for its kind (module doc)."""
+        host = self.kind_host_ms((key.rows, key.k, key.mode))
         return max(replay_ms, host) if self.overlap else replay_ms + host
 
     def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
@@ -144,19 +160,19 @@ class KPolicy:
 
     def step_started(self, waited_ms: float = 0.0) -> None:
         """At a decode step's start (waited_ms: the host's running total of waits for the device, ms): the last
-        step's host work (the time since it began less the waits in between) into host_ms and its kind's average;
-        its whole time and replay into its k's cycle counters."""
+        step's host work (the time since it began less the waits in between) into the samples of all steps and of
+        its kind; its whole time and replay into its k's cycle counters."""
         now, last = time.perf_counter(), self.last_step
         if last is not None and last[3] is not None:
             cycle = (now - last[0]) * 1e3
             if cycle < HOST_PAUSE_MS:
                 work = max(0.0, cycle - (waited_ms - last[1]))
-                self.host_ms = work if self.host_samples == 0 else self.host_ms + HOST_EMA * (work - self.host_ms)
-                self.host_samples += 1
                 key = last[2]
+                self.host_all.append(work)
                 kind = (key.rows, key.k, key.mode)
-                prev = self.host_by_kind.get(kind)
-                self.host_by_kind[kind] = work if prev is None else prev + HOST_EMA * (work - prev)
+                if kind not in self.host_by_kind:
+                    self.host_by_kind[kind] = deque(maxlen=HOST_WINDOW)
+                self.host_by_kind[kind].append(work)
                 self.cycles[key.k] += 1
                 self.cycle_ms[key.k] += cycle
                 self.replay_ms[key.k] += last[3]
@@ -170,7 +186,7 @@ class KPolicy:
 
     def flushed(self, ms: float) -> None:
         """An eager context flush took ms of host time (drafting after plain steps pays it)."""
-        self.flush_ms = ms if self.flush_ms is None else self.flush_ms + HOST_EMA * (ms - self.flush_ms)
+        self.flush_ms = ms if self.flush_ms is None else self.flush_ms + FLUSH_EMA * (ms - self.flush_ms)
 
     def step_chain_broken(self) -> None:
         """Something other than a decode step ran (a prefill): the next step's gap is not host time."""

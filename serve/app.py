@@ -135,7 +135,7 @@ def metrics_text(runner: EngineRunner | EngineClient, model: str) -> str:
     metric("dspark:overlapped_steps_total", "counter", "Decode steps queued while the one before was in flight "
            "(async scheduling).", [(lab, c.get("overlapped_steps", 0))])
     metric("dspark:step_host_ms", "gauge", "The host's own work per decode step, its waits for the device left out "
-           "(moving average).", [(lab, c.get("host_ms", 0.0))])
+           "(median over the last steps).", [(lab, c.get("host_ms", 0.0))])
     for key, name, help_ in [
             ("loop_s", "dspark:engine_loop_seconds_total",
              "The engine thread's busy time: steps and delivery."),

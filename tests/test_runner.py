@@ -4,6 +4,7 @@ unaffected by sampled neighbours, the per-step choice of k, graphs equal to the 
 trainer's regeneration through the engine."""
 import gc
 import weakref
+from collections import deque
 
 import pytest
 import torch
@@ -216,7 +217,7 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     p.step_started(0.0)
     p.step_replayed(0.2, key(1, 4, 100, "greedy"))  # the first step drafted 4 and replayed a 0.2 ms graph
     p.step_started(5.0)  # 15.2 ms later, 5 ms of it waiting for the device: 10.2 ms of host work
-    assert p.host_ms == pytest.approx(10.2) and p.host_by_kind == {(1, 4, "greedy"): pytest.approx(10.2)}
+    assert p.host_ms == pytest.approx(10.2) and list(p.host_by_kind[1, 4, "greedy"]) == [pytest.approx(10.2)]
     p.step_replayed(0.2, key(1, 0, 100, "greedy"))
     p.step_started(5.0)  # 584.8 ms later: a pause, not a step's cost
     assert p.host_ms == pytest.approx(10.2)
@@ -244,7 +245,7 @@ def test_k_policy_weighs_each_kinds_host_work_against_its_replay_with_async_sche
     acc, reach = [80, 64, 51, 41], [100, 80, 64, 51]  # 0.8 per position: 3.4 tokens per step at k = 4
     p.last_k = 4
     for host4, want in ((3.5, 0), (1.2, 4)):  # host ms per drafting step (the drafter's graph); plain: 0.5 ms
-        p.host_by_kind = {(1, k, "greedy"): host4 if k else 0.5 for k in p.choices}
+        p.host_by_kind = {(1, k, "greedy"): deque([host4 if k else 0.5] * 3) for k in p.choices}
         assert p.best(1, 100, "greedy", acc, reach) == want
     # cost = max(replay 1.4, host 1.2) = 1.4 ms at k = 4: a 40 ms flush after plain steps spread over 16 steps
     # (2.5 ms each) makes drafting lose; without plain steps before it, it is not paid
@@ -254,6 +255,36 @@ def test_k_policy_weighs_each_kinds_host_work_against_its_replay_with_async_sche
     p.last_k = 4
     assert p.best(1, 100, "greedy", acc, reach) == 4
     assert p.step_cost(key(1, 4, 100, "greedy"), 1.4) == 1.4 and p.step_cost(key(1, 2, 100, "greedy"), 1.2) == 1.2
+
+
+def test_k_policy_host_work_is_a_median_a_first_outlier_does_not_stick(targets, monkeypatch):
+    """A kind of step's host work is the median of its last steps: a first drafting step that paid one-off costs
+    (40 ms) stops counting after two ordinary ones, where a moving average would keep drafting looking host-bound for
+    as many probes as it takes to decay; a kind with fewer than three samples takes the median over all steps."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p, key = engine.policy, engine.runner.key_for
+    now = [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+
+    def steps(k: int, works_ms: list[float]) -> None:  # back-to-back steps of k drafts, each this much host work
+        for w in works_ms:
+            p.step_started(0.0)
+            p.step_replayed(0.2, key(1, k, 100, "greedy"))
+            now[0] += w / 1e3
+        p.step_started(0.0)
+        p.step_chain_broken()
+
+    steps(0, [0.5] * 5)
+    steps(4, [40.0])
+    assert p.kind_host_ms((1, 4, "greedy")) == pytest.approx(0.5)  # one sample: the median over all steps
+    steps(4, [0.6, 0.7])
+    assert p.kind_host_ms((1, 4, "greedy")) == pytest.approx(0.7)  # median of 40, 0.6, 0.7
+    assert p.kind_host_ms((1, 0, "greedy")) == pytest.approx(0.5) and p.host_ms == pytest.approx(0.5)
+    engine.runner.step_ms = lambda key: 0.25 + 0.1 * key.k
+    # acceptance 0.6 a position: drafting pays again (k = 2: 1.96 tokens per 0.5 ms; k = 4: 2.3 per 0.7 ms; plain 1
+    # per 0.5 ms), where the 40 ms sample alone would have kept it plain
+    assert p.best(1, 100, "greedy", [60, 36, 21, 13], [100, 60, 36, 21]) == 2
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
