@@ -30,6 +30,10 @@
 #   peer           ours against speculators' DSpark trainer on one Qwen3 target (bench/peer_speculators.py; carry the
 #                  speculators wheels in .whl); PEER_TARGET (default runs/peer-target/final) must exist; ARGS go to the
 #                  script
+#   ablate-k3-mini the k3-mini target (TARGET_ARGS), then ablate on it (ARGS), as one detached run (its own OUT;
+#                  writes OUT/DONE for `wait`)
+#   peer-qwen3-mini  the Qwen3 peer target (recipes/targets/qwen3-mini.yaml -> runs/peer-target; TARGET_ARGS), then
+#                  peer on it (ARGS), as one detached run (its own OUT; writes OUT/DONE)
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
@@ -68,7 +72,8 @@ cd "$(dirname "$0")/.."
 target=${1:-}
 [ $# -gt 0 ] && shift
 case "$target" in
-  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|ablate|peer|k3-mini|served|wait|exec) ;;
+  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|ablate|peer) ;;
+  ablate-k3-mini|peer-qwen3-mini|k3-mini|served|wait|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
@@ -214,6 +219,17 @@ case "$target" in
   peer)
     log peer python3 bench/peer_speculators.py --target "${PEER_TARGET:-runs/peer-target/final}" --out "$OUT/peer" \
       "$@" || rc=$?
+    ;;
+  ablate-k3-mini)
+    # shellcheck disable=SC2086 # TARGET_ARGS is a word list
+    { bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" ablate "$@"; } || rc=1
+    echo "ablate-k3-mini: done rc=$rc" | tee "$OUT/DONE"
+    ;;
+  peer-qwen3-mini)
+    # shellcheck disable=SC2086 # TARGET_ARGS is a word list
+    { log peer python3 -m train recipes/targets/qwen3-mini.yaml log.wandb_mode=disabled ${TARGET_ARGS:-} \
+      && PEER_TARGET=runs/peer-target/final bash "$0" peer "$@"; } || rc=1
+    echo "peer-qwen3-mini: done rc=$rc" | tee "$OUT/DONE"
     ;;
   k3-mini)
     # shellcheck disable=SC2086 # the ARGS variables are word lists
