@@ -11,8 +11,9 @@ Each running request has its committed tokens in the target cache except the las
 token); a step verifies [pending, d1..dk] and commits pending + the accepted drafts.
 
 Drafts per step: `num_speculative_tokens=None` lets the k policy (dspark/policy.py) pick k each step, 0 .. the
-drafter's block, by expected emitted tokens per millisecond (measured acceptance against each candidate's replay time
-and the host's measured work per step of its kind); on CPU (no graphs) it drafts the whole block. An int pins k.
+drafter's block, by expected emitted tokens per millisecond (measured acceptance against what each kind of step took
+start to start, or its replay time and the host's measured work where that kind has not run often enough); on CPU
+(no graphs) it drafts the whole block. An int pins k.
 Under the policy a sampled request with a seed decodes plainly (its text is then the AR engine's for that seed); with
 a pinned k it drafts like the others.
 

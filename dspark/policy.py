@@ -1,12 +1,14 @@
 """The k policy: how many drafts each decode step verifies, 0 (plain decoding) up to the drafter's block.
 
 A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
-position j given all before it, greedy and sampled rows apart, over the recent row-steps). It costs its graph's
-replay time at the step's batch bucket and the host's own work for a step of its kind (batch bucket, k, sampling
-mode: launching a bigger graph costs the host more), measured between back-to-back steps with the host's waits for
-the device left out, as the median of the kind's last HOST_WINDOW steps (a first step's one-off costs, or a pause
-inside a step, would otherwise stick to a kind that runs rarely): with async scheduling the larger of the two (they
-overlap), else their sum. Drafting after plain
+position j given all before it, greedy and sampled rows apart, over the recent row-steps). Its cost is what steps of
+its kind (batch bucket, k, sampling mode) took from one start to the next when they ran back to back: the median of
+the kind's last HOST_WINDOW such cycles, once it has HOST_MIN_SAMPLES (a median: a first step's one-off costs, or a
+pause inside a step, would otherwise stick to a kind that runs rarely). A kind not timed that often is modelled: its
+graph's replay time and the host's own work for the kind (launching a bigger graph costs the host more; the cycles
+less the host's waits for the device, the same median), with async scheduling the larger of the two (they overlap),
+else their sum. Measured cycles hold what the model leaves out, such as a step whose host work and device time fail
+to overlap. Drafting after plain
 steps also pays the eager flush of their stashed context rows, spread over the REPICK_EVERY steps a choice lasts.
 The policy picks the k with the most expected tokens per millisecond, so speculation runs plainly where drafting
 does not pay; drafting must beat plain decoding by DRAFT_GAIN (a prompt's drafter context is still outside these
@@ -58,6 +60,7 @@ class KPolicy:
         # bucket, k, sampling mode)
         self.host_all: deque[float] = deque(maxlen=4 * HOST_WINDOW)
         self.host_by_kind: dict[tuple[int, int, str], deque[float]] = {}
+        self.cycle_by_kind: dict[tuple[int, int, str], deque[float]] = {}  # start to start (ms), same kinds
         self.flush_ms: float | None = None  # an eager context flush's host time (ms), moving average
         self.last_k = 0  # the k of the last choice (a k > 0 after plain steps flushes their context first)
         # the step in progress: (perf_counter at its start, the host's total wait for the device then (ms), its key,
@@ -119,8 +122,13 @@ class KPolicy:
         return statistics.median(samples) if samples and len(samples) >= HOST_MIN_SAMPLES else self.host_ms
 
     def step_cost(self, key: StepKey, replay_ms: float) -> float:
-        """A step's expected time (ms): its replay and the host's work for its kind (module doc)."""
-        host = self.kind_host_ms((key.rows, key.k, key.mode))
+        """A step's expected time (ms): its kind's measured cycle, else its replay and the host's work for its kind
+        (module doc)."""
+        kind = (key.rows, key.k, key.mode)
+        cycles = self.cycle_by_kind.get(kind)
+        if cycles and len(cycles) >= HOST_MIN_SAMPLES:
+            return statistics.median(cycles)
+        host = self.kind_host_ms(kind)
         return max(replay_ms, host) if self.overlap else replay_ms + host
 
     def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
@@ -170,9 +178,8 @@ class KPolicy:
                 key = last[2]
                 self.host_all.append(work)
                 kind = (key.rows, key.k, key.mode)
-                if kind not in self.host_by_kind:
-                    self.host_by_kind[kind] = deque(maxlen=HOST_WINDOW)
-                self.host_by_kind[kind].append(work)
+                for samples, x in ((self.host_by_kind, work), (self.cycle_by_kind, cycle)):
+                    samples.setdefault(kind, deque(maxlen=HOST_WINDOW)).append(x)
                 self.cycles[key.k] += 1
                 self.cycle_ms[key.k] += cycle
                 self.replay_ms[key.k] += last[3]

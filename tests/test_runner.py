@@ -287,6 +287,33 @@ def test_k_policy_host_work_is_a_median_a_first_outlier_does_not_stick(targets, 
     assert p.best(1, 100, "greedy", [60, 36, 21, 13], [100, 60, 36, 21]) == 2
 
 
+def test_k_policy_costs_a_kind_by_its_measured_cycles(targets, monkeypatch):
+    """Once a kind of step has run back to back three times, its cost is the median of those start-to-start times,
+    not the model (the larger of replay and host work under async scheduling): drafting steps whose host work and
+    device time fail to overlap (4 ms a step where the model says 1.4) lose to plain steps, which they beat on the
+    model alone."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p, key = engine.policy, engine.runner.key_for
+    engine.runner.step_ms = lambda key: 1.0 + 0.1 * key.k  # replay: plain 1.0 ms, k = 4 1.4 ms
+    acc, reach = [80, 64, 51, 41], [100, 80, 64, 51]  # 0.8 per position: 3.4 tokens per step at k = 4
+    now, waited = [0.0], [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+    for k in (1, 2, 4):  # drafting steps 4 ms apart, 3 ms of each waiting for the device: 1 ms of host work
+        for _ in range(3):
+            p.step_started(waited[0])
+            p.step_replayed(1.0 + 0.1 * k, key(1, k, 100, "greedy"))
+            now[0] += 4e-3
+            waited[0] += 3.0
+    p.step_started(waited[0])
+    p.last_k = 4
+    assert p.kind_host_ms((1, 4, "greedy")) == pytest.approx(1.0)
+    assert p.step_cost(key(1, 4, 100, "greedy"), 1.4) == pytest.approx(4.0)
+    assert p.best(1, 100, "greedy", acc, reach) == 0  # at most 3.4 / 4.0 against 1.1 x 1 / 1.0 tokens per ms
+    p.cycle_by_kind.clear()  # the model alone: max(1.4, 1.0) = 1.4 ms, and drafting wins
+    assert p.best(1, 100, "greedy", acc, reach) == 4
+
+
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts, pair, monkeypatch):
     """A plain step writes only the drafter's ctx per position; before the request drafts again the stashed
