@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from serve.app import ServerConfig, create_app, shutdown
-from serve.engine_proc import EngineClient, build_engine
+from serve.engine_proc import EngineClient, build_engine, check_max_model_len
 from serve.runner import EngineRunner
 
 
@@ -40,11 +40,6 @@ def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *
     name = served_model_name or Path(target_dir).resolve().name
     return create_app(runner, ServerConfig(name, max_concurrent=max_concurrent, api_key=api_key,
                                            max_prompt_bytes=max_prompt_bytes))
-
-
-def check_max_model_len(max_model_len: int | None, positions: int | None, name: str = "max_model_len") -> None:
-    if max_model_len is not None and positions is not None and max_model_len > positions:
-        raise ValueError(f"{name}: {max_model_len} exceeds the target's max_position_embeddings {positions}")
 
 
 def target_positions(target_dir: str | Path) -> int | None:
@@ -95,5 +90,4 @@ class ServerThread:
 
 
 __all__ = ["load_server", "ServerThread", "ServerConfig", "EngineRunner", "EngineClient", "build_engine", "create_app",
-           "shutdown", "free_port",
-           "target_positions"]
+           "shutdown", "free_port", "target_positions", "check_max_model_len"]

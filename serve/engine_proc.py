@@ -32,12 +32,17 @@ from dspark.checkpoint import load_drafter, load_target, load_tokenizer
 from dspark.device import resolve_device, resolve_dtype
 from dspark.engine import Engine
 from dspark.request import Request, SamplingParams
-from serve.runner import EngineDead, EngineInfo, EngineRunner, Event, Snapshot
+from serve.runner import EngineDead, EngineInfo, EngineRunner, Event, LoopSink, Snapshot
 
 log = logging.getLogger("serve.engine_proc")
 
 SWITCH_INTERVAL_S = 2e-4  # the engine thread waits at most this for a thread holding the GIL (the default is 5 ms)
 START_TIMEOUT_S = 3600.0  # loading, compiling and capturing: a compiled server's start can take many minutes
+
+
+def check_max_model_len(max_model_len: int | None, positions: int | None, name: str = "max_model_len") -> None:
+    if max_model_len is not None and positions is not None and max_model_len > positions:
+        raise ValueError(f"{name}: {max_model_len} exceeds the target's max_position_embeddings {positions}")
 
 
 def build_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, *, num_speculative_tokens=None,
@@ -49,9 +54,7 @@ def build_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, 
     device = resolve_device(device, "device")
     dtype = resolve_dtype(dtype, device, "dtype")
     target = load_target(target_dir, device=device, dtype=dtype)
-    pos = getattr(target.config, "max_position_embeddings", None)
-    if max_model_len is not None and pos is not None and max_model_len > pos:
-        raise ValueError(f"max_model_len: {max_model_len} exceeds the target's max_position_embeddings {pos}")
+    check_max_model_len(max_model_len, getattr(target.config, "max_position_embeddings", None))
     drafter = load_drafter(drafter_dir, target) if drafter_dir is not None else None
     engine = Engine(target, drafter, num_speculative_tokens=num_speculative_tokens, max_batch_size=max_batch_size,
                     max_model_len=max_model_len, adaptive_verification=adaptive_verification,
@@ -143,7 +146,8 @@ class EngineClient:
         self.tokenizer = load_tokenizer(load["target_dir"])
         self.error: str | None = None
         self._stopping = False
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[LoopSink, asyncio.Queue]] = {}
+        self._sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._adds: dict[str, concurrent.futures.Future] = {}
         self._profiles: deque[concurrent.futures.Future] = deque()
         self._lock = threading.Lock()
@@ -189,9 +193,10 @@ class EngineClient:
         if not self.alive:
             raise EngineDead("the engine process is not running")
         loop = asyncio.get_running_loop()
+        sink = self._sinks.get(loop) or self._sinks.setdefault(loop, LoopSink(loop))
         events: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._streams[request_id] = (loop, events)
+        self._streams[request_id] = (sink, events)
         self._adds[request_id] = fut
         try:
             self._send(("add", request_id, prompt_ids, params))
@@ -268,19 +273,16 @@ class EngineClient:
                               if kind == "EngineDead" else RuntimeError(text))
 
     def _deliver(self, items: list[tuple[str, Event]]) -> None:
-        """A step's events into their requests' queues: one wake-up per event loop."""
-        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        """A step's events into their requests' queues: one delivery per event loop."""
+        by_sink: dict[LoopSink, list[tuple[asyncio.Queue, Event]]] = {}
         for rid, ev in items:
             s = self._streams.get(rid)
             if ev.finish_reason is not None:
                 self._streams.pop(rid, None)
             if s is not None:
-                by_loop.setdefault(s[0], []).append((s[1], ev))
-        for loop, evs in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, evs)
-            except RuntimeError:  # the loop is closed (server shutting down)
-                pass
+                by_sink.setdefault(s[0], []).append((s[1], ev))
+        for sink, evs in by_sink.items():
+            sink.deliver(evs)
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -294,8 +296,3 @@ class EngineClient:
             self._proc.kill()
             self._proc.join(timeout)
         self._conn.close()
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Event]]) -> None:
-    for q, ev in items:
-        q.put_nowait(ev)
