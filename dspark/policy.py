@@ -3,13 +3,13 @@
 A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
 position j given all before it, greedy and sampled rows apart, over the recent row-steps). Its cost is what steps of
 its kind (batch bucket, k, sampling mode) took from one start to the next when they ran back to back: the median of
-the kind's last HOST_WINDOW such cycles, once it has HOST_MIN_SAMPLES (a median: a first step's one-off costs, or a
+the kind's last CYCLE_WINDOW such cycles, once it has MIN_CYCLES (a median: a first step's one-off costs, or a
 pause inside a step, would otherwise stick to a kind that runs rarely). A kind not timed that often is modelled: its
-graph's replay time and the host's own work for the kind (launching a bigger graph costs the host more; the cycles
-less the host's waits for the device, the same median), with async scheduling the larger of the two (they overlap),
-else their sum. Measured cycles hold what the model leaves out, such as a step whose host work and device time fail
-to overlap. Drafting after plain
-steps also pays the eager flush of their stashed context rows, spread over the REPICK_EVERY steps a choice lasts.
+graph's replay time and the host's own work per step (each cycle less the host's waits for the device, the median
+over the last steps of every kind), with async scheduling the larger of the two (they overlap), else their sum.
+Measured cycles hold what the model leaves out, such as a step whose host work and device time fail to overlap.
+Drafting after plain steps also pays the eager flush of their stashed context rows, spread over the REPICK_EVERY
+steps a choice lasts.
 The policy picks the k with the most expected tokens per millisecond, so speculation runs plainly where drafting
 does not pay; drafting must beat plain decoding by DRAFT_GAIN (a prompt's drafter context is still outside these
 costs, and a marginal estimate is as likely to lose as to win). On CPU (no graphs, no step times) it drafts the
@@ -28,8 +28,8 @@ PROBE_EVERY = 64  # plain steps after which the policy drafts once more, to refr
 PROBE_MAX = 1024  # ... an interval that doubles, up to this, each time such a probe leaves the choice at plain decoding
 REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
-HOST_WINDOW = 16  # a kind of step's host work: the median of its last this many steps ...
-HOST_MIN_SAMPLES = 3  # ... once it has this many (before, the median over the last steps of every kind)
+CYCLE_WINDOW = 16  # a kind of step's cost: the median of its last this many cycles ...
+MIN_CYCLES = 3  # ... once it has this many (before, the model: replay and the host's work per step)
 FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving average
 ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
 # estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
@@ -55,12 +55,11 @@ class KPolicy:
         self.probe_every = {g: PROBE_EVERY for g in GROUPS}
         self.probed = {g: False for g in GROUPS}  # a probe ran and the next choice has not judged it yet
         self.memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
-        # the host's own work per decode step (ms: scheduling, the launch, reading, the server's loop; its waits for
-        # the device left out), the last samples over back-to-back graph steps: of all of them, and per kind (batch
-        # bucket, k, sampling mode)
-        self.host_all: deque[float] = deque(maxlen=4 * HOST_WINDOW)
-        self.host_by_kind: dict[tuple[int, int, str], deque[float]] = {}
-        self.cycle_by_kind: dict[tuple[int, int, str], deque[float]] = {}  # start to start (ms), same kinds
+        # over back-to-back graph steps: the host's own work per decode step (ms: scheduling, the launch, reading, the
+        # server's loop; its waits for the device left out), the last samples of every kind; and per kind (batch
+        # bucket, k, sampling mode) the last times from one step's start to the next (ms)
+        self.host_all: deque[float] = deque(maxlen=4 * CYCLE_WINDOW)
+        self.cycle_by_kind: dict[tuple[int, int, str], deque[float]] = {}
         self.flush_ms: float | None = None  # an eager context flush's host time (ms), moving average
         self.last_k = 0  # the k of the last choice (a k > 0 after plain steps flushes their context first)
         # the step in progress: (perf_counter at its start, the host's total wait for the device then (ms), its key,
@@ -115,21 +114,13 @@ class KPolicy:
         """The host's work per decode step over the last steps of every kind (ms; median)."""
         return statistics.median(self.host_all) if self.host_all else 0.0
 
-    def kind_host_ms(self, kind: tuple[int, int, str]) -> float:
-        """The host's work per step of this kind (batch bucket, k, mode): the median of its last steps, or host_ms
-        while it has fewer than HOST_MIN_SAMPLES."""
-        samples = self.host_by_kind.get(kind)
-        return statistics.median(samples) if samples and len(samples) >= HOST_MIN_SAMPLES else self.host_ms
-
     def step_cost(self, key: StepKey, replay_ms: float) -> float:
-        """A step's expected time (ms): its kind's measured cycle, else its replay and the host's work for its kind
+        """A step's expected time (ms): its kind's measured cycle, else its replay and the host's work per step
         (module doc)."""
-        kind = (key.rows, key.k, key.mode)
-        cycles = self.cycle_by_kind.get(kind)
-        if cycles and len(cycles) >= HOST_MIN_SAMPLES:
+        cycles = self.cycle_by_kind.get((key.rows, key.k, key.mode))
+        if cycles and len(cycles) >= MIN_CYCLES:
             return statistics.median(cycles)
-        host = self.kind_host_ms(kind)
-        return max(replay_ms, host) if self.overlap else replay_ms + host
+        return max(replay_ms, self.host_ms) if self.overlap else replay_ms + self.host_ms
 
     def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
         """The candidate with the most expected tokens per millisecond (step_cost; a k > 0 after plain steps also
@@ -168,18 +159,18 @@ class KPolicy:
 
     def step_started(self, waited_ms: float = 0.0) -> None:
         """At a decode step's start (waited_ms: the host's running total of waits for the device, ms): the last
-        step's host work (the time since it began less the waits in between) into the samples of all steps and of
-        its kind; its whole time and replay into its k's cycle counters."""
+        step's host work (the time since it began less the waits in between) into the samples of all steps, that
+        time into its kind's cycles and, with its replay, into its k's cycle counters."""
         now, last = time.perf_counter(), self.last_step
         if last is not None and last[3] is not None:
             cycle = (now - last[0]) * 1e3
             if cycle < HOST_PAUSE_MS:
-                work = max(0.0, cycle - (waited_ms - last[1]))
                 key = last[2]
-                self.host_all.append(work)
+                self.host_all.append(max(0.0, cycle - (waited_ms - last[1])))
                 kind = (key.rows, key.k, key.mode)
-                for samples, x in ((self.host_by_kind, work), (self.cycle_by_kind, cycle)):
-                    samples.setdefault(kind, deque(maxlen=HOST_WINDOW)).append(x)
+                if kind not in self.cycle_by_kind:
+                    self.cycle_by_kind[kind] = deque(maxlen=CYCLE_WINDOW)
+                self.cycle_by_kind[kind].append(cycle)
                 self.cycles[key.k] += 1
                 self.cycle_ms[key.k] += cycle
                 self.replay_ms[key.k] += last[3]

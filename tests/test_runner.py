@@ -217,13 +217,13 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     p.step_started(0.0)
     p.step_replayed(0.2, key(1, 4, 100, "greedy"))  # the first step drafted 4 and replayed a 0.2 ms graph
     p.step_started(5.0)  # 15.2 ms later, 5 ms of it waiting for the device: 10.2 ms of host work
-    assert p.host_ms == pytest.approx(10.2) and list(p.host_by_kind[1, 4, "greedy"]) == [pytest.approx(10.2)]
+    assert p.host_ms == pytest.approx(10.2) and list(p.cycle_by_kind[1, 4, "greedy"]) == [pytest.approx(15.2)]
     p.step_replayed(0.2, key(1, 0, 100, "greedy"))
     p.step_started(5.0)  # 584.8 ms later: a pause, not a step's cost
     assert p.host_ms == pytest.approx(10.2)
     p.step_replayed(None, key(1, 0, 100, "greedy"))  # an eager step: nothing to learn from
     p.step_started(5.0)
-    assert p.host_ms == pytest.approx(10.2) and len(p.host_by_kind) == 1
+    assert p.host_ms == pytest.approx(10.2) and len(p.cycle_by_kind) == 1
     # the per-k counters of the steps timed: only the first (15.2 ms from its start to the next, 0.2 ms replay)
     assert p.cycles == [0, 0, 0, 0, 1] and p.cycle_ms[4] == pytest.approx(15.2) and p.replay_ms[4] == 0.2
     m = engine.metrics()
@@ -231,8 +231,8 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     assert engine.policy.best(1, 100, "greedy", acc, reach) == 4
 
 
-def test_k_policy_weighs_each_kinds_host_work_against_its_replay_with_async_scheduling(targets):
-    """With async scheduling host work and device time overlap, so a step costs the larger of the two. Where
+def test_k_policy_weighs_each_kinds_measured_time_with_async_scheduling(targets):
+    """With async scheduling host work and device time overlap, so a kind of step takes the larger of the two. Where
     launching a drafting step's bigger graph keeps the host busier than the device (the host-bound sampled steps of a
     server), the policy decodes plainly even at an acceptance under which the replay times alone favour drafting;
     where the host's work hides under the replays, it drafts. After plain steps, drafting also pays their context
@@ -245,7 +245,9 @@ def test_k_policy_weighs_each_kinds_host_work_against_its_replay_with_async_sche
     acc, reach = [80, 64, 51, 41], [100, 80, 64, 51]  # 0.8 per position: 3.4 tokens per step at k = 4
     p.last_k = 4
     for host4, want in ((3.5, 0), (1.2, 4)):  # host ms per drafting step (the drafter's graph); plain: 0.5 ms
-        p.host_by_kind = {(1, k, "greedy"): deque([host4 if k else 0.5] * 3) for k in p.choices}
+        # each kind measured at the larger of its replay and its host work, as overlapping steps take
+        p.cycle_by_kind = {(1, k, "greedy"): deque([max(1.0 + 0.1 * k, host4 if k else 0.5)] * 3)
+                           for k in p.choices}
         assert p.best(1, 100, "greedy", acc, reach) == want
     # cost = max(replay 1.4, host 1.2) = 1.4 ms at k = 4: a 40 ms flush after plain steps spread over 16 steps
     # (2.5 ms each) makes drafting lose; without plain steps before it, it is not paid
@@ -258,9 +260,10 @@ def test_k_policy_weighs_each_kinds_host_work_against_its_replay_with_async_sche
 
 
 def test_k_policy_host_work_is_a_median_a_first_outlier_does_not_stick(targets, monkeypatch):
-    """A kind of step's host work is the median of its last steps: a first drafting step that paid one-off costs
-    (40 ms) stops counting after two ordinary ones, where a moving average would keep drafting looking host-bound for
-    as many probes as it takes to decay; a kind with fewer than three samples takes the median over all steps."""
+    """A kind of step's cost is the median of its last cycles: a first drafting step that paid one-off costs (40 ms)
+    stops counting after two ordinary ones, where a moving average would keep drafting looking host-bound for as many
+    probes as it takes to decay; a kind with fewer than three cycles is modelled with the host's median work over all
+    steps."""
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target), overlap=True)
     p, key = engine.policy, engine.runner.key_for
@@ -277,10 +280,10 @@ def test_k_policy_host_work_is_a_median_a_first_outlier_does_not_stick(targets, 
 
     steps(0, [0.5] * 5)
     steps(4, [40.0])
-    assert p.kind_host_ms((1, 4, "greedy")) == pytest.approx(0.5)  # one sample: the median over all steps
+    assert p.step_cost(key(1, 4, 100, "greedy"), 0.2) == pytest.approx(0.5)  # one cycle: the model, host_ms 0.5
     steps(4, [0.6, 0.7])
-    assert p.kind_host_ms((1, 4, "greedy")) == pytest.approx(0.7)  # median of 40, 0.6, 0.7
-    assert p.kind_host_ms((1, 0, "greedy")) == pytest.approx(0.5) and p.host_ms == pytest.approx(0.5)
+    assert p.step_cost(key(1, 4, 100, "greedy"), 0.2) == pytest.approx(0.7)  # median of 40, 0.6, 0.7
+    assert p.step_cost(key(1, 0, 100, "greedy"), 0.2) == pytest.approx(0.5) and p.host_ms == pytest.approx(0.5)
     engine.runner.step_ms = lambda key: 0.25 + 0.1 * key.k
     # acceptance 0.6 a position: drafting pays again (k = 2: 1.96 tokens per 0.5 ms; k = 4: 2.3 per 0.7 ms; plain 1
     # per 0.5 ms), where the 40 ms sample alone would have kept it plain
@@ -307,7 +310,7 @@ def test_k_policy_costs_a_kind_by_its_measured_cycles(targets, monkeypatch):
             waited[0] += 3.0
     p.step_started(waited[0])
     p.last_k = 4
-    assert p.kind_host_ms((1, 4, "greedy")) == pytest.approx(1.0)
+    assert p.host_ms == pytest.approx(1.0)
     assert p.step_cost(key(1, 4, 100, "greedy"), 1.4) == pytest.approx(4.0)
     assert p.best(1, 100, "greedy", acc, reach) == 0  # at most 3.4 / 4.0 against 1.1 x 1 / 1.0 tokens per ms
     p.cycle_by_kind.clear()  # the model alone: max(1.4, 1.0) = 1.4 ms, and drafting wins
