@@ -4,12 +4,7 @@ import json
 
 import pytest
 import torch
-
-try:
-    from speculators.train.data import ArrowDataset, CollateFn
-except ImportError:  # a dev dependency (`make install`); a missing one must not stop the whole collection
-    pytest.skip("speculators is not installed: pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0",
-                allow_module_level=True)
+from speculators.train.data import ArrowDataset, CollateFn  # a dev dependency (the Makefile installs it)
 
 from dspark.checkpoint import load_target
 from train.sequences import Sequences
