@@ -45,7 +45,6 @@ class EngineInfo:
     k: int
     vocab_size: int
     max_batch_size: int
-    device: str
     graphs: bool
     compiled: bool
     overlap: bool
@@ -54,8 +53,8 @@ class EngineInfo:
     @classmethod
     def of(cls, e) -> EngineInfo:
         ms = e.step_times(1, e.max_model_len, "greedy") if e.drafts is not None else None
-        return cls(e.max_model_len, e.k, e.target.config.vocab_size, e.max_batch_size, str(e.device),
-                   e.runner.graphs, e.runner.compiled, e.overlap, ms)
+        return cls(e.max_model_len, e.k, e.target.config.vocab_size, e.max_batch_size, e.runner.graphs,
+                   e.runner.compiled, e.overlap, ms)
 
 
 @dataclass
