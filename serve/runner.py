@@ -204,13 +204,15 @@ class EngineRunner:
                 t0 = time.perf_counter()
                 if self.engine.has_work():
                     self._step()  # with the engine's overlap its next step is queued: the delivery overlaps it
-                self._flush()
                 self.loop_s += time.perf_counter() - t0
-                idle = not self.engine.has_work()
-                if idle or time.time() - self.snapshot.time >= SNAPSHOT_S:
+                # the snapshot before the events: a client that saw its last token reads /metrics that count it
+                if not self.engine.has_work() or time.time() - self.snapshot.time >= SNAPSHOT_S:
                     self.snapshot = self._snap()
                     if self.publish is not None:
                         self.publish(self.snapshot)
+                t0 = time.perf_counter()
+                self._flush()
+                self.loop_s += time.perf_counter() - t0
         except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop
             self.error = f"engine thread died: {type(e).__name__}: {e}"
             log.exception("engine thread died")
