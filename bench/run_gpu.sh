@@ -18,6 +18,9 @@
 #                  global batch; bench/ddp_compare.py compares the two loss curves (NGPU >= 2)
 #   pair           AR vs DSpark through dspark.Engine (bench/pair_decode.py): bs=1 per task, then batches of
 #                  1, 4, 16, 64
+#   timeline       where a decode step's time goes in the engine (bench/step_timeline.py): the host's phases against
+#                  the device's busy and idle time, AR / 4 drafts pinned / the k policy, greedy and T = 0.7, batches 1
+#                  and 16 -> $OUT/timeline.json
 #   floor          bs=1 AR decode through the engine against the HBM floor (bench/floor.py): the Qwen3-8B shape and
 #                  the K3 shape; random weights, nothing to train first
 #   serve          the server under load (bench/serve_bench.py): concurrency 1, 4, 16, 64 on code and prose prompts,
@@ -72,7 +75,8 @@ cd "$(dirname "$0")/.."
 target=${1:-}
 [ $# -gt 0 ] && shift
 case "$target" in
-  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|floor|serve|flex|ablate|peer) ;;
+  kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|timeline|floor|serve|flex) ;;
+  ablate|peer) ;;
   ablate-k3-mini|peer-qwen3-mini|k3-mini|served|wait|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
@@ -198,6 +202,11 @@ case "$target" in
     CUDA_VISIBLE_DEVICES=0 log pair python3 bench/pair_decode.py --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" \
       --tasks humaneval,creative --prompts 16 --max-tokens 128 --batches 1,4,16,64 --out "$OUT/pair.json" "$@" \
       || rc=$?
+    ;;
+  timeline)
+    echo "target $TARGET_DIR, drafter $DRAFTER_DIR"
+    CUDA_VISIBLE_DEVICES=0 log timeline python3 bench/step_timeline.py --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" \
+      --out "$OUT/timeline.json" "$@" || rc=$?
     ;;
   floor)
     CUDA_VISIBLE_DEVICES=0 log floor python3 bench/floor.py --shape qwen3-8b --hf --out "$OUT/floor-qwen3-8b.json" \

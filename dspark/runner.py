@@ -67,6 +67,13 @@ PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward 
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
 
 
+def pinned_rows(buf: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """A contiguous [rows, cols] view at the start of the pinned buffer buf. A copy from the device into it is one
+    asynchronous memcpy; into a strided view (buf[:rows, :cols] when cols < buf's width) torch stages the data and
+    waits for the device, so the step would no longer overlap the host's work."""
+    return buf.view(-1)[: rows * cols].view(rows, cols)
+
+
 def _dense(x: torch.Tensor, own: bool) -> torch.Tensor:
     """x contiguous; own: in memory of its own, strides set by its shape alone (a view of one row is contiguous too,
     with its parent's strides)."""
@@ -457,7 +464,7 @@ class ModelRunner:
             out, timing = self._run(st), None
         host = out[:B]
         if cuda:
-            host = buf[:B, :out.shape[1]]
+            host = pinned_rows(buf, B, out.shape[1])
             host.copy_(out[:B], non_blocking=True)
             done.record()
         return Launched(host, done, B, st.ms, timing)

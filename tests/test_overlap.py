@@ -4,13 +4,14 @@ tokens, accepted counts and finish reasons (AR and speculative, greedy and seede
 a stop token and by abort, requests joining mid-run, plain and drafting steps mixed), the target's greedy, a cache
 left empty, and steps that really were overlapped."""
 import asyncio
+import time
 
 import pytest
 import torch
 
 from dspark.engine import Engine
 from dspark.request import SamplingParams
-from dspark.runner import INT_COLS, NI, chain_inputs
+from dspark.runner import INT_COLS, NI, chain_inputs, pinned_rows
 from serve.runner import EngineRunner
 from tests.targets import make_target
 from tests.test_drafter_k3 import make_k3_drafter
@@ -119,6 +120,39 @@ def test_overlap_across_plain_and_drafting_steps(pair, prompts, monkeypatch):
     assert got[1].finish_reason == "abort" and len(got[1].token_ids) < 16
     per_k = engine.metrics()["decode_steps_per_k"]
     assert per_k[0] > 0 and per_k[3] > 0 and engine.metrics()["overlapped_steps"] > 0
+
+
+def test_a_steps_host_copy_is_one_contiguous_block_of_the_pinned_buffer():
+    """Fewer drafts than the buffer's width (a plain step in a drafting engine) still get a contiguous view at the
+    buffer's start: copying the device's output into a strided view would stage it and wait for the device."""
+    buf = torch.arange(8 * 7).view(8, 7)
+    for rows, cols in ((1, 3), (5, 3), (8, 7), (3, 5)):
+        view = pinned_rows(buf, rows, cols)
+        assert view.shape == (rows, cols) and view.is_contiguous() and view.data_ptr() == buf.data_ptr()
+        assert view.flatten().tolist() == list(range(rows * cols))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_launch_does_not_wait_for_the_device(pair):
+    """With the stream held busy for a second, queueing a plain step and a drafting step of several rows returns at
+    once: the launch waits for nothing the device does (the read does)."""
+    target, drafter = pair
+    target, drafter = target.cuda(), drafter.cuda()
+    engine = Engine(target, drafter, max_batch_size=4, graphs=True, overlap=True)
+    engine.warmup(max_len=64)
+    reqs = [engine.add_request([3, 4, 5, 6 + i], SamplingParams(max_tokens=32, ignore_eos=True)) for i in range(3)]
+    while any(r.status.value != "decode" for r in reqs):
+        engine.step()
+    engine.sync()
+    for k in (engine.k, 0):  # drafting first: after a plain step it would flush the stashed context rows eagerly
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued ahead of the step
+        t0 = time.perf_counter()
+        flight = engine._launch(reqs, k)
+        launched_s = time.perf_counter() - t0
+        assert launched_s < 0.25, f"k={k}: the launch waited {launched_s:.3f} s for the device"
+        assert not flight.step.done.query()
+        engine._read(flight)
 
 
 def test_handoff_reads_the_step_in_flight(pair, prompts):

@@ -1,0 +1,239 @@
+"""Where a decode step's time goes in dspark.Engine: the host's phases against the device's busy and idle time.
+
+    python3 bench/step_timeline.py --target runs/quickstart/target/final --drafter runs/quickstart/drafter/final \
+        [--runs ar,k4,auto] [--temperatures 0,0.7] [--batches 1,16] [--prompts 16] [--max-tokens 128] [--out F.json]
+
+Each run (ar: no drafter; kN: N drafts pinned; auto: the k policy) decodes --batches prompts at a time through
+Engine.generate (overlap as the engine defaults it). Per decode step it records, on the host: step() in all, the
+launch (of it the graph replay call and the wait for the step's staging buffer), the read's wait for the device and
+the rest of the read (unpacking, stop handling); on the device, with events recorded on the stream before a launch's
+input copies and after its output copy: the step's busy time, and the idle time since the step before ended (0 when
+the host queued it in time). A cycle (start to start) longer than the device's busy time is the host's, and the
+phases say which part. Means over the decode steps after each request's prefill.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E402
+from dspark.device import resolve_device, resolve_dtype  # noqa: E402
+from eval.__main__ import encode as encode_task  # noqa: E402
+from eval.tasks import build_task, select  # noqa: E402
+
+PHASES = ("step", "launch", "replay_call", "staging_wait", "flush", "read_wait", "read_rest", "other")
+
+
+class Timeline:
+    """Wraps one engine's step, its runner's launch and read, and CUDAGraph.replay to time them per decode step."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.rows, self.group = engine, [], 0
+        self.cuda = engine.device.type == "cuda"
+        self.cur: dict | None = None
+        runner = engine.runner
+        step, launch, read, replay = engine.step, runner.launch, runner.read, torch.cuda.CUDAGraph.replay
+        flush = runner.flush_context
+
+        def timed_step():
+            s = engine.scheduler  # a step that admits or prefills is not a decode step
+            prefill = bool(s.waiting) or any(r.num_computed < len(r.prompt_ids) for r in s.running)
+            self.cur = dict.fromkeys(PHASES, 0.0) | {"t0": time.perf_counter(), "events": [], "prefill": prefill,
+                                                      "group": self.group, "graphs": len(runner.steps),
+                                                      "keys": []}
+            out = step()
+            self.cur["captured"] = len(runner.steps) - self.cur["graphs"]
+            self.cur["step"] = time.perf_counter() - self.cur["t0"]
+            self.rows.append(self.cur)
+            return out
+
+        def timed_launch(rows, tables, num_cached, slots, key):
+            t0, w0 = time.perf_counter(), runner.launch_wait_s
+            self.cur["keys"].append((key.rows, key.k, key.width, len(rows)))
+            ev = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)] if self.cuda else []
+            if ev:
+                ev[0].record()
+            self.cur["launch_start"] = t0
+            out = launch(rows, tables, num_cached, slots, key)
+            self.cur["launch_end"] = time.perf_counter()
+            if ev:
+                ev[1].record()
+                self.cur["events"].append(ev)
+            self.cur["launch"] += time.perf_counter() - t0
+            self.cur["staging_wait"] += runner.launch_wait_s - w0
+            return out
+
+        def timed_read(*a, **kw):
+            t0, w0 = time.perf_counter(), runner.wait_s
+            out = read(*a, **kw)
+            self.cur["read_wait"] += runner.wait_s - w0
+            self.cur["read_rest"] += time.perf_counter() - t0 - (runner.wait_s - w0)
+            return out
+
+        def timed_flush(*a, **kw):
+            t0 = time.perf_counter()
+            flush(*a, **kw)
+            self.cur["flush"] += time.perf_counter() - t0
+
+        def timed_replay(graph, *a, **kw):
+            t0 = time.perf_counter()
+            replay(graph, *a, **kw)
+            if self.cur is not None:
+                t1 = time.perf_counter()
+                self.cur["replay_call"] += t1 - t0
+                self.cur["replay_at"] = (t0, t1)
+
+        engine.step, runner.launch, runner.read, runner.flush_context = timed_step, timed_launch, timed_read, timed_flush
+        self._restore = (replay,)
+        torch.cuda.CUDAGraph.replay = timed_replay
+
+    def close(self) -> None:
+        torch.cuda.CUDAGraph.replay = self._restore[0]
+        r = self.engine.runner
+        del self.engine.step, r.launch, r.read, r.flush_context  # the class's methods again
+
+    def summary(self) -> dict:
+        """Means (ms) over the decode steps: a step after one that prefilled (or the first of a generate call) and
+        the last of each call are left out."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        rows = [b for a, b, c in zip(self.rows, self.rows[1:], self.rows[2:])
+                if not (a["prefill"] or b["prefill"]) and a["group"] == b["group"] == c["group"]]
+        out = {p: 1e3 * statistics.fmean(r[p] for r in rows) for p in PHASES if p != "other"}
+        out["other"] = out["step"] - out["launch"] - out["flush"] - out["read_wait"] - out["read_rest"]
+        nxt = {id(a): b for a, b in zip(self.rows, self.rows[1:])}
+        cyc = [nxt[id(r)]["t0"] - r["t0"] for r in rows]
+        out["cycle"] = 1e3 * statistics.fmean(cyc)
+        out["between_steps"] = out["cycle"] - out["step"]  # the caller's loop
+        pairs = [(e, n) for r in rows for e in r["events"][-1:] for n in nxt[id(r)]["events"][:1]]
+        if pairs:
+            out["device_busy"] = statistics.fmean(e[0].elapsed_time(e[1]) for r in rows for e in r["events"])
+            out["device_idle"] = statistics.fmean(max(0.0, e[1].elapsed_time(n[0])) for e, n in pairs)
+        out["steps"] = len(rows)
+        out["per_step"] = [{"keys": r["keys"], **{p: round(1e3 * r[p], 4) for p in PHASES if p != "other"},
+                            "cycle": round(1e3 * (nxt[id(r)]["t0"] - r["t0"]), 4),
+                            "device": [round(e[0].elapsed_time(e[1]), 4) for e in r["events"]],
+                            # of the (last) launch: the host's work before the replay call and after it (ms)
+                            **({"pre_replay": round(1e3 * (r["replay_at"][0] - r["launch_start"]), 4),
+                                "post_replay": round(1e3 * (r["launch_end"] - r["replay_at"][1]), 4)}
+                               if "replay_at" in r and "launch_start" in r else {})}
+                           for r in rows]
+        out["captures"] = sum(r["captured"] for r in self.rows)  # step graphs captured during the run (0: warm)
+        return out
+
+
+def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temperature: float) -> dict:
+    """Each group of prompts through one Engine.generate call (the group's size is the batch)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    engine.generate(groups[0], SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True))
+    before = list(engine.counters["decode_steps_per_k"])
+    tl, outs, wall = Timeline(engine), [], 0.0
+    try:
+        for g in groups:
+            tl.group += 1
+            t0 = time.perf_counter()
+            outs += engine.generate(g, params)
+            wall += time.perf_counter() - t0
+        res = tl.summary()
+    finally:
+        tl.close()
+    toks = sum(len(o.token_ids) for o in outs)
+    acc = [a for o in outs for a in o.accepted_per_step]
+    res.update(tok_s=toks / wall, tau=1 + statistics.fmean(acc) if acc else None,
+               steps_per_k=[a - b for a, b in zip(engine.counters["decode_steps_per_k"], before)])
+    return res
+
+
+def kernels(engine: Engine, prompts: list[list[int]], temperature: float, steps: int) -> dict:
+    """The device's kernels over `steps` decode steps of these prompts decoded together: kernels per step and the
+    top kernels by device time per step (µs), from torch.profiler (CUDA activity: the kernels inside graphs too)."""
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=steps * 8 + 8, temperature=temperature, ignore_eos=True))
+    for _ in range(3):  # prefill, first token, the first decode step
+        engine.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_work():
+        engine.step()
+    dev = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    top = sorted(dev, key=lambda e: -e.self_device_time_total)[:15]
+    return {"kernels_per_step": sum(e.count for e in dev) / steps,
+            "device_us_per_step": sum(e.self_device_time_total for e in dev) / steps,
+            "top": [(e.key[:90], e.count / steps, e.self_device_time_total / steps) for e in top]}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--runs", default="ar,k4,auto")
+    ap.add_argument("--task", default="creative")
+    ap.add_argument("--temperatures", default="0,0.7")
+    ap.add_argument("--batches", default="1,16")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kernels", type=int, default=0, help="also profile this many decode steps per run and "
+                    "temperature at batch 1 (CUDA): kernels per step, the top kernels")
+    ap.add_argument("--per-step", action="store_true", help="keep every decode step's figures in --out")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    dev = resolve_device(a.device)
+    target = load_target(a.target, device=dev, dtype=resolve_dtype(a.dtype, dev))
+    drafter = load_drafter(a.drafter, target)
+    task = build_task(a.task)
+    prompts = encode_task(dataclasses.replace(task, prompts=select(task.prompts, a.prompts)), target.tokenizer, False,
+                          256)
+    temps = [float(t) for t in a.temperatures.split(",")]
+    batches = [int(b) for b in a.batches.split(",")]
+    mml = max(len(p) for p in prompts) + a.max_tokens + drafter.config.num_drafts + 1
+    res = {"command": "python3 bench/step_timeline.py " + " ".join(argv or sys.argv[1:]), "runs": []}
+    cols = ("cycle", "device_busy", "device_idle", "step", "launch", "replay_call", "staging_wait", "flush",
+            "read_wait", "read_rest", "other", "between_steps", "captures")
+    print("| run | T | batch | tok/s | τ | steps per k | " + " | ".join(cols) + " |\n|---|--:|--:|--:|--:|---|"
+          + "--:|" * len(cols))
+    for name in a.runs.split(","):
+        k = None if name in ("ar", "auto") else int(name[1:])
+        engine = Engine(target, None if name == "ar" else drafter, num_speculative_tokens=k,
+                        max_batch_size=max(batches), max_model_len=mml)
+        engine.warmup(modes=("greedy", "sample"))
+        for t in temps:
+            for b in batches:
+                n = max(b, a.prompts)  # at least --prompts requests, b at a time
+                ps = [prompts[i % len(prompts)] for i in range(n)]
+                r = run_one(engine, [ps[i: i + b] for i in range(0, n, b)], a.max_tokens, t)
+                r.update(run=name, temperature=t, batch=b)
+                res["runs"].append(r)
+                if not a.per_step:
+                    r.pop("per_step")
+                cells = " | ".join("—" if r.get(c) is None else f"{r[c]:.3f}" for c in cols)
+                tau = "—" if r["tau"] is None else f"{r['tau']:.2f}"
+                print(f"| {name} | {t:g} | {b} | {r['tok_s']:.0f} | {tau} | {r['steps_per_k']} | {cells} |", flush=True)
+            if a.kernels and dev.startswith("cuda"):
+                res.setdefault("kernels", []).append({"run": name, "temperature": t,
+                                                      **kernels(engine, prompts[:1], t, a.kernels)})
+        del engine
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    for kr in res.get("kernels", []):
+        print(f"\n{kr['run']} T={kr['temperature']:g}: {kr['kernels_per_step']:.0f} kernels, "
+              f"{kr['device_us_per_step']:.0f} µs per step on the device; the top ones (per step: calls, µs):")
+        for name, calls, us in kr["top"]:
+            print(f"  {calls:5.1f} {us:7.1f}  {name}")
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
