@@ -38,6 +38,8 @@ log = logging.getLogger("serve.engine_proc")
 
 SWITCH_INTERVAL_S = 2e-4  # the engine thread waits at most this for a thread holding the GIL (the default is 5 ms)
 START_TIMEOUT_S = 3600.0  # loading, compiling and capturing: a compiled server's start can take many minutes
+# an engine that fails to start on bad input raises one of these: the client raises it again, with its message
+START_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
 
 
 def check_max_model_len(max_model_len: int | None, positions: int | None, name: str = "max_model_len") -> None:
@@ -100,8 +102,8 @@ def engine_main(conn, load: dict, profile_dir: str | None) -> None:
     try:
         engine = build_engine(**load)
         runner = EngineRunner(engine, profile_dir=profile_dir)
-    except BaseException:  # noqa: BLE001 - the server reports it and exits
-        sink.send(("failed", traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001 - the server reports it and exits
+        sink.send(("failed", (type(e).__name__, str(e), traceback.format_exc())))
         return
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     gc.collect()
@@ -159,7 +161,10 @@ class EngineClient:
         msg = self._first(start_timeout)
         if msg[0] != "ready":
             self._proc.join(10)
-            raise RuntimeError(f"the engine process failed to start:\n{msg[1]}")
+            kind, text, trace = msg[1] if isinstance(msg[1], tuple) else ("", msg[1], msg[1])
+            if kind in START_ERRORS:  # bad input (a dir, a field): the one-line error the in-process server gives
+                raise START_ERRORS[kind](text)
+            raise RuntimeError(f"the engine process failed to start:\n{trace}")
         self.info: EngineInfo = msg[1]
         self.snapshot: Snapshot = msg[2]
         self._reader = threading.Thread(target=self._read, name="dspark-engine-pipe", daemon=True)

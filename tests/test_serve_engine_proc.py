@@ -109,13 +109,19 @@ def test_abort_and_profile_cross_the_pipe(server):
 
 
 def test_engine_process_start_failure_names_the_cause(models, tmp_path):
-    """A drafter the engine process cannot load: the server's start fails with the engine's own error."""
+    """A drafter the engine process cannot load: the server's start fails with the engine's own error, the same
+    one-line error an in-process start gives for bad input; any other failure with the engine's traceback."""
     bad = tmp_path / "drafter"
     bad.mkdir()
     (bad / "config.json").write_text("{not json")
     load = dict(target_dir=str(models[0]), drafter_dir=str(bad), device="cpu", max_model_len=SERVE_MAX_LEN)
-    with pytest.raises(RuntimeError, match=r"engine process failed to start(.|\n)*config\.json"):
+    with pytest.raises(ValueError, match=r"config\.json") as err:
         EngineClient(load)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineClient({**load, "drafter_dir": str(models[1]), "num_speculative_tokens": 9})
+    with pytest.raises(RuntimeError, match=r"engine process failed to start(.|\n)*Traceback(.|\n)*TypeError"):
+        EngineClient({**load, "drafter_dir": str(models[1]), "max_batch_size": "2"})
 
 
 def test_dead_engine_process_fails_streams_and_answers_503(models):
@@ -151,3 +157,6 @@ def test_cli_engine_process_flag(models, capsys):
     assert serve_main(argv + ["--engine-process"]) == 0
     out = capsys.readouterr().out
     assert f"k=4, max_model_len={SERVE_MAX_LEN}, max_batch_size=2," in out and "engine_process=on" in out
+    assert serve_main(argv + ["--engine-process", "--num-speculative-tokens", "9"]) == 2  # the child's bad input
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: num_speculative_tokens") and "\n" not in err
