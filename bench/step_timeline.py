@@ -107,6 +107,8 @@ class Timeline:
             torch.cuda.synchronize()
         rows = [b for a, b, c in zip(self.rows, self.rows[1:], self.rows[2:])
                 if not (a["prefill"] or b["prefill"]) and a["group"] == b["group"] == c["group"]]
+        if not rows:
+            raise ValueError("no decode step to time between the prefills: raise --max-tokens")
         out = {p: 1e3 * statistics.fmean(r[p] for r in rows) for p in PHASES if p != "other"}
         out["other"] = out["step"] - out["launch"] - out["flush"] - out["read_wait"] - out["read_rest"]
         nxt = {id(a): b for a, b in zip(self.rows, self.rows[1:])}
@@ -133,7 +135,8 @@ class Timeline:
 def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temperature: float) -> dict:
     """Each group of prompts through one Engine.generate call (the group's size is the batch)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
-    engine.generate(groups[0], SamplingParams(max_tokens=16, temperature=temperature, ignore_eos=True))
+    engine.generate(groups[0], SamplingParams(max_tokens=min(16, max_tokens), temperature=temperature,
+                                              ignore_eos=True))
     before = list(engine.counters["decode_steps_per_k"])
     tl, outs, wall = Timeline(engine), [], 0.0
     try:

@@ -1,0 +1,31 @@
+"""bench/step_timeline.py on CPU over a tiny pair: every run and setting is reported, the host's phases add up to the
+step, the cycle holds the step, and the engine's own methods are back once a run ends."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_step_timeline_phases_add_up(models, tmp_path):
+    target, drafter = models
+    out = tmp_path / "timeline.json"
+    cmd = [sys.executable, "bench/step_timeline.py", "--target", str(target), "--drafter", str(drafter),
+           "--runs", "ar,k2,auto", "--temperatures", "0,0.7", "--batches", "1,2", "--prompts", "2",
+           "--max-tokens", "40", "--device", "cpu", "--per-step", "--out", str(out)]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert {(r["run"], r["temperature"], r["batch"]) for r in runs} == {
+        (n, t, b) for n in ("ar", "k2", "auto") for t in (0.0, 0.7) for b in (1, 2)}
+    for r in runs:
+        assert r["tok_s"] > 0 and r["steps"] > 0 and len(r["per_step"]) == r["steps"]
+        parts = r["launch"] + r["flush"] + r["read_wait"] + r["read_rest"] + r["other"]
+        assert abs(parts - r["step"]) < 1e-6 and r["other"] >= 0 and r["cycle"] >= r["step"] > 0
+        ks = {key[1] for s in r["per_step"] for key in s["keys"]}
+        assert ks == ({0} if r["run"] == "ar" else {2} if r["run"] == "k2" else {4})  # CPU: the whole block
+        assert (r["tau"] is None) == (r["run"] == "ar")
+    assert "| k2 | 0.7 | 2 |" in res.stdout
