@@ -7,8 +7,10 @@
 Per mode (ar: no drafter; dspark: with --drafter) the server runs as a subprocess on 127.0.0.1 (`python -m serve`,
 device and dtype auto unless given after `--`; --max-batch-size defaults to the highest concurrency,
 --max-concurrent to twice it, --max-model-len to the prompt budget + max_tokens + 64), is polled on GET /health,
-measured, then terminated. Per (task, temperature, concurrency C) level: one untimed warm-up request, then C clients each send
-streaming /v1/completions requests back to back until N (--requests-per-level, default max(4C, 16)) have completed.
+measured, then terminated. Per (task, temperature, concurrency C) level: one untimed warm-up request, then C clients
+each send streaming /v1/completions requests back to back until N (--requests-per-level, default max(4C, 16)) have
+completed; the clients run in ceil(C / 8) processes (--client-procs), each with its share of them and of the
+requests, timed from the moment all are ready (one Python process streaming 16 clients' tokens used a whole core).
 Request i sends prompt i mod P of the task (text, built as `python -m eval` builds it: raw prefix or --chat template,
 the last --max-prompt-tokens tokens), `max_tokens` with `ignore_eos`, and with --seed S, seed S + i when T > 0 (no
 seed by default, as vLLM's benchmark_serving: the engine decodes seeded sampled requests plainly unless k is pinned).
@@ -37,6 +39,7 @@ import asyncio
 import datetime
 import gc
 import json
+import multiprocessing as mp
 import os
 import platform
 import shlex
@@ -61,6 +64,7 @@ from serve import free_port, target_positions  # noqa: E402
 MODES = ("ar", "dspark")
 SET_HERE = ("--target", "--drafter", "--host", "--port", "--engine", "--dry-run")  # not allowed after `--`
 LEN_MARGIN = 64  # max_model_len room beyond prompt + max_tokens: the draft block and re-tokenized prompts
+CLIENTS_PER_PROCESS = 8  # streaming clients per client process (--client-procs 0): at 16, one process used a core
 
 
 class BenchError(RuntimeError):
@@ -105,6 +109,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a server to answer /health")
     p.add_argument("--time-limit", type=float, default=3600.0, help="seconds for the whole run")
     p.add_argument("--out", help="JSON file for every number")
+    p.add_argument("--client-procs", type=int, default=0, help="client processes per level (0: one per "
+                   f"{CLIENTS_PER_PROCESS} clients): one Python process streaming many clients is itself the limit")
     p.add_argument("--profile", default="", help="TASK:T:C, e.g. creative:0.7:4: each server's engine thread under "
                    "torch.profiler over that level (POST /start_profile, /stop_profile), written next to --out")
     a = p.parse_args(argv)
@@ -114,7 +120,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     a.concurrency = _list(a.concurrency, int, "--concurrency", lambda c: c >= 1, "integers >= 1")
     for flag, v, lo in [("--requests-per-level", a.requests_per_level, 0), ("--max-tokens", a.max_tokens, 1),
                         ("--num-prompts", a.num_prompts, 0), ("--max-prompt-tokens", a.max_prompt_tokens, 1),
-                        ("--max-model-len", a.max_model_len, 0), ("--port", a.port, 0)]:
+                        ("--max-model-len", a.max_model_len, 0), ("--port", a.port, 0),
+                        ("--client-procs", a.client_procs, 0)]:
         if v < lo:
             raise ValueError(f"{flag}: expected an integer >= {lo}, got {v}")
     for flag, v in [("--request-timeout", a.request_timeout), ("--startup-timeout", a.startup_timeout),
@@ -287,6 +294,73 @@ async def one(client: httpx.AsyncClient, a, prompt: str, temperature: float, r: 
         r.error = f"{type(e).__name__}: {e}"
 
 
+async def clients(client: httpx.AsyncClient, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req],
+                  limit: float) -> tuple[float, float, bool]:
+    """conc clients sending reqs back to back -> (perf_counter at the end, this process's CPU seconds, cut by the
+    time limit)."""
+    todo = iter(reqs)
+
+    async def worker():
+        for r in todo:  # one shared iterator: each request is taken by exactly one client
+            await one(client, a, prompts[r.prompt], temperature, r)
+
+    cpu0, cut = time.process_time(), False
+    try:
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(conc))), limit)
+    except TimeoutError:
+        cut = True
+    return time.perf_counter(), time.process_time() - cpu0, cut
+
+
+def client_process(url: str, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req], limit: float,
+                   start, results) -> None:
+    """A client process: its share of a level's clients and requests, started when every process is ready (start:
+    a barrier) -> (reqs, end, CPU seconds, cut) on the results queue."""
+    async def go():
+        limits = httpx.Limits(max_connections=conc + 2, max_keepalive_connections=conc + 2)
+        async with httpx.AsyncClient(base_url=url, timeout=a.request_timeout, limits=limits) as client:
+            start.wait()
+            return await clients(client, a, prompts, temperature, conc, reqs, limit)
+
+    try:
+        results.put((reqs, *asyncio.run(go())))
+    except BaseException as e:  # noqa: BLE001 - the parent reports it
+        start.abort()  # a parent still waiting for every process to be ready stops waiting
+        results.put(f"{type(e).__name__}: {e}")
+        raise
+
+
+def in_processes(url: str, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req], procs: int,
+                 limit: float) -> tuple[float, float, bool, list[Req]]:
+    """A level's clients spread over `procs` spawned processes (client g takes requests i with i % procs == g's
+    process), timed from the moment all are ready -> (wall s, the busiest process's CPU fraction, cut, the requests
+    as the processes filled them, in order)."""
+    ctx = mp.get_context("spawn")  # no copy of this process's event loop
+    start, results = ctx.Barrier(procs + 1), ctx.Queue()
+    shares = [(conc // procs + (g < conc % procs), reqs[g::procs]) for g in range(procs)]
+    workers = [ctx.Process(target=client_process, daemon=True,
+                           args=(url, a, prompts, temperature, n, share, limit, start, results))
+               for n, share in shares]
+    for w in workers:
+        w.start()
+    try:
+        start.wait(timeout=300)
+    except Exception:  # noqa: BLE001 - BrokenBarrierError or a timeout: a process did not come up
+        for w in workers:
+            w.kill()
+        raise BenchError("the client processes did not start (--client-procs)") from None
+    t0 = time.perf_counter()
+    got = [results.get(timeout=limit + a.request_timeout + 60) for _ in workers]
+    for w in workers:
+        w.join(30)
+    failed = [x for x in got if isinstance(x, str)]
+    if failed:
+        raise BenchError(f"a client process failed: {failed[0]}")
+    wall = max(end for _, end, _, _ in got) - t0
+    done = {r.index: r for share, *_ in got for r in share}
+    return wall, max(cpu for _, _, cpu, _ in got) / wall, any(c for *_, c in got), [done[r.index] for r in reqs]
+
+
 FIRST_TOKEN = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
                "prefill": "vllm:request_prefill_time_seconds"}  # histograms: their _sum and _count
 PER_K = {"dspark:decode_steps_total": "steps_per_k", "dspark:step_cycles_total": "cycles_per_k",
@@ -376,18 +450,15 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         c0 = await counters(client)
         if profile:
             (await client.post("/start_profile", timeout=60.0)).raise_for_status()
-        todo = iter(reqs)
-
-        async def worker():
-            for r in todo:  # one shared iterator: each request is taken by exactly one client
-                await one(client, a, prompts[r.prompt], temperature, r)
-
-        cpu0, t0, cut = time.process_time(), time.perf_counter(), False
-        try:
-            await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(conc))), max(deadline - time.monotonic(), 0))
-        except TimeoutError:
-            cut = True
-        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        procs = min(a.client_procs or -(-conc // CLIENTS_PER_PROCESS), conc)
+        left = max(deadline - time.monotonic(), 0)
+        if procs == 1:
+            t0 = time.perf_counter()
+            end, cpu, cut = await clients(client, a, prompts, temperature, conc, reqs, left)
+            wall, cpu_frac = end - t0, cpu / (end - t0)
+        else:
+            wall, cpu_frac, cut, reqs[:] = await asyncio.to_thread(in_processes, url, a, prompts, temperature, conc,
+                                                                   reqs, procs, left)
         c1 = await counters(client)
         files = (await client.post("/stop_profile", timeout=300.0)).raise_for_status().json()["files"] if profile \
             else []
@@ -409,7 +480,8 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "overlapped_steps": c1["overlapped_steps"] - c0["overlapped_steps"],
         "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
         "host_ms_per_step": host_ms_per_step(c0, c1, sum(per_k_delta(c0, c1, "steps_per_k").values())),
-        "server_idle_at_reads": c0["idle"] and c1["idle"], "client_cpu_fraction": cpu / wall,
+        "server_idle_at_reads": c0["idle"] and c1["idle"], "client_procs": procs,
+        "client_cpu_fraction": cpu_frac,  # the busiest client process's CPU time / the level's wall time
         "profile_files": files,
         "per_request": [asdict(r) for r in reqs]}
 

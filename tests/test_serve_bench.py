@@ -22,7 +22,8 @@ def test_serve_bench_end_to_end(models, tmp_path):
     cmd = [sys.executable, "bench/serve_bench.py", "--target", str(target), "--drafter", str(drafter),
            "--tasks", ",".join(TASKS), "--temperatures", "0,0.7", "--concurrency", "1,2", "--requests-per-level", "2",
            "--max-tokens", "8", "--max-prompt-tokens", "48", "--num-prompts", "4", "--startup-timeout", "120",
-           "--time-limit", "240", "--out", str(out), "--profile", "creative:0.7:2", "--", "--device", "cpu"]
+           "--time-limit", "240", "--out", str(out), "--profile", "creative:0.7:2", "--client-procs", "2", "--",
+           "--device", "cpu"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
@@ -35,6 +36,7 @@ def test_serve_bench_end_to_end(models, tmp_path):
     assert len(levels) == len(rep["levels"]) == 2 * 2 * 2 * 2
     for (mode, _, _temp, _), lv in levels.items():
         assert lv["errors"] == 0 and lv["completed"] == 2, lv["error_messages"]
+        assert lv["client_procs"] == lv["concurrency"]  # --client-procs 2, at most one process per client
         assert lv["output_tok_s"] > 0 and lv["request_s"] > 0 and lv["output_tokens"] == 2 * 8
         assert lv["server_generation_tokens"] == 16  # the timed requests only: the warm-up is outside the deltas
         assert lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0
