@@ -45,8 +45,9 @@
 #                  `python -m serve --compile --max-batch-size 1` at concurrency 1 -> $OUT/serve-compiled.json; the
 #                  quickstart pair (runs/quickstart/{target,drafter}/final, carried) through python -m serve ->
 #                  $OUT/serve-quickstart.json, and compiled at concurrency 1 -> $OUT/serve-quickstart-compiled.json; the
-#                  pair through the engine (pair, with the kernel profile; PAIR=0 skips it), then the CUDA tests the
-#                  side run did not reach. The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360),
+#                  pair through the engine (pair, with the kernel profile; PAIR=0 skips it), the pair's step timeline
+#                  (timeline; TIMELINE=0 skips it, TIMELINE_ARGS replace `--batches 1,16,64 --prompts 64 --kernels 8`),
+#                  then the CUDA tests the side run did not reach. The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360),
 #                  QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the
 #                  first serve run (`--concurrency 1,16`); SYNC_SERVE_S (0: skipped) adds that run once more with
 #                  `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs the pair with the
@@ -284,6 +285,9 @@ case "$target" in
     # shellcheck disable=SC2086 # PAIR_ARGS is a word list
     [ $trained = 1 ] && [ "${PAIR:-1}" != 0 ] && { bash "$0" pair ${PAIR_ARGS:---prompts 4 --batches 1} \
       --profile "$OUT/profile.txt" || rc=$?; }
+    # shellcheck disable=SC2086 # TIMELINE_ARGS is a word list
+    [ $trained = 1 ] && [ "${TIMELINE:-1}" != 0 ] && { bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
+      --prompts 64 --kernels 8} || rc=$?; }
     # the rest of the CUDA suite: every test the side run did not report
     outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # `-v` lines, with xdist ("[gw0] [ 5%] PASSED id") or without
     mapfile -t done_ids < <(grep -oE "($outcome) tests/[^ ]+|tests/[^ ]+::[^ ]+ ($outcome)" "$OUT/tests-cuda.txt" \
@@ -298,7 +302,7 @@ case "$target" in
     while [ ! -f "$run_out/DONE" ] && [ $SECONDS -lt $end ]; do sleep 5; done
     tar -czf "$OUT/results.tgz" -C "$run_out" --exclude="*.tgz" . && ls -la "$run_out"
     tail -n 4 "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt 2>/dev/null
-    grep -h "^|" "$run_out"/serve.txt "$run_out"/pair.txt 2>/dev/null | tail -n 60
+    grep -h "^|" "$run_out"/serve.txt "$run_out"/pair.txt "$run_out"/timeline.txt 2>/dev/null | tail -n 80
     cat "$run_out/DONE" 2>/dev/null || echo "not done yet"
     ;;
   exec)
