@@ -2,14 +2,17 @@
 
     python3 bench/step_timeline.py --target runs/quickstart/target/final --drafter runs/quickstart/drafter/final \
         [--runs ar,k4,auto] [--temperatures 0,0.7] [--batches 1,16] [--prompts 16] [--max-tokens 128] [--out F.json]
+        [--kernels 8] [--per-step]
 
-Each run (ar: no drafter; kN: N drafts pinned; auto: the k policy) decodes --batches prompts at a time through
-Engine.generate (overlap as the engine defaults it). Per decode step it records, on the host: step() in all, the
-launch (of it the graph replay call and the wait for the step's staging buffer), the read's wait for the device and
-the rest of the read (unpacking, stop handling); on the device, with events recorded on the stream before a launch's
-input copies and after its output copy: the step's busy time, and the idle time since the step before ended (0 when
-the host queued it in time). A cycle (start to start) longer than the device's busy time is the host's, and the
-phases say which part. Means over the decode steps after each request's prefill.
+Each run (ar: no drafter; kN: N drafts pinned; auto: the k policy) decodes at least --prompts requests, --batches
+of them at a time, through Engine.generate (overlap as the engine defaults it). Per decode step it records, on the
+host: step() in all, the launch (of it the graph replay call and the wait for the step's staging buffer), the eager
+context flush, the read's wait for the device and the rest of the read (unpacking, stop handling); on the device,
+with events recorded on the stream before a launch's input copies and after its output copy: the step's busy time,
+and the idle time since the step before ended (0 when the host queued it in time). A cycle (start to start) longer
+than the device's busy time is the host's, and the phases say which part. Means over the decode steps between
+prefills; --per-step keeps every step (with the launch's host time before and after its replay call), --kernels N
+adds the CUDA kernels of N steps at batch 1.
 """
 from __future__ import annotations
 
@@ -91,12 +94,13 @@ class Timeline:
                 self.cur["replay_call"] += t1 - t0
                 self.cur["replay_at"] = (t0, t1)
 
-        engine.step, runner.launch, runner.read, runner.flush_context = timed_step, timed_launch, timed_read, timed_flush
-        self._restore = (replay,)
+        engine.step, runner.launch, runner.read = timed_step, timed_launch, timed_read
+        runner.flush_context = timed_flush
+        self._replay = replay
         torch.cuda.CUDAGraph.replay = timed_replay
 
     def close(self) -> None:
-        torch.cuda.CUDAGraph.replay = self._restore[0]
+        torch.cuda.CUDAGraph.replay = self._replay
         r = self.engine.runner
         del self.engine.step, r.launch, r.read, r.flush_context  # the class's methods again
 

@@ -7,7 +7,7 @@ tokenizer; a child process (spawned: it initialises CUDA itself) loads the model
 same EngineRunner as the in-process server. One pipe joins them:
 
     server -> engine   ("add", rid, prompt_ids, params) | ("abort", rid) | ("profile", action) | ("stop",)
-    engine -> server   ("ready", EngineInfo, Snapshot) | ("failed", traceback) at start;
+    engine -> server   ("ready", EngineInfo, Snapshot) | ("failed", (kind, message, traceback)) at start;
                        ("added", rid, error) | ("events", [(rid, Event)]) (one message per step) |
                        ("snapshot", Snapshot) (runner.SNAPSHOT_S apart, and when idle) | ("profiled", files | error) |
                        ("dead", error) when the engine thread died
