@@ -294,6 +294,12 @@ async def one(client: httpx.AsyncClient, a, prompt: str, temperature: float, r: 
         r.error = f"{type(e).__name__}: {e}"
 
 
+def http_client(url: str, a, conc: int) -> httpx.AsyncClient:
+    """The client a level's (or a client process's) conc streams share: a connection each, and two spare."""
+    limits = httpx.Limits(max_connections=conc + 2, max_keepalive_connections=conc + 2)
+    return httpx.AsyncClient(base_url=url, timeout=a.request_timeout, limits=limits)
+
+
 async def clients(client: httpx.AsyncClient, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req],
                   limit: float) -> tuple[float, float, bool]:
     """conc clients sending reqs back to back -> (perf_counter at the end, this process's CPU seconds, cut by the
@@ -317,8 +323,7 @@ def client_process(url: str, a, prompts: list[str], temperature: float, conc: in
     """A client process: its share of a level's clients and requests, started when every process is ready (start:
     a barrier) -> (reqs, end, CPU seconds, cut) on the results queue."""
     async def go():
-        limits = httpx.Limits(max_connections=conc + 2, max_keepalive_connections=conc + 2)
-        async with httpx.AsyncClient(base_url=url, timeout=a.request_timeout, limits=limits) as client:
+        async with http_client(url, a, conc) as client:
             start.wait()
             return await clients(client, a, prompts, temperature, conc, reqs, limit)
 
@@ -443,8 +448,7 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
     n = a.requests_per_level or max(4 * conc, 16)  # a level long enough that one prefill stall is not its wall time
     seed = (lambda i: a.seed + i) if temperature > 0 and a.seed is not None else (lambda i: None)
     reqs = [Req(i, i % len(prompts), seed(i)) for i in range(n)]
-    limits = httpx.Limits(max_connections=conc + 2, max_keepalive_connections=conc + 2)
-    async with httpx.AsyncClient(base_url=url, timeout=a.request_timeout, limits=limits) as client:
+    async with http_client(url, a, conc) as client:
         warm = Req(-1, 0, seed(0))
         await one(client, a, prompts[0], temperature, warm)
         c0 = await counters(client)

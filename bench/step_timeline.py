@@ -17,7 +17,6 @@ adds the CUDA kernels of N steps at batch 1.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -27,10 +26,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pair_decode import encode  # noqa: E402  (bench/pair_decode.py: prompts encoded as python -m eval does)
+
 from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E402
 from dspark.device import resolve_device, resolve_dtype  # noqa: E402
-from eval.__main__ import encode as encode_task  # noqa: E402
-from eval.tasks import build_task, select  # noqa: E402
+from eval.tasks import build_task  # noqa: E402
 
 PHASES = ("step", "launch", "replay_call", "staging_wait", "flush", "read_wait", "read_rest", "other")
 
@@ -200,8 +200,7 @@ def main(argv=None) -> None:
     target = load_target(a.target, device=dev, dtype=resolve_dtype(a.dtype, dev))
     drafter = load_drafter(a.drafter, target)
     task = build_task(a.task)
-    prompts = encode_task(dataclasses.replace(task, prompts=select(task.prompts, a.prompts)), target.tokenizer, False,
-                          256)
+    prompts = encode(task, target.tokenizer, a.prompts, 256)
     temps = [float(t) for t in a.temperatures.split(",")]
     batches = [int(b) for b in a.batches.split(",")]
     mml = max(len(p) for p in prompts) + a.max_tokens + drafter.config.num_drafts + 1
