@@ -47,8 +47,8 @@
 #                  $OUT/serve-quickstart.json, and compiled at concurrency 1 -> $OUT/serve-quickstart-compiled.json; the
 #                  pair through the engine (pair, with the kernel profile; PAIR=0 skips it), the pair's step timeline
 #                  (timeline; TIMELINE=0 skips it, TIMELINE_ARGS replace `--batches 1,16,64 --prompts 64 --kernels 8`),
-#                  then the CUDA tests the side run did not reach. The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360),
-#                  QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the
+#                  then the CUDA tests the side run did not reach. The four serve runs' time limits: SERVE_S (500),
+#                  COMPILED_SERVE_S (360), QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the
 #                  first serve run (`--concurrency 1,16`); SYNC_SERVE_S (0: skipped) adds that run once more with
 #                  `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs the pair with the
 #                  engine in the server's process (`--no-engine-process`; INPROC_ARGS, default `--concurrency 16,64
