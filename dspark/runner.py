@@ -37,6 +37,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.cache.paged import PagedCache
+from dspark.kernels.greedy_verify import greedy_step, pack_step
 from dspark.models.k3.moe import LatentMoE, moe_graph_safe, set_static_moe
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
@@ -313,9 +314,11 @@ class ModelRunner:
         u = None if sampling is None else counter_uniform(ints[:, INT_COLS["seed"]], num_cached * COUNTER_STRIDE,
                                                           2 * k + 1)
         if k == 0:
-            logits = forward(pending[:, None], view, True)[:, 0]  # [B, V]
-            nxt = logits.argmax(-1) if sampling is None else sample_from(
-                process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u[:, 0])
+            logits = forward(pending[:, None], view, True)  # [B, 1, V]
+            if sampling is None:  # [0, n, t_0]; n = num_new - 1 = 0
+                return greedy_step(pending[:, None][:, :0], logits.argmax(-1), num_new - 1)
+            nxt = sample_from(process_logits(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p),
+                              u[:, 0])
             return torch.stack([torch.zeros_like(nxt), torch.zeros_like(nxt), nxt], 1)
         prop = self.drafts.propose(view, pending, k, sampling if self.draft_sample else None,
                                    None if u is None else u[:, 1:k + 1], confidence=self.adaptive)
@@ -324,18 +327,18 @@ class ModelRunner:
             n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))
         drafts = prop.draft_ids
         logits = forward(torch.cat([pending[:, None], drafts], 1), view)  # [B, k+1, V]
+        if sampling is None:
+            out = greedy_step(drafts, logits.argmax(-1), n)  # [B, k+3] = [a, n, t_0 .. t_k]
+            view.commit(out[:, 0] + 1)
+            return out
         a, nxt = verify_greedy(drafts, logits, n)
-        if sampling is not None:
-            p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-            verify = verify_block if self.rejection == "block" else verify_rejection
-            a_s, nxt_s = verify(drafts, prop.draft_probs, p, n, torch.cat([u[:, k + 1:], u[:, :1]], 1))
-            greedy = sampling.temperature == 0
-            a, nxt = torch.where(greedy, a, a_s), torch.where(greedy, nxt, nxt_s)
+        p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        verify = verify_block if self.rejection == "block" else verify_rejection
+        a_s, nxt_s = verify(drafts, prop.draft_probs, p, n, torch.cat([u[:, k + 1:], u[:, :1]], 1))
+        greedy = sampling.temperature == 0
+        a, nxt = torch.where(greedy, a, a_s), torch.where(greedy, nxt, nxt_s)
         view.commit(a + 1)
-        slot = torch.arange(k + 1, device=a.device)[None]
-        toks = torch.where(slot < a[:, None], torch.cat([drafts, drafts[:, :1]], 1),
-                           torch.where(slot == a[:, None], nxt[:, None], torch.full_like(slot, -1)))
-        return torch.cat([a[:, None], n[:, None], toks], 1)
+        return pack_step(drafts, a, nxt, n)
 
     @torch.no_grad()
     def flush_context(self, starts: list[int], counts: list[int], tables: list[list[int]], slots: list[int]) -> None:

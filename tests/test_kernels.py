@@ -39,6 +39,7 @@ def _interp_checks() -> dict:
     from dspark.kernels import interpreting
     from dspark.kernels.attn_res import attn_res_mix_ref, attn_res_mix_triton
     from dspark.kernels.chain_inputs import chain_inputs_triton
+    from dspark.kernels.greedy_verify import greedy_step_ref, greedy_step_triton
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
     from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
     from dspark.kernels.mxfp4_matmul import (
@@ -123,7 +124,42 @@ def _interp_checks() -> dict:
     seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
     res["chain_inputs"] = [float((_chain_case("cpu", seed, chain_inputs_triton) != _chain_case("cpu", seed,
                                                                                              None)).sum()), 0.0]
+    res.update(_norm_rope_checks(g))
+    res["greedy_step"] = [float(sum(int((greedy_step_triton(*c) != greedy_step_ref(*c)).sum())
+                                    for c in _greedy_cases("cpu", seed))), 0.0]
     return res
+
+
+def _norm_rope_checks(g) -> dict:
+    """norm_rope (fp32): q / k heads as strided views of a merged projection, positions per row [B, T] or shared [T],
+    with and without the norm."""
+    from dspark.kernels.rope import Rope, apply_rope_neox, norm_rope_ref, norm_rope_triton
+
+    y = torch.randn(2, 5, 7 * 16, generator=g)  # [q: 4 heads | k: 2 | v: 1] of head dim 16
+    q, k = y[..., :64].view(2, 5, 4, 16), y[..., 64:96].view(2, 5, 2, 16)
+    w = torch.rand(16, generator=g) + 0.5
+    res = {}
+    for name, pos in (("rows", torch.randint(0, 3000, (2, 5), generator=g)), ("shared", torch.arange(7, 12))):
+        rope = Rope(pos, 16, 10000.0)
+        res[f"norm_rope_{name}"] = [max(_err(norm_rope_ref(x, w, 1e-6, rope), norm_rope_triton(x, w, 1e-6, rope))
+                                        for x in (q, k)), 1e-5]
+    rope = Rope(torch.arange(5), 16, 1e6)
+    res["rope_only"] = [_err(apply_rope_neox(q.transpose(1, 2), *rope.cos_sin(q.dtype)),
+                             norm_rope_triton(q, None, 0.0, rope)), 1e-5]
+    return res
+
+
+def _greedy_cases(device, seed, shapes=((1, 4), (5, 3), (3, 0), (70, 7))):
+    """(drafts, top, n) cases over a 3-token vocabulary (many matches): placeholders (-1) in a tenth of the slots,
+    n from -1 to k + 1."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for B, k in shapes:
+        d = torch.randint(0, 3, (B, k), generator=gen)
+        d[torch.rand(B, k, generator=gen) < 0.1] = -1
+        top, n = torch.randint(0, 3, (B, k + 1), generator=gen), torch.randint(-1, k + 2, (B,), generator=gen)
+        cases.append((d.to(device), top.to(device), n.to(device)))
+    return cases
 
 
 def _chain_case(device, seed, op, rows=37, width=5):
@@ -166,26 +202,26 @@ def _decode_checks(g) -> dict:
     res["gemv_silu_mul_residual_inplace"] = [_err(ref, h) + (0.0 if out.data_ptr() == h.data_ptr() else 1.0), 1e-5]
     ws, xs, idx = torch.randn(5, 40, 72, generator=g) * .1, torch.randn(6, 72, generator=g), torch.tensor([4, 0, 4, 2, 1, 3])
     res["grouped_gemv"] = [_err(grouped_gemv_ref(xs, ws, idx), grouped_gemv_triton(xs, ws, idx, block=(16, 64))), 1e-5]
-    res.update(_k3_pair_checks())
+    res.update(_engine_pair_checks())
     return res
 
 
-def _k3_pair_checks() -> dict:
-    """The tiny K3 target + K3 drafter through the engine with the kernels the model dispatches on CUDA (KDA
-    decode/verify, AttnRes mix, Markov loop, grouped expert matvec; here under the interpreter) vs DSPARK_KERNELS=0
-    (the torch modules): same tokens, same accepted drafts per step, i.e. the kernel wiring in the layers is right."""
+def _engine_pair_checks() -> dict:
+    """The tiny K3 and Qwen3 targets with their drafters through the engine with the kernels the models dispatch on
+    CUDA (K3: KDA decode/verify, AttnRes mix, grouped expert matvec; Qwen3: q / k norm + RoPE; both: Markov loop,
+    greedy verify; here under the interpreter) vs DSPARK_KERNELS=0 (the torch modules): same tokens, same accepted
+    drafts per step, i.e. the kernel wiring in the layers is right."""
     import dspark.kernels.attn_res as ar
     import dspark.kernels.decode_gemv as dg
+    import dspark.kernels.greedy_verify as gv
     import dspark.kernels.kda_decode as kd
     import dspark.kernels.markov_sample as ms
-    from dspark.engine import Engine
-    from dspark.request import SamplingParams
+    import dspark.kernels.rope as rp
     from tests.targets import make_target
     from tests.test_drafter_k3 import make_k3_drafter
+    from tests.test_engine import make_drafter
     from tests.test_runner import live_markov
 
-    target = make_target("k3")
-    drafter = live_markov(make_k3_drafter(target))
     calls = {}
 
     def counted(mod, name):
@@ -197,29 +233,47 @@ def _k3_pair_checks() -> dict:
         setattr(mod, name, wrapper)
 
     for mod, name in ((kd, "kda_decode_triton"), (ar, "attn_res_mix_triton"), (ms, "markov_sample_triton"),
-                      (dg, "grouped_gemv_triton")):
+                      (dg, "grouped_gemv_triton"), (rp, "norm_rope_triton"), (gv, "greedy_step_triton")):
         counted(mod, name)
+    res = {}
+    # K3: the grouped expert matvec serves AR steps (1 token x top-2 of 8 experts < 8 pairs; a verify runs every
+    # expert once). Qwen3 drafter head dim 16: the norm + RoPE kernel's power-of-two case
+    expect = {"k3": {"kda_decode_triton", "attn_res_mix_triton", "grouped_gemv_triton"},
+              "qwen3": {"norm_rope_triton"}}
+    for kind, make in (("k3", make_k3_drafter), ("qwen3", make_drafter)):
+        target = make_target(kind)
+        drafter = live_markov(make(target))
+        calls.clear()
+        res.update(_engine_pair(kind, target, drafter, calls))
+        missing = (expect[kind] | {"markov_sample_triton", "greedy_step_triton"}) - set(calls)
+        assert not missing, f"{kind}: kernels not called: {missing}"
+    return res
+
+
+def _engine_pair(kind, target, drafter, calls: dict) -> dict:
+    """One target + drafter through the engine with DSPARK_KERNELS=0 and =1: the three pair metrics (calls: the
+    counted kernel launches, none with DSPARK_KERNELS=0)."""
+    from dspark.engine import Engine
+    from dspark.request import SamplingParams
+
     outs, ar_outs, batched = {}, {}, {}
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [list(range(5, 16)), list(range(40, 45)), list(range(90, 98))]
     for flag in ("0", "1"):
         os.environ["DSPARK_KERNELS"] = flag
         outs[flag] = Engine(target, drafter, max_batch_size=1).generate(prompts[:1], params)[0]
-        # AR steps: 1 token x top-2 of 8 experts < 8 pairs, the grouped matvec (the verify runs every expert once)
         ar_outs[flag] = Engine(target, None, max_batch_size=1).generate(prompts[:1], params)[0].token_ids
         # three rows of different lengths in a bucket of 4 (one padding row), AR and speculative
         batched[flag] = [[o.token_ids for o in Engine(target, d, max_batch_size=4).generate(prompts, params)]
                          for d in (None, drafter)]
-        if flag == "0":
-            assert not calls
+        assert flag == "1" or not calls
     os.environ.pop("DSPARK_KERNELS")
     ref, ker = outs["0"], outs["1"]
-    assert sum(ref.accepted_per_step) > 0  # drafts accepted: the per-position KDA states are used
-    assert len(calls) == 4, calls  # every kernel ran in the DSPARK_KERNELS=1 pass (grouped_gemv: the MoE experts)
-    return {"k3_engine_pair_tokens": [float(sum(a != b for a, b in zip(ref.token_ids, ker.token_ids))
-                                            + (ar_outs["0"] != ar_outs["1"])), 0.0],
-            "k3_engine_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0],
-            "k3_engine_batch_tokens": [float(batched["0"] != batched["1"]), 0.0]}
+    assert sum(ref.accepted_per_step) > 0  # drafts accepted: the per-position states and context rows are used
+    return {f"{kind}_engine_pair_tokens": [float(sum(a != b for a, b in zip(ref.token_ids, ker.token_ids))
+                                                 + (ar_outs["0"] != ar_outs["1"])), 0.0],
+            f"{kind}_engine_pair_accepted": [float(ref.accepted_per_step != ker.accepted_per_step), 0.0],
+            f"{kind}_engine_batch_tokens": [float(batched["0"] != batched["1"]), 0.0]}
 
 
 @pytest.fixture(scope="module")
@@ -237,7 +291,9 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",
-                "k3_engine_pair_tokens", "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs"]
+                "k3_engine_pair_tokens", "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs",
+                "norm_rope_rows", "norm_rope_shared", "rope_only", "greedy_step", "qwen3_engine_pair_tokens",
+                "qwen3_engine_pair_accepted", "qwen3_engine_batch_tokens"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU box tests the compiled kernels (test_cuda_*); the "
@@ -442,3 +498,29 @@ def test_cuda_chain_inputs():
     for seed, rows in ((0, 1), (1, 512)):
         assert torch.equal(_chain_case("cuda", seed, chain_inputs_triton, rows=rows), _chain_case("cpu", seed, None,
                                                                                                  rows=rows))
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 9])
+def test_cuda_norm_rope(T):
+    """Qwen3-8B's q / k heads (32 / 8 x 128) as views of the merged projection, bf16, positions up to 32k: the kernel
+    keeps the torch path's roundings, so elements differ only where cos / sin differ in their last bit."""
+    from dspark.kernels.rope import Rope, norm_rope_ref, norm_rope_triton
+
+    B, D = 4, 128
+    y = torch.randn(B, T, (32 + 16) * D, device="cuda").bfloat16()
+    w = (torch.rand(D, device="cuda") + 0.5).bfloat16()
+    rope = Rope(torch.randint(0, 32768, (B, T), device="cuda"), D, 1e6)
+    for x in (y[..., :32 * D].view(B, T, 32, D), y[..., 32 * D: 40 * D].view(B, T, 8, D)):
+        ref, out = norm_rope_ref(x, w, 1e-6, rope), norm_rope_triton(x, w, 1e-6, rope)
+        assert out.shape == ref.shape
+        assert (out != ref).float().mean() <= 0.01 and _err(out, ref) <= 2e-2 * ref.float().abs().max().item()
+
+
+@cuda
+def test_cuda_greedy_step():
+    """The greedy verify + pack kernel at one row, a batch bucket and a regeneration's 512 rows equals its reference."""
+    from dspark.kernels.greedy_verify import greedy_step_ref, greedy_step_triton
+
+    for d, top, n in _greedy_cases("cuda", 5, shapes=((1, 8), (64, 4), (512, 7), (32, 0))):
+        assert torch.equal(greedy_step_triton(d, top, n), greedy_step_ref(d, top, n))

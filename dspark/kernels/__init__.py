@@ -12,9 +12,13 @@ models import kernels, kernels never import models. Modules:
                  also the MXFP4 codec: quantize_mxfp4, dequantize_mxfp4
   markov_sample  the sequential Markov-head draft sampling loop of one draft step, one launch
   decode_gemv    bs=1 decode matvec with the RMSNorm / silu*mul prologue and the residual add fused in (Qwen3)
-  rms_norm, rope    torch definitions several kernels fuse (no kernel of their own)
+  rope           norm_rope: per-head RMSNorm + NeoX RoPE of Qwen3's q / k, angles from the positions; also the RoPE
+                 definitions (rope_cos_sin, apply_rope_neox, apply_rope_interleaved, Rope)
+  greedy_verify  greedy verification + the step's packed output [a, n, tokens] from the target's argmax
+  rms_norm       torch definitions several kernels fuse (no kernel of its own)
 Where they run, on CUDA without autograd: the K3 layers dispatch kda_decode (cached steps of <= 17 tokens), attn_res
-(inference) and the MoE's grouped_gemv (decode_gemv.py); the engine's draft step runs markov_sample for greedy drafts.
+(inference) and the MoE's grouped_gemv (decode_gemv.py); the Qwen3 target and drafter layers norm_rope; the engine's
+draft step runs markov_sample for greedy drafts, its greedy steps greedy_verify.
 decode_gemv's Qwen3 matvecs are not used by the engine's paged step; they are tested against their references and
 timed by bench/gpu_kernels.py. DSPARK_KERNELS=0 turns all of them off (the torch modules run instead).
 

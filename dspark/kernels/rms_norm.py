@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Normalise in fp32, cast back to x's dtype, scale."""
     xf = x.float()
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_norm_layer(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """What an RMSNorm module computes: at inference in the weight's dtype torch's F.rms_norm (one fused kernel on
+    CUDA; in bf16 it applies the weight before its one rounding, as vLLM's kernel does), else rms_norm."""
+    if x.dtype == weight.dtype and not torch.is_grad_enabled():
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return rms_norm(x, weight, eps)

@@ -1,8 +1,20 @@
-"""Rotary position embeddings: the torch definitions the models use and decode_attention fuses. No kernel of its own.
-NeoX style (rotate-half; Qwen3 and the Qwen3 drafter) and GPT-J style (interleaved pairs; DeepSeek / K3 MLA)."""
+"""Rotary position embeddings: the torch definitions the models use, and norm_rope, the per-head RMSNorm + NeoX
+RoPE of Qwen3's q / k (and the Qwen3 drafter's) in one kernel.
+NeoX style (rotate-half; Qwen3 and the Qwen3 drafter) and GPT-J style (interleaved pairs; DeepSeek / K3 MLA).
+
+Rope carries a forward's positions instead of cos / sin tables: the kernel computes the angles itself (the same fp32
+product as rope_cos_sin), so a decode step on CUDA builds no tables; the torch path makes them once per forward.
+norm_rope keeps the torch path's roundings in bf16 (the normed value, cos / sin, both products and their sum each
+rounded to the activation dtype), so kernel and torch path agree up to the cos / sin implementations.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+
+from dspark.kernels import tl, triton, use_triton
+from dspark.kernels.rms_norm import rms_norm_layer
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}  # (dim, theta, device) -> [dim]: the frequencies, each half twice
 
@@ -52,3 +64,85 @@ def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     x1, x2 = x[..., 0::2], x[..., 1::2]
     out = torch.stack([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
     return out.flatten(-2)
+
+
+@dataclass
+class Rope:
+    """A forward's rotary positions: positions [B, T] or [T] (int), head dim, theta. cos_sin(dtype) builds the tables
+    once per dtype (the torch path); norm_rope's kernel reads the positions."""
+
+    positions: torch.Tensor
+    dim: int
+    theta: float
+    _tables: dict = field(default_factory=dict, repr=False)
+
+    def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._tables.get(dtype)
+        if t is None:
+            if torch.float32 in self._tables:  # one fp32 computation, each dtype a cast of it
+                c, s = self._tables[torch.float32]
+                t = (c.to(dtype), s.to(dtype))
+            else:
+                t = rope_cos_sin(self.positions, self.dim, self.theta, dtype)
+            self._tables[dtype] = t
+        return t
+
+
+def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope) -> torch.Tensor:
+    """RMSNorm over each head (weight [D], as an RMSNorm module computes it) then NeoX RoPE.
+    x [B, T, H, D] -> [B, H, T, D]."""
+    cos, sin = rope.cos_sin(x.dtype)
+    return apply_rope_neox(rms_norm_layer(x, weight, eps).transpose(1, 2), cos, sin)
+
+
+@triton.jit
+def _norm_rope_kernel(X, W, POS, INV_FREQ, OUT, T, H, sxb, sxt, sxh, spb, spt, eps, D: tl.constexpr,
+                      BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+    pid = tl.program_id(0)  # one token: all its heads
+    b, t = pid // T, pid % T
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, D)[None, :]
+    dr = (d + D // 2) % D  # the rotate-half partner of column d
+    m = h < H
+    xp = X + b * sxb + t * sxt + h * sxh
+    x = tl.load(xp + d, mask=m, other=0.0).to(tl.float32)
+    xr = tl.load(xp + dr, mask=m, other=0.0).to(tl.float32)
+    dt = OUT.dtype.element_ty
+    if NORM:  # as F.rms_norm: fp32 statistics, the weight applied before the one rounding to the dtype
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        x = (x * rstd * tl.load(W + d).to(tl.float32)).to(dt).to(tl.float32)
+        xr = (xr * rstd * tl.load(W + dr).to(tl.float32)).to(dt).to(tl.float32)
+    ang = tl.load(POS + b * spb + t * spt).to(tl.float32) * tl.load(INV_FREQ + d)  # [1, D]
+    c = tl.cos(ang).to(dt).to(tl.float32)
+    s = tl.sin(ang).to(dt).to(tl.float32)
+    rot = tl.where(d < D // 2, -xr, xr)
+    out = (x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
+    tl.store(OUT + ((b * T + t) * H + h) * D + d, out.to(dt), mask=m)
+
+
+def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope) -> torch.Tensor:
+    """x [B, T, H, D] (any strides, D contiguous; D a power of two) -> [B, H, T, D] (a transposed view of a contiguous
+    [B, T, H, D]). weight None: RoPE only."""
+    B, T, H, D = x.shape
+    out = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
+    pos = rope.positions
+    spb, spt = (pos.stride(0), pos.stride(1)) if pos.dim() == 2 else (0, pos.stride(0))
+    _norm_rope_kernel[(B * T,)](x, weight if weight is not None else x, pos, inv_freq(D, rope.theta, x.device), out,
+                                T, H, x.stride(0), x.stride(1), x.stride(2), spb, spt, float(eps), D=D,
+                                BLOCK_H=max(1, 1 << (H - 1).bit_length()), NORM=weight is not None)
+    return out.transpose(1, 2)
+
+
+def norm_rope_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether the kernel serves this call: inference (no autograd, not traced by torch.compile, whose fusion does
+    the same), x's dtype that of the weight, D a power of two with unit stride, on CUDA (or the interpreter)."""
+    D = x.shape[-1]
+    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling() and x.dtype == weight.dtype
+            and D >= 2 and D & (D - 1) == 0 and x.stride(-1) == 1 and use_triton(x))
+
+
+def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope) -> torch.Tensor:
+    """RMSNorm per head + NeoX RoPE, x [B, T, H, D] -> [B, H, T, D]: the kernel where it fits, else the reference."""
+    if norm_rope_fits(x, weight):
+        return norm_rope_triton(x, weight, eps, rope)
+    return norm_rope_ref(x, weight, eps, rope)

@@ -16,7 +16,7 @@ from torch import nn
 
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.k3.mla import MLAttention
-from dspark.models.layers import GatedMLP, RMSNorm, apply_rope_neox, attention, rope_cos_sin
+from dspark.models.layers import GatedMLP, RMSNorm, Rope, attention
 from dspark.models.qwen3 import Qwen3Attention
 
 
@@ -24,22 +24,22 @@ from dspark.models.qwen3 import Qwen3Attention
 class DraftAttention(Qwen3Attention):
     """Qwen3 attention (same weights/names) used the DFlash way: K/V of the context + of the block itself."""
 
-    def kv_rows(self, h: torch.Tensor, cos, sin) -> torch.Tensor:
+    def kv_rows(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         """h: [B, L, H] -> cache rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]."""
-        return self._rows(*self.qkv_proj.forward_parts(h, "k_proj", "v_proj").chunk(2, -1), cos, sin)
+        return self._rows(*self.qkv_proj.forward_parts(h, "k_proj", "v_proj").chunk(2, -1), rope)
 
-    def _rows(self, k: torch.Tensor, v: torch.Tensor, cos, sin) -> torch.Tensor:
+    def _rows(self, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
         """k, v [B, L, n_kv*head_dim] projections -> rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]."""
         B, L, _ = k.shape
-        k = apply_rope_neox(self.k_norm(k.reshape(B, L, self.n_kv, self.head_dim)).transpose(1, 2), cos, sin)
+        k = self.k_norm.rope(k.reshape(B, L, self.n_kv, self.head_dim), rope)  # [B, n_kv, L, D]
         return torch.cat([k.transpose(1, 2).flatten(2), v.reshape(B, L, -1)], dim=-1)
 
-    def attend(self, x, cos, sin, ctx_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attend(self, x, rope: Rope, ctx_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x: [B, Q, H] queries; ctx_rows: [B, L, C]; mask: [B, 1, Q, L + Q] bool over [context ; block]."""
         B, Q, _ = x.shape
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # one GEMM for the block's queries and its own k / v
-        q = apply_rope_neox(self.q_norm(q.reshape(B, Q, self.n_heads, self.head_dim)).transpose(1, 2), cos, sin)
-        rows = torch.cat([ctx_rows.to(x.dtype), self._rows(k, v, cos, sin)], dim=1)
+        q = self.q_norm.rope(q.reshape(B, Q, self.n_heads, self.head_dim), rope)  # [B, H, Q, D]
+        rows = torch.cat([ctx_rows.to(x.dtype), self._rows(k, v, rope)], dim=1)
         k, v = rows.view(B, rows.shape[1], 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
         o = attention(q, k, v, mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))
@@ -54,8 +54,8 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_rows, mask):
-        x = x + self.self_attn.attend(self.input_layernorm(x), cos, sin, ctx_rows, mask)
+    def forward(self, x, rope: Rope, ctx_rows, mask):
+        x = x + self.self_attn.attend(self.input_layernorm(x), rope, ctx_rows, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -81,13 +81,13 @@ class Qwen3Backbone:
 
     def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per draft layer, the K/V rows of the context tokens at `positions` ([B, L] or [L])."""
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, ctx.dtype)
-        return [layer.self_attn.kv_rows(ctx, cos, sin) for layer in self.layers]
+        rope = Rope(positions, self.config.head_dim, self.config.rope_theta)
+        return [layer.self_attn.kv_rows(ctx, rope) for layer in self.layers]
 
     def decode(self, x, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        rope = Rope(positions, self.config.head_dim, self.config.rope_theta)
         for layer, rows in zip(self.layers, ctx_rows):
-            x = layer(x, cos, sin, rows, mask)
+            x = layer(x, rope, rows, mask)
         return self.norm(x)
 
 

@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.kernels.rms_norm import rms_norm
-from dspark.kernels.rope import apply_rope_interleaved, apply_rope_neox, rope_cos_sin
+from dspark.kernels.rms_norm import rms_norm, rms_norm_layer
+from dspark.kernels.rope import Rope, apply_rope_interleaved, apply_rope_neox, norm_rope, rope_cos_sin
 
 __all__ = ["RMSNorm", "GatedMLP", "MergedLinear", "MergedConv1d", "attention", "glu", "flex_kernel_options",
-           "rms_norm", "rope_cos_sin", "apply_rope_neox", "apply_rope_interleaved"]
+           "rms_norm", "rope_cos_sin", "apply_rope_neox", "apply_rope_interleaved", "Rope", "norm_rope"]
 
 _compiled_flex = None
 # Flex tiles for wide heads (MLA: qk 192 = nope 128 + rope 64) or fp32: the default tiles stage a head dim padded
@@ -61,9 +61,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == self.weight.dtype and not torch.is_grad_enabled():
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm_layer(x, self.weight, self.eps)
+
+    def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """This norm over each head, then NeoX RoPE: x [B, T, H, D] -> [B, H, T, D] (one kernel on CUDA at
+        inference: dspark.kernels.rope.norm_rope)."""
+        return norm_rope(x, self.weight, self.eps, rope)
 
 
 class RowBlocks:

@@ -23,9 +23,8 @@ from dspark.models.layers import (
     GatedMLP,
     MergedLinear,
     RMSNorm,
-    apply_rope_neox,
+    Rope,
     check_aux_layer_ids,
-    rope_cos_sin,
 )
 
 
@@ -46,13 +45,12 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch: ForwardBatch | None):
+    def forward(self, x, rope: Rope, batch: ForwardBatch | None):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.q_norm(q.view(B, T, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k.view(B, T, self.n_kv, self.head_dim)).transpose(1, 2)
+        q = self.q_norm.rope(q.view(B, T, self.n_heads, self.head_dim), rope)  # [B, H, T, D]
+        k = self.k_norm.rope(k.view(B, T, self.n_kv, self.head_dim), rope)
         v = v.reshape(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope_neox(q, cos, sin), apply_rope_neox(k, cos, sin)  # [B, H, T, D]
         if batch is None or batch.cache is None:
             mask, causal = (None, True) if batch is None else (batch.key_mask(T, T), False)
         else:  # cache rows are [k | v] per token, flattened over kv heads: C = 2 * n_kv * head_dim
@@ -73,8 +71,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, cos, sin, batch):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch)
+    def forward(self, h, rope: Rope, batch):
+        h = h + self.self_attn(self.input_layernorm(h), rope, batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -128,11 +126,11 @@ class Qwen3ForCausalLM(nn.Module):
         B, T = input_ids.shape
         ids = check_aux_layer_ids(aux_layer_ids, self.num_layers)
         pos = batch.positions(T) if batch is not None else torch.arange(T, device=input_ids.device)
-        cos, sin = rope_cos_sin(pos, self.config.head_dim, self.rope_theta)
+        rope = Rope(pos, self.config.head_dim, self.rope_theta)
         h = self.embed(input_ids)
         aux = []
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, cos.to(h.dtype), sin.to(h.dtype), batch)
+            h = layer(h, rope, batch)
             if i in ids:
                 aux.append(h)
         logits = self.logits(h)

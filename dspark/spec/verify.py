@@ -14,23 +14,13 @@ from collections.abc import Callable
 
 import torch
 
+from dspark.kernels.greedy_verify import accept_greedy, effective_drafts
 from dspark.spec.sampling import process_logits, sample_from
 
 __all__ = ["PLACEHOLDER", "choose_verify_lengths", "choose_verify_lengths_device", "process_logits", "verify_block",
            "verify_greedy", "verify_rejection"]
 
 PLACEHOLDER = -1
-
-
-def _effective_drafts(draft_ids: torch.Tensor, num_drafts) -> torch.Tensor:
-    """[B]: num_drafts clipped to k and cut at the first placeholder (a placeholder is always rejected, which is
-    the same as a block that ends just before it: the target then samples that position itself)."""
-    B, k = draft_ids.shape
-    n = (num_drafts.to(dtype=torch.long, device=draft_ids.device).expand(B) if torch.is_tensor(num_drafts)
-         else torch.full((B,), num_drafts, dtype=torch.long, device=draft_ids.device)).clamp(0, k)
-    slot = torch.arange(k, device=draft_ids.device)[None]
-    ok = (draft_ids >= 0) & (slot < n[:, None])  # [B, k]
-    return ok.long().cumprod(1).sum(1)
 
 
 def _gather(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # probs [B,k,V], ids [B,k] -> [B,k]
@@ -69,12 +59,7 @@ def _sample(weights: torch.Tensor, fallback: torch.Tensor, u: torch.Tensor) -> t
 
 def verify_greedy(draft_ids: torch.Tensor, target_logits: torch.Tensor, num_drafts):
     """Accept the longest prefix with draft == target argmax; next token = target argmax after it."""
-    n = _effective_drafts(draft_ids, num_drafts)
-    top = target_logits.argmax(-1)  # [B, k+1]
-    k = draft_ids.shape[1]
-    match = (draft_ids == top[:, :k]) & (torch.arange(k, device=n.device)[None] < n[:, None])
-    acc = match.long().cumprod(1).sum(1)
-    return acc, top.gather(1, acc[:, None])[:, 0]
+    return accept_greedy(draft_ids, target_logits.argmax(-1), num_drafts)
 
 
 def verify_rejection(draft_ids, draft_probs, target_probs, num_drafts, u: torch.Tensor):
@@ -83,7 +68,7 @@ def verify_rejection(draft_ids, draft_probs, target_probs, num_drafts, u: torch.
     position n. u [B, k+1]: u[:, i] decides slot i, u[:, k] draws the next token."""
     B, k = draft_ids.shape
     V = target_probs.shape[-1]
-    n = _effective_drafts(draft_ids, num_drafts)
+    n = effective_drafts(draft_ids, num_drafts)
     p = target_probs.float()
     q = _draft_dists(draft_ids, draft_probs, V)
     u = _uniforms(u, B, k, p.device)
@@ -106,7 +91,7 @@ def verify_block(draft_ids, draft_probs, target_probs, num_drafts, u: torch.Tens
     u [B, k+1]: u[:, i−1] is u_i, u[:, k] draws Y. Vectorised over the k slots (no loop)."""
     B, k = draft_ids.shape
     V = target_probs.shape[-1]
-    n = _effective_drafts(draft_ids, num_drafts)
+    n = effective_drafts(draft_ids, num_drafts)
     p = target_probs.float()
     q = _draft_dists(draft_ids, draft_probs, V)
     u = _uniforms(u, B, k, p.device)
