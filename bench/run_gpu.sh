@@ -41,19 +41,20 @@
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
 #                  trained (train-target, train-drafter) with the CUDA tests beside it until the drafter's timed
-#                  training begins; then, on a quiet GPU, the pair through python -m serve; the pair through
-#                  `python -m serve --compile --max-batch-size 1` at concurrency 1 -> $OUT/serve-compiled.json; the
-#                  quickstart pair (runs/quickstart/{target,drafter}/final, carried) through python -m serve ->
+#                  training begins; then, on a quiet GPU, the pair through python -m serve; the pair through `python -m
+#                  serve --compile --max-batch-size 1` at concurrency 1 -> $OUT/serve-compiled.json; the quickstart pair
+#                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve ->
 #                  $OUT/serve-quickstart.json, and compiled at concurrency 1 -> $OUT/serve-quickstart-compiled.json; the
-#                  pair through the engine (pair, with the kernel profile; PAIR=0 skips it), the pair's step timeline
-#                  (timeline; TIMELINE=0 skips it, TIMELINE_ARGS replace `--batches 1,16,64 --prompts 64 --kernels 8`),
-#                  then the CUDA tests the side run did not reach. The four serve runs' time limits: SERVE_S (500),
-#                  COMPILED_SERVE_S (360), QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S (240); a 0 skips that run.
-#                  SERVE_ARGS go to the first serve run (`--concurrency 1,16`); SYNC_SERVE_S (0: skipped) adds that run
-#                  once more with `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs the
-#                  pair with the engine in the server's process (`--no-engine-process`; INPROC_ARGS, default
-#                  `--concurrency 16,64 --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair run's
-#                  `--prompts 4 --batches 1`
+#                  pair through the engine (pair, with the kernel profile; PAIR=0 skips it), the step timeline of the
+#                  quickstart pair if carried, else of the k3-mini pair (timeline; TIMELINE=0 skips it, TIMELINE_ARGS
+#                  replace `--batches 1,16,64 --prompts 64 --kernels 8`), then the CUDA tests the side run did not
+#                  reach. The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360), QUICKSTART_SERVE_S
+#                  (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the first serve run
+#                  (`--concurrency 1,16`); SYNC_SERVE_S (0: skipped) adds that run once more with
+#                  `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs the pair with the
+#                  engine in the server's process (`--no-engine-process`; INPROC_ARGS, default `--concurrency 16,64
+#                  --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair run's `--prompts 4 --batches
+#                  1`
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -285,8 +286,10 @@ case "$target" in
     # shellcheck disable=SC2086 # PAIR_ARGS is a word list
     [ $trained = 1 ] && [ "${PAIR:-1}" != 0 ] && { bash "$0" pair ${PAIR_ARGS:---prompts 4 --batches 1} \
       --profile "$OUT/profile.txt" || rc=$?; }
+    # the step timeline of the quickstart pair where it was carried (the shortest steps), else the k3-mini pair's
+    tl_pair=(); [ -d runs/quickstart/drafter/final ] && tl_pair=("${quickstart[@]}")
     # shellcheck disable=SC2086 # TIMELINE_ARGS is a word list
-    [ $trained = 1 ] && [ "${TIMELINE:-1}" != 0 ] && { bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
+    [ "${TIMELINE:-1}" != 0 ] && { "${tl_pair[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
       --prompts 64 --kernels 8} || rc=$?; }
     # the rest of the CUDA suite: every test the side run did not report
     outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # `-v` lines, with xdist ("[gw0] [ 5%] PASSED id") or without
