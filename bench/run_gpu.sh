@@ -50,11 +50,11 @@
 #                  replace `--batches 1,16,64 --prompts 64 --kernels 8`), then the CUDA tests the side run did not
 #                  reach. The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360), QUICKSTART_SERVE_S
 #                  (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the first serve run
-#                  (`--concurrency 1,16`); SYNC_SERVE_S (0: skipped) adds that run once more with
-#                  `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs the pair with the
-#                  engine in the server's process (`--no-engine-process`; INPROC_ARGS, default `--concurrency 16,64
-#                  --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair run's `--prompts 4 --batches
-#                  1`
+#                  (`--concurrency 1,16`), QUICKSTART_ARGS to the quickstart pair's; SYNC_SERVE_S (0: skipped) adds that
+#                  run once more with `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs
+#                  the pair with the engine in the server's process (`--no-engine-process`; INPROC_ARGS, default
+#                  `--concurrency 16,64 --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair run's
+#                  `--prompts 4 --batches 1`
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -279,8 +279,9 @@ case "$target" in
       || rc=$?; }
     [ $trained = 1 ] && [ "$s3" != 0 ] && { bash "$0" serve "${compiled[@]}" --time-limit "$s3" \
       --out "$OUT/serve-compiled.json" -- --compile --max-batch-size 1 || rc=$?; }
-    [ "$s2" != 0 ] && { "${quickstart[@]}" bash "$0" serve --time-limit "$s2" --out "$OUT/serve-quickstart.json" \
-      || rc=$?; }
+    # shellcheck disable=SC2086 # QUICKSTART_ARGS is a word list
+    [ "$s2" != 0 ] && { "${quickstart[@]}" bash "$0" serve --time-limit "$s2" ${QUICKSTART_ARGS:-} \
+      --out "$OUT/serve-quickstart.json" || rc=$?; }
     [ "$s4" != 0 ] && { "${quickstart[@]}" bash "$0" serve "${compiled[@]}" --time-limit "$s4" \
       --out "$OUT/serve-quickstart-compiled.json" -- --compile --max-batch-size 1 || rc=$?; }
     # shellcheck disable=SC2086 # PAIR_ARGS is a word list
