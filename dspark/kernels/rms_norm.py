@@ -14,7 +14,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_layer(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """What an RMSNorm module computes: at inference in the weight's dtype torch's F.rms_norm (one fused kernel on
-    CUDA; in bf16 it applies the weight before its one rounding, as vLLM's kernel does), else rms_norm."""
+    CUDA), else rms_norm (the HF form)."""
     if x.dtype == weight.dtype and not torch.is_grad_enabled():
         return F.rms_norm(x, weight.shape, weight, eps)
     return rms_norm(x, weight, eps)

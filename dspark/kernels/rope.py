@@ -6,8 +6,8 @@ Rope carries a forward's positions instead of cos / sin tables: the kernel compu
 product as rope_cos_sin), so a decode step on CUDA builds no tables; the torch path makes them once per forward.
 norm_rope rounds where the torch path rounds (the normed value, cos / sin, both products and their sum, each to the
 activation dtype). In fp32 the two agree to 5e-7; in bf16 on an H200 a quarter (no rotation) to two fifths (positions
-up to 32k) of the elements differ from the torch path in their last bit (torch's fused rms_norm and its cos / sin
-round differently), within 2e-2 of the largest |value| (tests/test_kernels.py::test_cuda_norm_rope). The engine's
+up to 32k) of the elements differ from the torch path in their last bit (both the norm and the rotation contribute;
+which rounding differs is not pinned down), within 2e-2 of the largest |value| (test_cuda_norm_rope). The engine's
 AR and speculative steps run the same kernel, so greedy speculation stays equal to greedy AR.
 """
 from __future__ import annotations

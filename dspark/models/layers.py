@@ -52,8 +52,7 @@ def attention(q, k, v, mask=None, scale=None, enable_gqa=False, is_causal=False)
 
 class RMSNorm(nn.Module):
     """RMSNorm (fp32 statistics). In inference with matching dtypes it is torch's fused rms_norm, one kernel where
-    the HF form (rms_norm) takes seven: the same value in fp32, and in bf16 the weight is applied before the one
-    rounding to bf16 instead of after (as vLLM's kernel does)."""
+    the HF form (rms_norm) takes seven: the same value in fp32; in bf16 the two round differently."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
