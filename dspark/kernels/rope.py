@@ -80,15 +80,9 @@ class Rope:
     _tables: dict = field(default_factory=dict, repr=False)
 
     def cos_sin(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self._tables.get(dtype)
-        if t is None:
-            if torch.float32 in self._tables:  # one fp32 computation, each dtype a cast of it
-                c, s = self._tables[torch.float32]
-                t = (c.to(dtype), s.to(dtype))
-            else:
-                t = rope_cos_sin(self.positions, self.dim, self.theta, dtype)
-            self._tables[dtype] = t
-        return t
+        if dtype not in self._tables:
+            self._tables[dtype] = rope_cos_sin(self.positions, self.dim, self.theta, dtype)
+        return self._tables[dtype]
 
 
 def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope) -> torch.Tensor:
@@ -111,7 +105,7 @@ def _norm_rope_kernel(X, W, POS, INV_FREQ, OUT, T, H, sxb, sxt, sxh, spb, spt, e
     x = tl.load(xp + d, mask=m, other=0.0).to(tl.float32)
     xr = tl.load(xp + dr, mask=m, other=0.0).to(tl.float32)
     dt = OUT.dtype.element_ty
-    if NORM:  # as F.rms_norm: fp32 statistics, the weight applied before the one rounding to the dtype
+    if NORM:  # fp32 statistics, the weight applied in fp32, one rounding to the dtype
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
         x = (x * rstd * tl.load(W + d).to(tl.float32)).to(dt).to(tl.float32)
         xr = (xr * rstd * tl.load(W + dr).to(tl.float32)).to(dt).to(tl.float32)
