@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     res = [run(a.rows, a.prompts, a.new_tokens, seed) for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "
-          f"host {host:.2f} ms per step (median), generate {wall:.1f} s")
+          f"host {host:.3f} ms per step (median), generate {wall:.1f} s")
     return 0
 
 

@@ -124,6 +124,11 @@ class Timeline:
             out["device_busy"] = statistics.fmean(e[0].elapsed_time(e[1]) for r in rows for e in r["events"])
             out["device_idle"] = statistics.fmean(max(0.0, e[1].elapsed_time(n[0])) for e, n in pairs)
         out["steps"] = len(rows)
+        by_k: dict[int, list[float]] = {}
+        for r, cy in zip(rows, cyc):
+            if r["keys"]:
+                by_k.setdefault(r["keys"][-1][1], []).append(cy)
+        out["cycle_per_k"] = {k: 1e3 * statistics.fmean(v) for k, v in sorted(by_k.items())}
         out["per_step"] = [{"keys": r["keys"], **{p: round(1e3 * r[p], 4) for p in PHASES if p != "other"},
                             "cycle": round(1e3 * (nxt[id(r)]["t0"] - r["t0"]), 4),
                             "device": [round(e[0].elapsed_time(e[1]), 4) for e in r["events"]],
@@ -141,7 +146,8 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     engine.generate(groups[0], SamplingParams(max_tokens=min(16, max_tokens), temperature=temperature,
                                               ignore_eos=True))
-    before = list(engine.counters["decode_steps_per_k"])
+    c = engine.counters
+    before, tokens_before = list(c["decode_steps_per_k"]), list(c["tokens_per_k"])
     tl, outs, wall = Timeline(engine), [], 0.0
     try:
         for g in groups:
@@ -154,8 +160,20 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
         tl.close()
     toks = sum(len(o.token_ids) for o in outs)
     acc = [a for o in outs for a in o.accepted_per_step]
-    res.update(tok_s=toks / wall, tau=1 + statistics.fmean(acc) if acc else None,
-               steps_per_k=[a - b for a, b in zip(engine.counters["decode_steps_per_k"], before)])
+    steps = [a - b for a, b in zip(c["decode_steps_per_k"], before)]
+    tokens = [a - b for a, b in zip(c["tokens_per_k"], tokens_before)]
+    res.update(tok_s=toks / wall, tau=1 + statistics.fmean(acc) if acc else None, steps_per_k=steps,
+               # per k that ran: tokens per row-step, the mean cycle (ms), so tokens per ms as it happened
+               per_k={k: {"steps": n, "tokens_per_row_step": tokens[k] / n / len(groups[0]),
+                          "cycle_ms": res["cycle_per_k"].get(k)} for k, n in enumerate(steps) if n})
+    if engine.drafts is not None and engine.pinned_k is None and torch.cuda.is_available():
+        # what the policy weighs at the end of the run, at the batch and a mid-run context length
+        longest = max(len(p) for g in groups for p in g) + max_tokens // 2
+        mode = "greedy" if temperature == 0 else "sample"
+        res["policy"] = {"estimates": engine.policy.estimates(len(groups[0]), longest, mode),
+                         "cycles_ms": {f"{rows},{k},{m}": statistics.median(v)
+                                       for (rows, k, m), v in engine.policy.cycle_by_kind.items()},
+                         "host_ms": engine.policy.host_ms, "flush_ms": engine.policy.flush_ms}
     return res
 
 
@@ -226,6 +244,12 @@ def main(argv=None) -> None:
                 cells = " | ".join("—" if r.get(c) is None else f"{r[c]:.3f}" for c in cols)
                 tau = "—" if r["tau"] is None else f"{r['tau']:.2f}"
                 print(f"| {name} | {t:g} | {b} | {r['tok_s']:.0f} | {tau} | {r['steps_per_k']} | {cells} |", flush=True)
+                if "policy" in r:  # as it ran, against what the policy expected at the end
+                    ran = "; ".join(f"k={k} {v['tokens_per_row_step']:.2f} tok/{v['cycle_ms'] or 0:.3f} ms"
+                                    for k, v in r["per_k"].items())
+                    est = "; ".join(f"k={k} {e['expected']:.2f}/{e['cost_ms']:.3f}{'' if e['measured'] else '*'}"
+                                    for k, e in (r["policy"]["estimates"] or {}).items())
+                    print(f"<!-- {name} T={t:g} B={b}: ran {ran} | policy {est} (* modelled) -->", flush=True)
             if a.kernels and dev.startswith("cuda"):
                 res.setdefault("kernels", []).append({"run": name, "temperature": t,
                                                       **kernels(engine, prompts[:1], t, a.kernels)})

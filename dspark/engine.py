@@ -27,6 +27,7 @@ would first flush a row's stashed context rows (drafting after plain steps) wait
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import math
@@ -47,6 +48,12 @@ from dspark.runner import Launched, ModelRunner, RowInput
 from dspark.scheduler import Scheduler
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
+
+def traced(name: str):
+    """A named range for the profiler's trace (bench/step_timeline.py, serve --profile-dir); nothing when no
+    profiler runs (a range costs a few microseconds of host time per step even then)."""
+    return record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
+
 
 PREFILL_ALIGN = 64  # on CUDA an eager prefill's width is a multiple of this: few shapes (graphed ones are powers of 2)
 
@@ -118,6 +125,7 @@ class Engine:
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
                          "generation_tokens": 0, "target_forwards": 0,
                          "decode_steps_per_k": [0] * (self.k + 1),  # device steps by the drafts they verified
+                         "tokens_per_k": [0] * (self.k + 1),  # tokens those steps committed (accepted drafts + 1)
                          "overlapped_steps": 0,  # decode steps queued while the one before was still in flight
                          # graph steps by k: how many were timed on the device (events around the replay) and
                          # their time there (ms), against the replay time measured at capture that the policy uses
@@ -165,7 +173,7 @@ class Engine:
         try:
             if prefill:  # a step in flight runs on: the prefill's rows are others'
                 self.policy.step_chain_broken()
-                with record_function("engine.prefill"):
+                with traced("engine.prefill"):
                     emitted += self._prefill(prefill)
             decode = [r for r in sched.running if r.status is Status.DECODE]
             flight, launched, choice = self.in_flight, None, None
@@ -270,7 +278,7 @@ class Engine:
         """Queue one device step for these rows (the runner's graph for their batch bucket). chain: the step in
         flight, src: each row's row in it (-1: none); such rows may grow by up to chain.k + 1 tokens before this
         step starts."""
-        with record_function("engine.launch"):
+        with traced("engine.launch"):
             return self._queue_step(reqs, k, chain, src)
 
     def _queue_step(self, reqs: list[Request], k: int, chain: InFlight | None, src: list[int] | None) -> InFlight:
@@ -304,16 +312,17 @@ class Engine:
     def _read(self, flight: InFlight) -> list[tuple[Request, list[int]]]:
         """Wait for a launched step and commit its result: each row's accepted drafts and next token (rows whose
         request finished meanwhile, by a stop or an abort, are dropped)."""
-        with record_function("engine.read"):
+        with traced("engine.read"):
             outs = self.runner.read(flight.step)
         if flight.step.device_ms is not None:
             self.counters["device_steps_per_k"][flight.k] += 1
             self.counters["device_ms_per_k"][flight.k] += flight.step.device_ms
         live = [(r, o) for r, o in zip(flight.reqs, outs) if r.status is not Status.FINISHED]
         self.cache.advance([r.id for r, _ in live], [o[0] + 1 for _, o in live])
-        emitted = []
+        emitted, committed = [], 0
         for r, o in live:
             a, n = o[0], o[1]
+            committed += a + 1
             r.num_computed += a + 1
             r.num_context = r.num_computed if flight.k > 0 else r.num_context
             r.num_steps += 1
@@ -322,6 +331,7 @@ class Engine:
                 r.num_drafts_per_step.append(n)
                 self._count(n, a, "greedy" if r.params.temperature == 0 else "sampled")
             emitted.append((r, self.scheduler.emit(r, o[2: a + 3])))
+        self.counters["tokens_per_k"][flight.k] += committed
         return emitted
 
     def sync(self) -> None:
@@ -337,7 +347,7 @@ class Engine:
             return
         _, tables, slots = self.cache.step_rows([r.id for r in lag], 0)
         t0 = time.perf_counter()
-        with record_function("engine.flush_context"):
+        with traced("engine.flush_context"):
             self.runner.flush_context([r.num_context for r in lag], [r.num_computed - r.num_context for r in lag],
                                       tables, slots)
         for r in lag:

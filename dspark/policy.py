@@ -123,28 +123,41 @@ class KPolicy:
         return max(replay_ms, self.host_ms) if self.overlap else replay_ms + self.host_ms
 
     def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
-        """The candidate with the most expected tokens per millisecond (step_cost; a k > 0 after plain steps also
-        pays a flush spread over REPICK_EVERY steps), plain decoding's rate counted DRAFT_GAIN times; a position
-        reached fewer than 8 times takes the acceptance of the one before it."""
+        """The candidate with the most expected tokens per millisecond (estimates); without graphs the whole
+        block."""
+        est = self.estimates(num_rows, longest, mode, acc, reach)
+        return self.k if est is None else max(est, key=lambda k: (est[k]["rate"], -k))
+
+    def estimates(self, num_rows: int, longest: int, mode: str, acc: list[int] | None = None,
+                  reach: list[int] | None = None) -> dict[int, dict] | None:
+        """Per candidate k what the choice weighs: expected tokens per step, cost (ms: step_cost; a k > 0 after
+        plain steps also pays a flush spread over REPICK_EVERY steps), whether that cost was measured, and the rate
+        (tokens per ms; plain decoding's counted DRAFT_GAIN times). A position reached fewer than 8 times takes the
+        acceptance of the one before it. None without graphs. acc / reach default to the mode's group's counts."""
         times = self.step_times(num_rows, longest, mode)
-        if times is None:  # no graphs, no step times: draft the whole block
-            return self.k
+        if times is None:
+            return None
+        group = "greedy" if mode == "greedy" else "sampled"
+        acc = self.accepted[group] if acc is None else acc
+        reach = self.reached[group] if reach is None else reach
         flush = (self.flush_ms or 0.0) / REPICK_EVERY if self.last_k == 0 else 0.0
         alpha, last = [], 0.5
         for j in range(self.k):
             last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
             alpha.append(last)
-        best, best_rate = 0, 0.0
+        out = {}
         for k, ms in times.items():
             expected, surv = 1.0, 1.0
             for j in range(k):
                 surv *= alpha[j]
                 expected += surv
-            cost = self.step_cost(self.runner.key_for(num_rows, k, longest + k + 1, mode), ms)
-            rate = expected / (cost + (flush if k else 0.0)) * (DRAFT_GAIN if k == 0 else 1.0)
-            if rate > best_rate:
-                best, best_rate = k, rate
-        return best
+            key = self.runner.key_for(num_rows, k, longest + k + 1, mode)
+            cycles = self.cycle_by_kind.get((key.rows, key.k, key.mode))
+            cost = self.step_cost(key, ms) + (flush if k else 0.0)
+            out[k] = {"expected": expected, "cost_ms": cost, "replay_ms": ms,
+                      "measured": bool(cycles and len(cycles) >= MIN_CYCLES),
+                      "rate": expected / cost * (DRAFT_GAIN if k == 0 else 1.0)}
+        return out
 
     # ------------------------------------------------------------------ what it learns from
     def record(self, n: int, a: int, group: str) -> None:

@@ -177,6 +177,9 @@ def test_k_policy_drafts_only_for_a_clear_gain(targets):
     for cost, want in ((0.4, 0), (0.25, 1)):
         engine.runner.step_ms = lambda key, c=cost: 1.0 + c * min(key.k, 1) + 10.0 * max(key.k - 1, 0)
         assert engine.policy.best(1, 100, "greedy", acc, reach) == want
+        est = engine.policy.estimates(1, 100, "greedy", acc, reach)  # what the choice weighed: modelled costs
+        assert abs(est[1]["expected"] - 1.5) < 1e-9 and not any(e["measured"] for e in est.values())
+        assert abs(est[1]["rate"] / est[0]["rate"] - 1.5 / (1 + cost) / DRAFT_GAIN) < 0.02
     assert 1.5 / 1.4 < DRAFT_GAIN < 1.5 / 1.25
 
 
@@ -476,6 +479,7 @@ def test_compiled_step_compiles_once_for_every_context_bucket(targets, monkeypat
     assert frames[0] == frames[1] == frames[2] and r.compiled
 
 
+@pytest.mark.timeout(1200)  # on CUDA inductor compiles Triton code for each of the step's shapes: minutes
 def test_compiled_step_equals_eager(targets, prompts):
     """torch.compile of the step's target forward and drafter pass (dynamic shapes; Triton launches as graph breaks)
     gives the eager step's tokens and accepted counts: the K3 pair, plain and speculative, greedy and seeded-sampled

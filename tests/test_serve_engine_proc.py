@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing as mp
+import threading
 import time
 
 import httpx
@@ -15,6 +17,8 @@ from dspark.engine import Engine
 from dspark.request import SamplingParams
 from serve import EngineClient, ServerThread, free_port, load_server
 from serve.__main__ import main as serve_main
+from serve.engine_proc import PipeSink
+from serve.runner import Event, Snapshot
 from tests.targets import SERVE_MAX_LEN
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n", "for i in range(", "x = [1, 2", "while True:"]
@@ -160,3 +164,35 @@ def test_cli_engine_process_flag(models, capsys):
     assert serve_main(argv + ["--engine-process", "--num-speculative-tokens", "9"]) == 2  # the child's bad input
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: num_speculative_tokens") and "\n" not in err
+
+
+def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
+    """PipeSink: what the engine thread queues arrives in order; events queued behind events leave as one message
+    (their items concatenated, nothing lost); close() sends what is still queued."""
+    ours, theirs = mp.Pipe()
+    gate = threading.Event()
+
+    class Gated:  # the real pipe, its first send held until the whole burst is queued
+        def send(self, msg):
+            gate.wait(10)
+            ours.send(msg)
+
+    sink = PipeSink(Gated())
+    for i in range(50):
+        sink.deliver([(f"r{i}", Event([i], str(i)))])
+        if i % 10 == 9:
+            sink.publish(Snapshot({"step": i}))
+    gate.set()
+    sink.close()
+    got = []
+    while theirs.poll(1.0):
+        got.append(theirs.recv())
+    kinds = [m[0] for m in got]
+    assert kinds.count("snapshot") == 5 and len(got) < 50 + 5  # merged
+    flat = [("e", ev.token_ids[0]) for m in got if m[0] == "events" for _, ev in m[1]]
+    assert all(rid == f"r{ev.token_ids[0]}" for m in got if m[0] == "events" for rid, ev in m[1])
+    flat_all = [x for m in got for x in ([("e", ev.token_ids[0]) for _, ev in m[1]] if m[0] == "events"
+                                         else [("s", m[1].counters["step"])])]
+    assert [t for _, t in flat] == list(range(50))
+    want = [x for i in range(50) for x in ([("e", i)] + ([("s", i)] if i % 10 == 9 else []))]
+    assert flat_all == want

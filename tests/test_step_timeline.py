@@ -28,4 +28,9 @@ def test_step_timeline_phases_add_up(models, tmp_path):
         ks = {key[1] for s in r["per_step"] for key in s["keys"]}
         assert ks == ({0} if r["run"] == "ar" else {2} if r["run"] == "k2" else {4})  # CPU: the whole block
         assert (r["tau"] is None) == (r["run"] == "ar")
+        # per k as it ran: the k of every step; tokens per row-step at batch 1 = τ for a drafting run (1 for AR)
+        assert set(r["per_k"]) == {str(k) for k in ks} and r["per_k"][str(max(ks))]["cycle_ms"] > 0
+        if r["batch"] == 1:
+            want = 1.0 if r["tau"] is None else r["tau"]
+            assert abs(r["per_k"][str(max(ks))]["tokens_per_row_step"] - want) < 0.35
     assert "| k2 | 0.7 | 2 |" in res.stdout

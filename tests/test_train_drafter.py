@@ -30,9 +30,12 @@ def recipe(root: Path, out: str, **over) -> Path:
 
 
 def train(path: Path, *extra: str, wait: bool = True):
+    """Run `python -m train`; wait=False: the process, its stderr going to path's .stderr file (an unread pipe
+    would block a chatty trainer once the pipe's buffer is full)."""
     cmd = [sys.executable, "-m", "train", str(path), *extra]
     if not wait:
-        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with open(path.with_suffix(".stderr"), "w") as err:
+            return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err, text=True)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
@@ -89,7 +92,7 @@ def test_resume_after_kill_9_continues_from_the_last_checkpoint(setup):
     deadline = time.time() + 240
     while not ckpt.is_file() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
-    assert ckpt.is_file(), "no checkpoint appeared"
+    assert ckpt.is_file(), f"no checkpoint appeared (exit {proc.poll()}): {path.with_suffix('.stderr').read_text()[-2000:]}"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not (setup / "killed" / "final").exists() or proc.returncode != 0
