@@ -49,6 +49,7 @@ from dspark.scheduler import Scheduler
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
 
+
 def traced(name: str):
     """A named range for the profiler's trace (bench/step_timeline.py, serve --profile-dir); nothing when no
     profiler runs (a range costs a few microseconds of host time per step even then)."""
