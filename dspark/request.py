@@ -82,6 +82,30 @@ def text_decoder(tokenizer) -> Callable[[list[int]], str]:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
+class IncrementalText:
+    """A growing token list's text (vLLM's detokenizer): each call decodes only the tokens since the last character
+    boundary, with the window before them as context, so a stream costs O(new tokens) per step rather than the whole
+    output. Special tokens skipped; a trailing partial UTF-8 character shows as '\ufffd'."""
+
+    def __init__(self, tokenizer):
+        self._decode = text_decoder(tokenizer)
+        # ids[:_read] decode to _stable and end on a character boundary; ids[_prefix:_read] is the window the next
+        # tokens are decoded after
+        self._stable, self._prefix, self._read = "", 0, 0
+        self._text, self._at = "", 0
+
+    def text(self, ids: list[int]) -> str:
+        """The text of ids, which extend the ids of the previous call."""
+        if self._at != len(ids):
+            before = self._decode(ids[self._prefix:self._read])
+            tail = self._decode(ids[self._prefix:])[len(before):]
+            if tail and not tail.endswith("\ufffd"):  # a boundary: the next window starts at the old read point
+                self._stable += tail
+                self._prefix, self._read, tail = self._read, len(ids), ""
+            self._text, self._at = self._stable + tail, len(ids)
+        return self._text
+
+
 class Request:
     def __init__(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
                  prompt_text: str | None = None, tokenizer=None, seed: int | None = None):
@@ -103,32 +127,22 @@ class Request:
         self.arrival = time.perf_counter()  # added to the engine; admitted (first scheduled) at `admitted`
         self.admitted: float | None = None
         self.tokenizer = tokenizer  # decodes `text` on demand
-        self._decode = text_decoder(tokenizer) if tokenizer is not None else None
-        # incremental detokenization: output_ids[:_read] decode to _stable and end on a character boundary;
-        # output_ids[_prefix:_read] is the window the next tokens are decoded after (vLLM's detokenizer)
-        self._stable, self._prefix, self._read = "", 0, 0
-        self._text, self._text_at = "", 0
+        self._detok = IncrementalText(tokenizer) if tokenizer is not None else None
+        self._pinned: tuple[str, int] | None = None  # (text, at len(output_ids)): a stop string cut the text
         # every random number the request draws is a function of this seed and its position (dspark.runner)
         self.seed = request_seed(seed if seed is not None else params.seed)
 
     @property
     def text(self) -> str:
-        """The decoded output (special tokens skipped; a trailing partial UTF-8 character shows as '\ufffd'). Each
-        call decodes only the tokens since the last character boundary, with the window before them as context,
-        so a stream costs O(new tokens) per step rather than the whole output."""
-        if self._text_at != len(self.output_ids) and self._decode is not None:
-            ids, dec = self.output_ids, self._decode
-            before = dec(ids[self._prefix:self._read])
-            tail = dec(ids[self._prefix:])[len(before):]
-            if tail and not tail.endswith("\ufffd"):  # a boundary: the next window starts at the old read point
-                self._stable += tail
-                self._prefix, self._read, tail = self._read, len(ids), ""
-            self._text, self._text_at = self._stable + tail, len(ids)
-        return self._text
+        """The decoded output (special tokens skipped; a trailing partial UTF-8 character shows as '\ufffd'),
+        decoded incrementally (IncrementalText)."""
+        if self._pinned is not None and self._pinned[1] == len(self.output_ids):
+            return self._pinned[0]
+        return self._detok.text(self.output_ids) if self._detok is not None else ""
 
     @text.setter
     def text(self, value: str) -> None:  # pinned until more tokens arrive (a stop string cut it)
-        self._text, self._text_at = value, len(self.output_ids)
+        self._pinned = (value, len(self.output_ids))
 
     @property
     def last_token(self) -> int:

@@ -12,6 +12,8 @@ same EngineRunner as the in-process server. One pipe joins them:
                        ("snapshot", Snapshot) (runner.SNAPSHOT_S apart, and when idle) | ("profiled", files | error) |
                        ("dead", error) when the engine thread died
 
+The events carry token ids; the server's process decodes their text (the last event of a request with stop strings
+carries its whole text, which a stop string may have cut), so the engine's thread does not detokenize.
 The engine process ends when the pipe closes (the server's process is gone) or on "stop".
 """
 from __future__ import annotations
@@ -27,13 +29,14 @@ import threading
 import time
 import traceback
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dspark.checkpoint import load_drafter, load_target, load_tokenizer
 from dspark.device import resolve_device, resolve_dtype
 from dspark.engine import Engine
-from dspark.request import Request, SamplingParams
-from serve.runner import EngineDead, EngineInfo, EngineRunner, Event, LoopSink, Snapshot
+from dspark.request import IncrementalText, Request, SamplingParams
+from serve.runner import EngineDead, EngineInfo, EngineRunner, Event, LoopSink, Snapshot, TextDelta
 
 log = logging.getLogger("serve.engine_proc")
 
@@ -76,6 +79,8 @@ class PipeSink:
     in order: the engine thread only queues them (pickling a step's events and the pipe's write, which wakes the
     server's reader, cost it tens of microseconds per step otherwise); consecutive "events" messages queued
     meanwhile leave as one."""
+
+    detokenizes = True  # the server's process decodes the text (serve.runner.LoopSink)
 
     def __init__(self, conn):
         self.conn = conn
@@ -175,6 +180,25 @@ def engine_main(conn, load: dict, profile_dir: str | None) -> None:
 
 
 # ---------------------------------------------------------------------------- the server's side
+@dataclass
+class _Stream:
+    """A request's stream on the server's side: its event loop's sink and queue, and its text, decoded here from
+    the token ids the engine process sends (vLLM's frontend detokenizes too: the engine's thread does not)."""
+    sink: LoopSink
+    events: asyncio.Queue
+    detok: IncrementalText
+    text: TextDelta
+    ids: list[int] = field(default_factory=list)
+
+    def fill(self, ev: Event) -> Event:
+        """ev with its text delta: what the new tokens add (the whole text, on the last event, where stop strings
+        may have cut it)."""
+        self.ids += ev.token_ids
+        text = ev.final_text if ev.final_text is not None else self.detok.text(self.ids)
+        ev.text = self.text.delta(text, final=ev.finish_reason is not None)
+        return ev
+
+
 class EngineClient:
     """The server's handle on the engine process; what the routes use of EngineRunner (submit, abort, profile,
     alive, snapshot, info, tokenizer, stop). load: build_engine's arguments."""
@@ -184,7 +208,7 @@ class EngineClient:
         self.tokenizer = load_tokenizer(load["target_dir"])
         self.error: str | None = None
         self._stopping = False
-        self._streams: dict[str, tuple[LoopSink, asyncio.Queue]] = {}
+        self._streams: dict[str, _Stream] = {}
         self._sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._adds: dict[str, concurrent.futures.Future] = {}
         self._profiles: deque[concurrent.futures.Future] = deque()
@@ -237,7 +261,7 @@ class EngineClient:
         sink = self._sinks.get(loop) or self._sinks.setdefault(loop, LoopSink(loop))
         events: asyncio.Queue = asyncio.Queue()
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._streams[request_id] = (sink, events)
+        self._streams[request_id] = _Stream(sink, events, IncrementalText(self.tokenizer), TextDelta(params.stop))
         self._adds[request_id] = fut
         try:
             self._send(("add", request_id, prompt_ids, params))
@@ -321,7 +345,7 @@ class EngineClient:
             if ev.finish_reason is not None:
                 self._streams.pop(rid, None)
             if s is not None:
-                by_sink.setdefault(s[0], []).append((s[1], ev))
+                by_sink.setdefault(s.sink, []).append((s.events, s.fill(ev)))
         for sink, evs in by_sink.items():
             sink.deliver(evs)
 

@@ -31,11 +31,32 @@ SNAPSHOT_S = 0.05  # /metrics lags a busy engine by at most this (an idle one's 
 @dataclass
 class Event:
     token_ids: list[int]
-    text: str  # the new text since the previous event
+    text: str  # the new text since the previous event ("" towards a sink that detokenizes)
     finish_reason: str | None = None  # "length" | "stop" | "abort" | "error" on the last event
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    final_text: str | None = None  # towards a sink that detokenizes, on the last event: the whole text, when stop
+    # strings could have cut it
+
+
+class TextDelta:
+    """What a stream sends of a growing text: each new part once, holding back a trailing partial UTF-8 character
+    ('\ufffd') and the last len(stop) - 1 characters that a stop string could still cut, until the last event."""
+
+    def __init__(self, stops: list[str]):
+        self.sent = 0  # characters already sent
+        self.holdback = max((len(x) for x in stops), default=1) - 1
+
+    def delta(self, text: str, final: bool) -> str:
+        end = len(text) if final else len(text) - self.holdback
+        if not final:
+            while end > self.sent and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:end], end
+        return out
 
 
 @dataclass
@@ -71,6 +92,8 @@ class Snapshot:
 class LoopSink:
     """Delivers events to an asyncio event loop of this process: a request's key is its asyncio.Queue."""
 
+    detokenizes = False  # its events carry their text (a sink that detokenizes gets token ids and decodes them)
+
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
 
@@ -89,8 +112,7 @@ class _Stream:
     req: Request
     sink: LoopSink  # or engine_proc.PipeSink: open(req) -> key, deliver([(key, Event)])
     key: object  # the request's key in its sink
-    sent: int = 0  # characters of req.text already sent
-    holdback: int = 0  # characters a stop string could still remove
+    text: TextDelta | None = None  # what of req.text was sent (None: the sink detokenizes)
 
 
 @dataclass
@@ -247,7 +269,7 @@ class EngineRunner:
                 cmd.future.set_exception(e)
                 return
             s = _Stream(req, cmd.sink, cmd.sink.open(req),
-                        holdback=max((len(x) for x in req.params.stop), default=1) - 1)
+                        None if cmd.sink.detokenizes else TextDelta(req.params.stop))
             self._streams[req.id] = s
             cmd.future.set_result((req, s.key))
         elif isinstance(cmd, _Profile):
@@ -290,15 +312,7 @@ class EngineRunner:
                 self._finish(rid, s.req.finish_reason or "stop")
 
     def _delta(self, s: _Stream, final: bool) -> str:
-        text = s.req.text
-        end = len(text) if final else len(text) - s.holdback
-        if not final:
-            while end > s.sent and text[end - 1] == "\ufffd":
-                end -= 1
-        if end <= s.sent:
-            return ""
-        out, s.sent = text[s.sent:end], end
-        return out
+        return "" if s.text is None else s.text.delta(s.req.text, final)
 
     def _finish(self, rid: str, reason: str, error: str | None = None, toks=()) -> None:
         s = self._streams.pop(rid, None)
@@ -306,8 +320,9 @@ class EngineRunner:
             return
         r = s.req
         self.recent.append(r.output())
+        cut = r.text if s.text is None and r.params.stop else None  # a stop string's cut, for a sink that decodes
         self._push(s, Event(list(toks), self._delta(s, final=True), reason, len(r.prompt_ids), len(r.output_ids),
-                            error))
+                            error, cut))
 
     def _push(self, s: _Stream, ev: Event) -> None:
         self._out.setdefault(s.sink, []).append((s.key, ev))

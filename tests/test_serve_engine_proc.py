@@ -86,6 +86,23 @@ def test_engine_process_serves_what_the_engine_generates(server, models):
     assert after["vllm:spec_decode_num_draft_tokens_total"] > before["vllm:spec_decode_num_draft_tokens_total"]
 
 
+def test_engine_process_texts_are_decoded_by_the_server_and_cut_by_stop_strings(server, models):
+    """The engine process sends token ids and the server's process decodes them: streamed and whole texts equal
+    the engine's own, also where a stop string cuts the text (the last event carries the cut text) and where a
+    longer stop string never matches (its last characters are held back until the end, then sent)."""
+    target = load_target(models[0])
+    engine = Engine(target, load_drafter(models[1], target), max_batch_size=4, max_model_len=SERVE_MAX_LEN)
+    full = engine.generate(PROMPTS[:2], SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))
+    stops = [[o.text[len(o.text) // 2: len(o.text) // 2 + 2]] for o in full]  # found mid-text: a cut
+    stops[1].append("\x00never\x00")  # held back while it could match, never does
+    want = [engine.generate([p], SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True, stop=st))[0]
+            for p, st in zip(PROMPTS, stops)]
+    assert want[0].finish_reason == "stop" and len(want[0].text) < len(full[0].text)
+    payloads = [body(p, stop=st, stream=stream) for p, st in zip(PROMPTS, stops) for stream in (False, True)]
+    texts = asyncio.run(complete_all(server.url, payloads))
+    assert texts == [w.text for w in want for _ in (0, 1)]
+
+
 def test_abort_and_profile_cross_the_pipe(server):
     """A request aborted mid-stream ends with "abort" well before its max_tokens and frees its cache; the profile
     routes answer from the engine process (409 out of order, then the files written there)."""
