@@ -166,8 +166,8 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
                # per k that ran: tokens per row-step, the mean cycle (ms), so tokens per ms as it happened
                per_k={k: {"steps": n, "tokens_per_row_step": tokens[k] / n / len(groups[0]),
                           "cycle_ms": res["cycle_per_k"].get(k)} for k, n in enumerate(steps) if n})
-    if engine.drafts is not None and engine.pinned_k is None and torch.cuda.is_available():
-        # what the policy weighs at the end of the run, at the batch and a mid-run context length
+    if engine.drafts is not None and engine.pinned_k is None:
+        # what the policy weighs at the end of the run, at the batch and a mid-run context length (None: no graphs)
         longest = max(len(p) for g in groups for p in g) + max_tokens // 2
         mode = "greedy" if temperature == 0 else "sample"
         res["policy"] = {"estimates": engine.policy.estimates(len(groups[0]), longest, mode),

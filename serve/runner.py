@@ -148,7 +148,8 @@ class EngineRunner:
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._exited = threading.Event()  # set when _run ends, before it answers what is still queued
-        self.recent: collections.deque[RequestOutput] = collections.deque(maxlen=recent)  # finished outputs
+        # finished outputs of the streams decoded here (a sink that detokenizes decodes its own: no decode here)
+        self.recent: collections.deque[RequestOutput] = collections.deque(maxlen=recent)
         self.error: str | None = None  # set if the thread died
         self.loop_s = 0.0  # seconds of the thread's iterations: steps and delivery (not its idle waits)
         self.snapshot = self._snap()
@@ -319,7 +320,8 @@ class EngineRunner:
         if s is None:
             return
         r = s.req
-        self.recent.append(r.output())
+        if s.text is not None:
+            self.recent.append(r.output())
         cut = r.text if s.text is None and r.params.stop else None  # a stop string's cut, for a sink that decodes
         self._push(s, Event(list(toks), self._delta(s, final=True), reason, len(r.prompt_ids), len(r.output_ids),
                             error, cut))

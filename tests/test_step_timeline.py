@@ -30,6 +30,7 @@ def test_step_timeline_phases_add_up(models, tmp_path):
         assert (r["tau"] is None) == (r["run"] == "ar")
         # per k as it ran: the k of every step; tokens per row-step at batch 1 = τ for a drafting run (1 for AR)
         assert set(r["per_k"]) == {str(k) for k in ks} and r["per_k"][str(max(ks))]["cycle_ms"] > 0
+        assert ("policy" in r) == (r["run"] == "auto") and r.get("policy", {}).get("estimates") is None  # CPU
         if r["batch"] == 1:
             want = 1.0 if r["tau"] is None else r["tau"]
             assert abs(r["per_k"][str(max(ks))]["tokens_per_row_step"] - want) < 0.35
