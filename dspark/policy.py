@@ -114,11 +114,17 @@ class KPolicy:
         """The host's work per decode step over the last steps of every kind (ms; median)."""
         return statistics.median(self.host_all) if self.host_all else 0.0
 
+    def measured_cycles(self, key: StepKey) -> deque[float] | None:
+        """The last cycles (ms) of the key's kind, once it has MIN_CYCLES of them; else None (its cost is
+        modelled)."""
+        cycles = self.cycle_by_kind.get((key.rows, key.k, key.mode))
+        return cycles if cycles and len(cycles) >= MIN_CYCLES else None
+
     def step_cost(self, key: StepKey, replay_ms: float) -> float:
         """A step's expected time (ms): its kind's measured cycle, else its replay and the host's work per step
         (module doc)."""
-        cycles = self.cycle_by_kind.get((key.rows, key.k, key.mode))
-        if cycles and len(cycles) >= MIN_CYCLES:
+        cycles = self.measured_cycles(key)
+        if cycles is not None:
             return statistics.median(cycles)
         return max(replay_ms, self.host_ms) if self.overlap else replay_ms + self.host_ms
 
@@ -152,10 +158,9 @@ class KPolicy:
                 surv *= alpha[j]
                 expected += surv
             key = self.runner.key_for(num_rows, k, longest + k + 1, mode)
-            cycles = self.cycle_by_kind.get((key.rows, key.k, key.mode))
             cost = self.step_cost(key, ms) + (flush if k else 0.0)
             out[k] = {"expected": expected, "cost_ms": cost, "replay_ms": ms,
-                      "measured": bool(cycles and len(cycles) >= MIN_CYCLES),
+                      "measured": self.measured_cycles(key) is not None,
                       "rate": expected / cost * (DRAFT_GAIN if k == 0 else 1.0)}
         return out
 
