@@ -125,8 +125,34 @@ def _interp_checks() -> dict:
     res["chain_inputs"] = [float((_chain_case("cpu", seed, chain_inputs_triton) != _chain_case("cpu", seed,
                                                                                              None)).sum()), 0.0]
     res.update(_norm_rope_checks(g))
+    res.update(_glu_route_checks(g))
     res["greedy_step"] = [float(sum(int((greedy_step_triton(*c) != greedy_step_ref(*c)).sum())
                                     for c in _greedy_cases("cpu", seed))), 0.0]
+    return res
+
+
+def _glu_route_checks(g) -> dict:
+    """The gated-MLP activation (fp32: gate / up as the halves of a merged projection, a ragged block tail; relative to
+    the largest output) and the MoE router (ids exact, weights 1e-6; sigmoid / softmax, with and without
+    renormalisation, E = 6 not a power of two, a ragged hidden tail)."""
+    from dspark.kernels.glu import glu_ref, glu_triton
+    from dspark.kernels.moe_route import moe_route_ref, moe_route_triton
+
+    res = {}
+    gate, up = (torch.randn(2, 3, 2 * 40, generator=g) * 4).chunk(2, -1)
+    for name, act, b1, b2 in (("glu_silu", "silu", None, None), ("glu_situ", "situ", 4.0, 25.0),
+                              ("glu_situ_no_up_clamp", "situ", None, None)):
+        ref = glu_ref(gate, up, act, b1, b2)
+        out = glu_triton(gate, up, act, b1, b2, block=16)
+        res[name] = [_err(ref, out) + float(out.shape != ref.shape), 1e-6 * ref.abs().max().item()]
+    x, w, bias = torch.randn(7, 72, generator=g), torch.randn(6, 72, generator=g) * .2, torch.randn(6, generator=g) * .1
+    for act in ("sigmoid", "softmax"):
+        for renorm in (True, False):
+            ri, rw, _, _ = moe_route_ref(x, w, bias, 3, act, renorm, 2.5)
+            ki, kw = moe_route_triton(x, w, bias, 3, act, renorm, 2.5, block_h=16)
+            name = f"moe_route_{act}{'_renorm' if renorm else ''}"
+            res[name] = [float((ri != ki).sum()), 0.0]
+            res[name + "_logit"] = [_err(rw, kw), 1e-6]
     return res
 
 
@@ -213,9 +239,11 @@ def _engine_pair_checks() -> dict:
     drafts per step, i.e. the kernel wiring in the layers is right."""
     import dspark.kernels.attn_res as ar
     import dspark.kernels.decode_gemv as dg
+    import dspark.kernels.glu as gl
     import dspark.kernels.greedy_verify as gv
     import dspark.kernels.kda_decode as kd
     import dspark.kernels.markov_sample as ms
+    import dspark.kernels.moe_route as mr
     import dspark.kernels.rope as rp
     from tests.targets import make_target
     from tests.test_drafter_k3 import make_k3_drafter
@@ -233,13 +261,15 @@ def _engine_pair_checks() -> dict:
         setattr(mod, name, wrapper)
 
     for mod, name in ((kd, "kda_decode_triton"), (ar, "attn_res_mix_triton"), (ms, "markov_sample_triton"),
-                      (dg, "grouped_gemv_triton"), (rp, "norm_rope_triton"), (gv, "greedy_step_triton")):
+                      (dg, "grouped_gemv_triton"), (rp, "norm_rope_triton"), (gv, "greedy_step_triton"),
+                      (gl, "glu_triton"), (mr, "moe_route_triton")):
         counted(mod, name)
     res = {}
     # K3: the grouped expert matvec serves AR steps (1 token x top-2 of 8 experts < 8 pairs; a verify runs every
     # expert once). Qwen3 drafter head dim 16: the norm + RoPE kernel's power-of-two case
-    expect = {"k3": {"kda_decode_triton", "attn_res_mix_triton", "grouped_gemv_triton"},
-              "qwen3": {"norm_rope_triton"}}
+    expect = {"k3": {"kda_decode_triton", "attn_res_mix_triton", "grouped_gemv_triton", "glu_triton",
+                     "moe_route_triton"},
+              "qwen3": {"norm_rope_triton", "glu_triton"}}
     for kind, make in (("k3", make_k3_drafter), ("qwen3", make_drafter)):
         target = make_target(kind)
         drafter = live_markov(make(target))
@@ -292,7 +322,9 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",
                 "k3_engine_pair_tokens", "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs",
-                "norm_rope_rows", "norm_rope_shared", "rope_only", "greedy_step", "qwen3_engine_pair_tokens",
+                "norm_rope_rows", "norm_rope_shared", "rope_only", "greedy_step", "glu_silu", "glu_situ",
+                "glu_situ_no_up_clamp", "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax",
+                "moe_route_softmax_renorm", "qwen3_engine_pair_tokens",
                 "qwen3_engine_pair_accepted", "qwen3_engine_batch_tokens"]
 
 
@@ -364,6 +396,28 @@ def test_mxfp4_reference_and_fallback_equal_mxfp4_linear():
     yg = mxfp4_grouped_matmul(x, lin.weight_packed[None].repeat(2, 1, 1), lin.weight_scale[None].repeat(2, 1, 1),
                               torch.tensor([0, 3, 7]))
     assert _err(yg, lin(x)) <= 1e-5  # row subsets: BLAS summation order
+
+
+def test_glu_and_router_fallbacks_equal_the_model():
+    """On the CPU the dispatchers are the references, and the references are what the model trains with: the SiTU
+    MLP against the docs' formula, the inference router against LatentMoE.route (the training path)."""
+    from dspark.kernels.glu import glu
+    from dspark.kernels.moe_route import moe_route
+    from dspark.models.k3.config import k3_tiny_config
+    from dspark.models.k3.moe import LatentMoE
+
+    torch.manual_seed(0)
+    gate, up = torch.randn(5, 24) * 6, torch.randn(5, 24) * 40
+    want = 4.0 * torch.tanh(gate / 4.0) * torch.sigmoid(gate) * 25.0 * torch.tanh(up / 25.0)
+    with torch.no_grad():
+        assert _err(glu(gate, up, "situ", 4.0, 25.0), want) <= 1e-5
+        moe = LatentMoE(k3_tiny_config()).eval()
+        moe.gate.e_score_correction_bias.normal_(0, 0.05)
+        x = torch.randn(9, 64)
+        idx, w, _, _ = moe.route(x)
+        ki, kw = moe_route(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.top_k, moe.router_activation,
+                           moe.renormalize, moe.scaling)
+    assert torch.equal(ki, idx) and _err(kw, w) == 0
 
 
 def _sample_markov_greedy(U, w1, w2, anchors):
@@ -488,6 +542,29 @@ def test_cuda_grouped_gemv():
     x, idx = torch.randn(4, 2048, device="cuda").bfloat16(), torch.tensor([5, 63, 5, 0], device="cuda")
     ref = grouped_gemv_ref(x.float(), w.float(), idx)
     assert _err(grouped_gemv_triton(x, w, idx), ref) <= 1e-2 * ref.abs().max().item()
+
+
+@cuda
+def test_cuda_glu_and_router():
+    """k3-mini shapes in bf16: the SiTU-GLU of a 9-token verify's shared expert ([gate | up] halves read in place) and
+    the SwiGLU within one bf16 rounding of the torch path; the router's picks equal the reference's wherever its
+    scores are not near-tied, weights within 1e-4."""
+    from dspark.kernels.glu import glu_ref, glu_triton
+    from dspark.kernels.moe_route import moe_route_ref, moe_route_triton
+
+    gate, up = (torch.randn(9, 2 * 384, device="cuda") * 4).bfloat16().chunk(2, -1)
+    for act, b1, b2 in (("situ", 4.0, 25.0), ("silu", None, None)):
+        ref, out = glu_ref(gate, up, act, b1, b2), glu_triton(gate, up, act, b1, b2)
+        assert _err(out, ref) <= 1e-2 * ref.float().abs().max().item()
+        assert (out != ref).float().mean().item() < 0.05  # most elements bit-equal
+    x, w = torch.randn(64, 768, device="cuda").bfloat16(), (torch.randn(16, 768, device="cuda") * 0.05).bfloat16()
+    bias = torch.randn(16, device="cuda") * 0.01
+    ri, rw, s, _ = moe_route_ref(x, w, bias, 2)
+    ki, kw = moe_route_triton(x, w, bias, 2)
+    top3 = (s + bias).topk(3, -1).values
+    clear = ((top3[:, :-1] - top3[:, 1:]).abs() > 1e-4).all(-1)  # rows whose top-3 biased scores are apart
+    assert clear.sum() > 32 and torch.equal(ki[clear], ri[clear])
+    assert _err(kw[clear], rw[clear]) <= 1e-4
 
 
 @cuda

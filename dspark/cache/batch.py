@@ -53,11 +53,19 @@ class ForwardBatch:
     def valid(self, T: int) -> torch.Tensor:  # [B, T] bool on self.device
         return torch.arange(T, device=self.device)[None] < self.num_new.to(self.device)[:, None]
 
-    def key_mask(self, T: int, L: int) -> torch.Tensor:
-        """[B, 1, T, L] bool: query j of row b (position num_cached+j) may see key i iff i <= its position."""
+    def key_mask(self, T: int, L: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """[B, 1, T, L]: query j of row b (position num_cached+j) may see key i iff i <= its position; bool, or
+        additive in a float dtype (additive_mask)."""
         pos = self.positions(T)  # [B, T]
         keys = torch.arange(L, device=pos.device)
-        return (keys[None, None, :] <= pos[:, :, None])[:, None]
+        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]
+        return mask if dtype == torch.bool else additive_mask(mask, dtype)
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = may attend) -> 0 / -inf in dtype: what SDPA adds to the scores. Given a bool mask SDPA builds
+    this itself on every call (on CUDA two fills and a where per attention layer); a step builds it once."""
+    return torch.full(visible.shape, float("-inf"), dtype=dtype, device=visible.device).masked_fill_(visible, 0.0)
 
 
 class DenseCache:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from dspark.cache.batch import additive_mask
 from dspark.cache.state import committed_kda_state
 
 
@@ -33,6 +34,7 @@ class DeviceView:
         self._dest = self._rows(self._pos).flatten()  # [B*T] flat pool rows of the new tokens
         self._gather = self._rows(keys[None].expand(table.shape[0], -1))  # [B, L] flat pool rows of positions 0..L-1
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._additive: dict[torch.dtype, torch.Tensor] = {}  # key masks in additive form, one per dtype per step
 
     @property
     def cache(self) -> DeviceView:
@@ -61,11 +63,15 @@ class DeviceView:
         self._check(T)
         return self._valid
 
-    def key_mask(self, T: int, L: int) -> torch.Tensor:
+    def key_mask(self, T: int, L: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         self._check(T)
         if L != self.L:
             raise ValueError(f"key_mask: the step sees L={self.L} positions, got {L}")
-        return self._mask
+        if dtype == torch.bool:
+            return self._mask
+        if dtype not in self._additive:  # built once per step, shared by the step's attention layers
+            self._additive[dtype] = additive_mask(self._mask, dtype)
+        return self._additive[dtype]
 
     def _check(self, T: int) -> None:
         if T != self.T:

@@ -35,7 +35,8 @@ class DraftAttention(Qwen3Attention):
         return torch.cat([k.transpose(1, 2).flatten(2), v.reshape(B, L, -1)], dim=-1)
 
     def attend(self, x, rope: Rope, ctx_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x: [B, Q, H] queries; ctx_rows: [B, L, C]; mask: [B, 1, Q, L + Q] bool over [context ; block]."""
+        """x: [B, Q, H] queries; ctx_rows: [B, L, C]; mask: [B, 1, Q or 1, L + Q] over [context ; block], bool
+        or additive."""
         B, Q, _ = x.shape
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # one GEMM for the block's queries and its own k / v
         q = self.q_norm.rope(q.reshape(B, Q, self.n_heads, self.head_dim), rope)  # [B, H, Q, D]

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.kernels.glu import glu
 from dspark.kernels.rms_norm import rms_norm, rms_norm_layer
 from dspark.kernels.rope import Rope, apply_rope_interleaved, apply_rope_neox, norm_rope, rope_cos_sin
 
@@ -160,23 +161,6 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, -1)
         return self.down_proj(glu(gate, up, self.act, self.situ_beta, self.situ_linear_beta))
-
-
-def glu(gate: torch.Tensor, up: torch.Tensor, act: str = "silu",
-        situ_beta: float | None = None, situ_linear_beta: float | None = None) -> torch.Tensor:
-    """silu(gate)*up, or K3's SiTU-GLU computed in fp32:
-    gate' = b1*tanh(gate/b1)*sigmoid(gate), up' = b2*tanh(up/b2) (only when b2 is set)."""
-    if act == "silu":
-        return F.silu(gate) * up
-    if act == "situ":
-        dtype = gate.dtype
-        g, u = gate.float(), up.float()
-        b1 = 1.0 if situ_beta is None else situ_beta
-        g = b1 * torch.tanh(g / b1) * torch.sigmoid(g)
-        if situ_linear_beta is not None:
-            u = situ_linear_beta * torch.tanh(u / situ_linear_beta)
-        return (g * u).to(dtype)
-    raise ValueError(f"hidden_act: expected 'silu' or 'situ', got {act!r}")
 
 
 def check_aux_layer_ids(ids: list[int] | None, num_layers: int) -> set[int]:

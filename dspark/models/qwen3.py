@@ -52,13 +52,13 @@ class Qwen3Attention(nn.Module):
         k = self.k_norm.rope(k.view(B, T, self.n_kv, self.head_dim), rope)
         v = v.reshape(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if batch is None or batch.cache is None:
-            mask, causal = (None, True) if batch is None else (batch.key_mask(T, T), False)
+            mask, causal = (None, True) if batch is None else (batch.key_mask(T, T, q.dtype), False)
         else:  # cache rows are [k | v] per token, flattened over kv heads: C = 2 * n_kv * head_dim
             rows = torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
             rows = batch.cache.attn_append(self.layer_idx, rows)  # [B, L, C]
             L = rows.shape[1]
             k, v = rows.view(B, L, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4).to(q.dtype)
-            mask, causal = batch.key_mask(T, L), False
+            mask, causal = batch.key_mask(T, L, q.dtype), False
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.cache.batch import additive_mask
 from dspark.kernels import use_triton
 from dspark.kernels.markov_sample import markov_sample
 from dspark.models.drafter import DSparkDrafter
@@ -61,9 +62,13 @@ def draft_hidden(drafter: DSparkDrafter, anchors: torch.Tensor, p0: torch.Tensor
     """The parallel pass: the block [anchor, mask x (N-1)] at positions p0.. against each draft layer's context rows
     [B, L, C] (keys < p0 visible, the block non-causal) -> the post-norm hidden states of the sampled queries
     [B, D, H]. anchors, p0: [B] on the drafter's device."""
-    B, N, L, dev = anchors.shape[0], drafter.config.block_size, ctx_rows[0].shape[1], anchors.device
-    ctx_vis = (torch.arange(L, device=dev)[None] < p0[:, None])[:, None, :].expand(B, N, L)
-    mask = torch.cat([ctx_vis, torch.ones(B, N, N, dtype=torch.bool, device=dev)], dim=-1)[:, None]
+    N, L, dev = drafter.config.block_size, ctx_rows[0].shape[1], anchors.device
+    # additive [B, 1, 1, L + N] over [context ; block], one row for all N queries: the context keys before p0, the
+    # whole block (non-causal). Its storage is padded to a multiple of 16 columns: a row stride SDPA's
+    # memory-efficient kernel takes as it is (an unaligned mask is copied into a padded one on every call)
+    cols = torch.arange(-(-(L + N) // 16) * 16, device=dev)
+    visible = (cols[None] < p0[:, None]) | (cols[None] >= L)
+    mask = additive_mask(visible, drafter.param_dtype)[:, None, None, :L + N]
     q_pos = p0[:, None] + torch.arange(N, device=dev)  # [B, N]
     return drafter.backbone(drafter.block_tokens(anchors), q_pos, ctx_rows, mask)[:, drafter.draft_slots()]
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.kernels.glu import glu
 from dspark.kernels.mxfp4_matmul import BLOCK, dequantize_mxfp4, quantize_mxfp4
-from dspark.models.layers import glu
 
 
 def _dequantize(packed: torch.Tensor, scale: torch.Tensor, dtype) -> torch.Tensor:

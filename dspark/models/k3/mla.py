@@ -66,7 +66,8 @@ class MLAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None = None,
                is_causal: bool = False) -> torch.Tensor:
-        """q [B, H, T, nope+rope], rows [B, L, kv_lora+rope], mask [B, 1, T, L] bool (True = may attend)
+        """q [B, H, T, nope+rope], rows [B, L, kv_lora+rope], mask [B, 1, T, L] bool (True = may attend) or
+        additive (0 / -inf)
         -> [B, T, H*v]."""
         B, L, _ = rows.shape
         c_kv, k_pe = rows.split([self.kv_lora_rank, self.rope], -1)
@@ -93,5 +94,5 @@ class MLAttention(nn.Module):
         q, rows = self.queries(x, positions), self.latent_rows(x, positions)
         if batch.cache is not None:
             rows = batch.cache.attn_append(self.layer_idx, rows).to(x.dtype)  # [B, L, C]
-        mask = batch.key_mask(T, rows.shape[1]).to(x.device)
+        mask = batch.key_mask(T, rows.shape[1], q.dtype).to(x.device)
         return self.output(self.attend(q, rows, mask), x)

@@ -24,6 +24,7 @@ from torch import nn
 
 from dspark.kernels import use_triton
 from dspark.kernels.decode_gemv import grouped_gemv
+from dspark.kernels.moe_route import moe_route, moe_route_ref
 from dspark.models.layers import GatedMLP, RMSNorm
 
 from .config import K3TextConfig
@@ -40,11 +41,6 @@ class MoEGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
         self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
-
-    def scores(self, x: torch.Tensor, activation: str) -> torch.Tensor:
-        """x [N, hidden] -> s [N, E] fp32."""
-        logits = x.float() @ self.weight.float().t()
-        return torch.sigmoid(logits) if activation == "sigmoid" else torch.softmax(logits, -1)
 
 
 class LatentMoE(nn.Module):
@@ -80,23 +76,8 @@ class LatentMoE(nn.Module):
         """x [N, hidden] -> (topk_idx [N, k], topk_weight [N, k] fp32, scores s [N, E], cutoff alpha [N]).
         Selection on s + bias (group-limited if num_expert_group > 1), weights = unbiased s renormalised * scale.
         alpha = the (k+1)-th biased score (Quantile Balancing cutoff; -inf when k = E)."""
-        s = self.gate.scores(x, self.router_activation)
-        biased = s + self.gate.e_score_correction_bias
-        if self.num_groups > 1:  # group score = sum of the top-2 biased scores in the group; keep topk_group groups
-            N = s.shape[0]
-            grouped = biased.view(N, self.num_groups, -1)
-            group_score = grouped.topk(min(2, grouped.shape[-1]), -1).values.sum(-1)
-            keep = torch.zeros_like(group_score, dtype=torch.bool).scatter_(
-                1, group_score.topk(self.topk_group, -1).indices, True)
-            biased = grouped.masked_fill(~keep[..., None], float("-inf")).view(N, -1)
-        kk = min(self.top_k + 1, self.num_experts)
-        top_vals, top_idx = biased.topk(kk, -1)
-        idx = top_idx[:, : self.top_k]
-        cutoff = top_vals[:, self.top_k] if kk > self.top_k else torch.full_like(top_vals[:, 0], float("-inf"))
-        w = s.gather(1, idx)
-        if self.renormalize:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        return idx, w * self.scaling, s, cutoff
+        return moe_route_ref(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
+                             self.router_activation, self.renormalize, self.scaling, self.num_groups, self.topk_group)
 
     # ---- Quantile Balancing (report Eq. 14) -----------------------------------------------------------------
     @torch.no_grad()
@@ -120,9 +101,14 @@ class LatentMoE(nn.Module):
         """x [B, T, hidden] -> [B, T, hidden]."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [N, hidden]
-        idx, w, s, cutoff = self.route(x)
-        if self.training and torch.isfinite(cutoff).all():
-            self._qb_records.append((s.detach(), cutoff.detach()))
+        if self.training:
+            idx, w, s, cutoff = self.route(x)
+            if torch.isfinite(cutoff).all():
+                self._qb_records.append((s.detach(), cutoff.detach()))
+        else:  # inference: one kernel on CUDA
+            idx, w = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
+                               self.router_activation, self.renormalize, self.scaling, self.num_groups,
+                               self.topk_group)
         z = self.routed_expert_down_proj(x) if self.latent else x  # [N, R]
         out = (self._experts_gathered(z, idx, w) if self._graph_safe(x.shape[0]) else self._experts_loop(z, idx, w))
         y = out.to(x.dtype)
