@@ -12,10 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TASKS, TEMPS, CONC = ("humaneval", "creative"), (0.0, 0.7), (1, 2)
 
 
+@pytest.mark.timeout(600)  # on CUDA two servers each capture their step graphs first: 222 s on an H200
 def test_serve_bench_end_to_end(models, tmp_path):
     target, drafter = models
     out = tmp_path / "bench.json"
