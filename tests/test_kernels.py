@@ -159,7 +159,7 @@ def _glu_route_checks(g) -> dict:
 def _norm_rope_checks(g) -> dict:
     """norm_rope (fp32): q / k heads as strided views of a merged projection, positions per row [B, T] or shared [T],
     with and without the norm."""
-    from dspark.kernels.rope import Rope, apply_rope_neox, norm_rope_ref, norm_rope_triton
+    from dspark.kernels.rope import Rope, apply_rope_interleaved, apply_rope_neox, norm_rope_ref, norm_rope_triton
 
     y = torch.randn(2, 5, 7 * 16, generator=g)  # [q: 4 heads | k: 2 | v: 1] of head dim 16
     q, k = y[..., :64].view(2, 5, 4, 16), y[..., 64:96].view(2, 5, 2, 16)
@@ -172,6 +172,11 @@ def _norm_rope_checks(g) -> dict:
     rope = Rope(torch.arange(5), 16, 1e6)
     res["rope_only"] = [_err(apply_rope_neox(q.transpose(1, 2), *rope.cos_sin(q.dtype)),
                              norm_rope_triton(q, None, 0.0, rope)), 1e-5]
+    # MLA's interleaved pairs on a strided slice (the rope part of merged [nope | rope] heads), positions per row
+    qm = torch.randn(2, 5, 3, 8 + 16, generator=g)[..., 8:]
+    rope_m = Rope(torch.randint(0, 4000, (2, 5), generator=g), 16, 10000.0)
+    res["rope_interleaved"] = [_err(apply_rope_interleaved(qm.transpose(1, 2), *rope_m.cos_sin(qm.dtype)),
+                                    norm_rope_triton(qm, None, 0.0, rope_m, interleaved=True)), 1e-5]
     return res
 
 
@@ -268,7 +273,7 @@ def _engine_pair_checks() -> dict:
     # K3: the grouped expert matvec serves AR steps (1 token x top-2 of 8 experts < 8 pairs; a verify runs every
     # expert once). Qwen3 drafter head dim 16: the norm + RoPE kernel's power-of-two case
     expect = {"k3": {"kda_decode_triton", "attn_res_mix_triton", "grouped_gemv_triton", "glu_triton",
-                     "moe_route_triton"},
+                     "moe_route_triton", "norm_rope_triton"},  # the last: the K3 drafter's MLA RoPE
               "qwen3": {"norm_rope_triton", "glu_triton"}}
     for kind, make in (("k3", make_k3_drafter), ("qwen3", make_drafter)):
         target = make_target(kind)
@@ -322,7 +327,7 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
                 "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",
                 "k3_engine_pair_tokens", "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs",
-                "norm_rope_rows", "norm_rope_shared", "rope_only", "greedy_step", "glu_silu", "glu_situ",
+                "norm_rope_rows", "norm_rope_shared", "rope_only", "rope_interleaved", "greedy_step", "glu_silu", "glu_situ",
                 "glu_situ_no_up_clamp", "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax",
                 "moe_route_softmax_renorm", "qwen3_engine_pair_tokens",
                 "qwen3_engine_pair_accepted", "qwen3_engine_batch_tokens"]
@@ -592,6 +597,22 @@ def test_cuda_norm_rope(T):
         ref, out = norm_rope_ref(x, w, 1e-6, rope), norm_rope_triton(x, w, 1e-6, rope)
         assert out.shape == ref.shape
         assert _err(out, ref) <= 2e-2 * ref.float().abs().max().item()
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 8])
+def test_cuda_rope_interleaved(T):
+    """The K3 drafter's MLA RoPE (interleaved pairs, rope dim 64, 6 heads as the rope slice of merged [nope | rope]
+    heads) in bf16, positions up to 8k: within bf16 rounding of the torch path."""
+    from dspark.kernels.rope import Rope, apply_rope_interleaved, norm_rope_triton
+
+    B, H, D = 4, 6, 64
+    x = torch.randn(B, T, H, 128 + D, device="cuda").bfloat16()[..., 128:]
+    rope = Rope(torch.randint(0, 8192, (B, T), device="cuda"), D, 50000.0)
+    ref = apply_rope_interleaved(x.transpose(1, 2), *rope.cos_sin(x.dtype))
+    out = norm_rope_triton(x, None, 0.0, rope, interleaved=True)
+    assert out.shape == ref.shape
+    assert _err(out, ref) <= 2e-2 * ref.float().abs().max().item()
 
 
 @cuda

@@ -12,15 +12,17 @@ models import kernels, kernels never import models. Modules:
                  also the MXFP4 codec: quantize_mxfp4, dequantize_mxfp4
   markov_sample  the sequential Markov-head draft sampling loop of one draft step, one launch
   decode_gemv    bs=1 decode matvec with the RMSNorm / silu*mul prologue and the residual add fused in (Qwen3)
-  rope           norm_rope: per-head RMSNorm + NeoX RoPE of Qwen3's q / k, angles from the positions; also the RoPE
-                 definitions (rope_cos_sin, apply_rope_neox, apply_rope_interleaved, Rope)
+  rope           norm_rope: per-head RMSNorm + NeoX RoPE of Qwen3's q / k, angles from the positions; rope_interleaved:
+                 MLA's RoPE (GPT-J pairs), the same kernel; also the RoPE definitions (rope_cos_sin, apply_rope_neox,
+                 apply_rope_interleaved, Rope)
   greedy_verify  greedy verification + the step's packed output [a, n, tokens] from the target's argmax
   glu            the gated MLP's activation (SwiGLU, K3's SiTU-GLU) in one pass; also its torch definition
   moe_route      LatentMoE routing (scores, biased top-k, weights) per token; also the router's torch definition
   rms_norm       torch definitions several kernels fuse (no kernel of its own)
 Where they run, on CUDA without autograd: the K3 layers dispatch kda_decode (cached steps of <= 17 tokens), attn_res
-(inference), moe_route and the MoE's grouped_gemv (decode_gemv.py); the Qwen3 target and drafter layers norm_rope;
-every gated MLP glu; the engine's draft step runs markov_sample for greedy drafts, its greedy steps greedy_verify.
+(inference), moe_route and the MoE's grouped_gemv (decode_gemv.py); the Qwen3 target and drafter layers norm_rope, MLA
+with RoPE (the K3 drafter) rope_interleaved; every gated MLP glu; the engine's draft step runs markov_sample for
+greedy drafts, its greedy steps greedy_verify.
 decode_gemv's Qwen3 matvecs are not used by the engine's paged step; they are tested against their references and
 timed by bench/gpu_kernels.py. DSPARK_KERNELS=0 turns all of them off (the torch modules run instead).
 

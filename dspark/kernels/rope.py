@@ -94,12 +94,19 @@ def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope)
 
 @triton.jit
 def _norm_rope_kernel(X, W, POS, INV_FREQ, OUT, T, H, sxb, sxt, sxh, spb, spt, eps, D: tl.constexpr,
-                      BLOCK_H: tl.constexpr, NORM: tl.constexpr):
+                      BLOCK_H: tl.constexpr, NORM: tl.constexpr, INTERLEAVED: tl.constexpr):
     pid = tl.program_id(0)  # one token: all its heads
     b, t = pid // T, pid % T
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, D)[None, :]
-    dr = (d + D // 2) % D  # the rotate-half partner of column d
+    if INTERLEAVED:  # pairs (2i, 2i + 1), frequency i
+        dr = d ^ 1
+        fi = d // 2
+        first = d % 2 == 0
+    else:  # NeoX: column d and its rotate-half partner, frequency d mod D/2 (the table repeats it)
+        dr = (d + D // 2) % D
+        fi = d
+        first = d < D // 2
     m = h < H
     xp = X + b * sxb + t * sxt + h * sxh
     x = tl.load(xp + d, mask=m, other=0.0).to(tl.float32)
@@ -109,7 +116,7 @@ def _norm_rope_kernel(X, W, POS, INV_FREQ, OUT, T, H, sxb, sxt, sxh, spb, spt, e
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
         x = (x * rstd * tl.load(W + d).to(tl.float32)).to(dt).to(tl.float32)
         xr = (xr * rstd * tl.load(W + dr).to(tl.float32)).to(dt).to(tl.float32)
-    ang = tl.load(POS + b * spb + t * spt).to(tl.float32) * tl.load(INV_FREQ + d)  # [1, D]: rope_cos_sin's product
+    ang = tl.load(POS + b * spb + t * spt).to(tl.float32) * tl.load(INV_FREQ + fi)  # [1, D]: rope_cos_sin's product
     # reduced to [-pi, pi] first (Cody-Waite, 2 pi in three parts; k * 6.28125 is exact for k < 2^16): Triton's
     # cos / sin are the GPU's approximate instructions, accurate only near zero, and angles reach pos * 1 rad
     k = tl.floor(ang * 0.15915494309189535 + 0.5)
@@ -118,29 +125,32 @@ def _norm_rope_kernel(X, W, POS, INV_FREQ, OUT, T, H, sxb, sxt, sxh, spb, spt, e
     r = r - k * 1.0253131677e-11  # 2 pi - 6.28125 - fp32(1.9353071795864769e-3)
     c = tl.cos(r).to(dt).to(tl.float32)
     s = tl.sin(r).to(dt).to(tl.float32)
-    rot = tl.where(d < D // 2, -xr, xr)
+    rot = tl.where(first, -xr, xr)
     out = (x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
     tl.store(OUT + ((b * T + t) * H + h) * D + d, out.to(dt), mask=m)
 
 
-def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope) -> torch.Tensor:
+def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope,
+                     interleaved: bool = False) -> torch.Tensor:
     """x [B, T, H, D] (any strides, D contiguous; D a power of two) -> [B, H, T, D] (a transposed view of a contiguous
-    [B, T, H, D]). weight None: RoPE only."""
+    [B, T, H, D]). weight None: RoPE only. interleaved: GPT-J pairs (MLA's RoPE) instead of NeoX halves."""
     B, T, H, D = x.shape
     out = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
     pos = rope.positions
     spb, spt = (pos.stride(0), pos.stride(1)) if pos.dim() == 2 else (0, pos.stride(0))
     _norm_rope_kernel[(B * T,)](x, weight if weight is not None else x, pos, inv_freq(D, rope.theta, x.device), out,
                                 T, H, x.stride(0), x.stride(1), x.stride(2), spb, spt, float(eps), D=D,
-                                BLOCK_H=max(1, 1 << (H - 1).bit_length()), NORM=weight is not None)
+                                BLOCK_H=max(1, 1 << (H - 1).bit_length()), NORM=weight is not None,
+                                INTERLEAVED=interleaved)
     return out.transpose(1, 2)
 
 
-def norm_rope_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def norm_rope_fits(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether the kernel serves this call: inference (no autograd, not traced by torch.compile, whose fusion does
     the same), x's dtype that of the weight, D a power of two with unit stride, on CUDA (or the interpreter)."""
     D = x.shape[-1]
-    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling() and x.dtype == weight.dtype
+    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and (weight is None or x.dtype == weight.dtype)
             and D >= 2 and D & (D - 1) == 0 and x.stride(-1) == 1 and use_triton(x))
 
 
@@ -149,3 +159,12 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope) -> 
     if norm_rope_fits(x, weight):
         return norm_rope_triton(x, weight, eps, rope)
     return norm_rope_ref(x, weight, eps, rope)
+
+
+def rope_interleaved(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """GPT-J-style RoPE (MLA's), x [B, T, H, D] -> [B, H, T, D]: one kernel where it fits (the cos / sin tables and
+    the rotation are about a dozen kernels per call in torch), else apply_rope_interleaved."""
+    if norm_rope_fits(x, None):
+        return norm_rope_triton(x, None, 0.0, rope, interleaved=True)
+    cos, sin = rope.cos_sin(x.dtype)
+    return apply_rope_interleaved(x.transpose(1, 2), cos, sin)

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.models.layers import RMSNorm, apply_rope_interleaved, attention, rope_cos_sin
+from dspark.kernels.rope import Rope, rope_interleaved
+from dspark.models.layers import RMSNorm, attention
 
 
 class MLAttention(nn.Module):
@@ -42,26 +43,25 @@ class MLAttention(nn.Module):
 
     # ---- pieces ---------------------------------------------------------------------------------------------
     def _rotate(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """x [B, h, T, rope]; interleaved-pair RoPE when rope_theta is set, identity (NoPE) otherwise."""
+        """x [B, T, h, rope] -> [B, h, T, rope]; interleaved-pair RoPE when rope_theta is set, identity (NoPE)
+        otherwise."""
         if self.rope_theta is None or self.rope == 0:
-            return x
+            return x.transpose(1, 2)
         if positions is None:
-            positions = torch.arange(x.shape[2], device=x.device)
-        cos, sin = rope_cos_sin(positions, self.rope, self.rope_theta, dtype=x.dtype)
-        return apply_rope_interleaved(x, cos, sin)
+            positions = torch.arange(x.shape[1], device=x.device)
+        return rope_interleaved(x, Rope(positions, self.rope, self.rope_theta))
 
     def queries(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden] -> q [B, H, T, nope+rope] (rope part rotated if RoPE is on)."""
         B, T, _ = x.shape
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(B, T, self.num_heads, self.nope + self.rope).transpose(1, 2)
-        q_nope, q_pe = q.split([self.nope, self.rope], -1)
-        return torch.cat([q_nope, self._rotate(q_pe, positions)], -1)
+        q = q.view(B, T, self.num_heads, self.nope + self.rope)
+        return torch.cat([q[..., :self.nope].transpose(1, 2), self._rotate(q[..., self.nope:], positions)], -1)
 
     def latent_rows(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, hidden] -> cache rows [B, T, kv_lora + rope] = [RMSNorm(c_kv) | k_pe (rotated if RoPE)]."""
         c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], -1)
-        k_pe = self._rotate(k_pe[:, None], positions)[:, 0]
+        k_pe = self._rotate(k_pe[:, :, None], positions)[:, 0]
         return torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
 
     def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None = None,
