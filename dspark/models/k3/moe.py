@@ -76,8 +76,12 @@ class LatentMoE(nn.Module):
         """x [N, hidden] -> (topk_idx [N, k], topk_weight [N, k] fp32, scores s [N, E], cutoff alpha [N]).
         Selection on s + bias (group-limited if num_expert_group > 1), weights = unbiased s renormalised * scale.
         alpha = the (k+1)-th biased score (Quantile Balancing cutoff; -inf when k = E)."""
-        return moe_route_ref(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
-                             self.router_activation, self.renormalize, self.scaling, self.num_groups, self.topk_group)
+        return moe_route_ref(x, *self._router())
+
+    def _router(self) -> tuple:
+        """The routing arguments of moe_route / moe_route_ref after x."""
+        return (self.gate.weight, self.gate.e_score_correction_bias, self.top_k, self.router_activation,
+                self.renormalize, self.scaling, self.num_groups, self.topk_group)
 
     # ---- Quantile Balancing (report Eq. 14) -----------------------------------------------------------------
     @torch.no_grad()
@@ -106,9 +110,7 @@ class LatentMoE(nn.Module):
             if torch.isfinite(cutoff).all():
                 self._qb_records.append((s.detach(), cutoff.detach()))
         else:  # inference: one kernel on CUDA
-            idx, w = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
-                               self.router_activation, self.renormalize, self.scaling, self.num_groups,
-                               self.topk_group)
+            idx, w = moe_route(x, *self._router())
         z = self.routed_expert_down_proj(x) if self.latent else x  # [N, R]
         out = (self._experts_gathered(z, idx, w) if self._graph_safe(x.shape[0]) else self._experts_loop(z, idx, w))
         y = out.to(x.dtype)
