@@ -62,13 +62,9 @@ def _glu_kernel(g_ptr, u_ptr, out_ptr, width, stride_g, stride_u, b1, b2,
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    """x [.., I] -> a [rows, I] view with the last dim contiguous (a copy only where no such view exists)."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return x.reshape(-1, x.shape[-1]).contiguous()
+    """x [.., I] -> [rows, I] with the last dim contiguous: a view where one exists (reshape), else a copy."""
+    x = x.reshape(-1, x.shape[-1])
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is

@@ -147,7 +147,8 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, r
 
 def norm_rope_fits(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
     """Whether the kernel serves this call: inference (no autograd, not traced by torch.compile, whose fusion does
-    the same), x's dtype that of the weight, D a power of two with unit stride, on CUDA (or the interpreter)."""
+    the same), x's dtype that of the weight (if any), D a power of two with unit stride, on CUDA (or the
+    interpreter)."""
     D = x.shape[-1]
     return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
             and (weight is None or x.dtype == weight.dtype)
