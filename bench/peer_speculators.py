@@ -11,7 +11,8 @@ Phases (each a subprocess, timed; OUT/peer.json and OUT/peer.md hold the table):
                (speculators trains from features stored on disk: its end-to-end time = export + training)
 4. speculators python -m speculators.train --speculator-type dspark, one row per --optimizers (adamw: like ours;
                muon: its default), unmodified on a GPU
-5. convert     python -m dspark.checkpoint convert (speculators' last checkpoint -> our vLLM layout)
+5. convert     python -m dspark.checkpoint convert (speculators' last checkpoint -> our vLLM layout), and
+               bench/speculators_parity.py: that checkpoint in speculators' model and in ours, max abs logit diffs
 6. eval        python -m eval on every drafter with the same prompts: tau and alpha per task
 
 Matched: target, rows (speculators packs --batch-size rows of the regenerated length per step: total_seq_len =
@@ -132,15 +133,31 @@ def steady_speculators(records: list[dict], warm: int) -> float | None:
     return tokens / (recs[-1]["t"] - recs[0]["t"])
 
 
-def timed(cmd: list[str], log: Path) -> float:
-    """Run cmd (output to log); its wall seconds. A failure stops the bench with the log's tail."""
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
-    if rc:
-        tail = "\n".join(log.read_text().splitlines()[-25:])
-        raise SystemExit(f"failed (exit {rc}): {' '.join(cmd)}\n--- {log} (tail)\n{tail}")
-    return time.perf_counter() - t0
+class Phases:
+    """Runs the bench's subprocesses, each phase's wall seconds kept in OUT/logs/phases.json. With resume, a phase
+    recorded there is not run again (its outputs are on disk); one that did not finish starts over, its `clear`
+    paths deleted first. A failure stops the bench with the log's tail."""
+
+    def __init__(self, logs: Path, resume: bool):
+        self.logs, self.path = logs, logs / "phases.json"
+        self.done = json.loads(self.path.read_text()) if resume and self.path.is_file() else {}
+
+    def run(self, name: str, cmd: list[str], clear: tuple[Path, ...] = ()) -> float:
+        if name in self.done:
+            print(f"{name}: done earlier ({self.done[name]:.0f} s), not run again", flush=True)
+            return self.done[name]
+        for p in clear:
+            shutil.rmtree(p, ignore_errors=True)
+        log = self.logs / f"{name}.log"
+        t0 = time.perf_counter()
+        with open(log, "w") as f:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc:
+            tail = "\n".join(log.read_text().splitlines()[-25:])
+            raise SystemExit(f"failed (exit {rc}): {' '.join(cmd)}\n--- {log} (tail)\n{tail}")
+        self.done[name] = time.perf_counter() - t0
+        self.path.write_text(json.dumps(self.done, indent=2) + "\n")
+        return self.done[name]
 
 
 # --------------------------------------------------------------------------- the bench
@@ -149,6 +166,8 @@ def parse_args(argv):
     ap.add_argument("--target", required=True, help="a Qwen3 target dir (HF layout, with its tokenizer)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--overwrite", action="store_true", help="delete --out first when it exists")
+    ap.add_argument("--resume", action="store_true", help="go on in an existing --out: phases that finished there "
+                    "(OUT/logs/phases.json) are not run again")
     ap.add_argument("--recipe", default="recipes/quickstart.yaml", help="our drafter recipe the overrides start from "
                     "(its data section: the corpus the prompts are cut from)")
     ap.add_argument("--sequences", help="reuse this sequences.pt instead of regenerating")
@@ -173,6 +192,8 @@ def parse_args(argv):
     ap.add_argument("--ours-arg", action="append", default=[], help="extra recipe override key=value (repeatable)")
     ap.add_argument("--num-workers", type=int, default=4, help="speculators' dataloader workers (0 on CPU)")
     ap.add_argument("--warm", type=int, help="steps left out of the steady-state rate (default: 10%% of --steps)")
+    ap.add_argument("--parity-rows", type=int, default=4,
+                    help="holdout rows on which speculators' model and ours score each speculators checkpoint")
     ap.add_argument("--eval-tasks", default="humaneval,code_holdout,creative,chat")
     ap.add_argument("--eval-prompts", type=int, default=20)
     ap.add_argument("--eval-max-tokens", type=int, default=64)
@@ -226,11 +247,11 @@ def bench(a) -> dict:
     from train.drafter import default_layer_ids
 
     out = Path(a.out).resolve()
-    if out.exists():
+    if out.exists() and not a.resume:
         if not a.overwrite:
-            raise SystemExit(f"--out {out}: exists; pass --overwrite to replace it")
+            raise SystemExit(f"--out {out}: exists; pass --overwrite to replace it, or --resume to go on")
         shutil.rmtree(out)
-    (out / "logs").mkdir(parents=True)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
     cuda = torch.cuda.is_available()
     target, tcfg = target_facts(a.target)
     tok = target.tokenizer
@@ -240,17 +261,19 @@ def bench(a) -> dict:
     ids = a.layer_ids or default_layer_ids(tcfg["num_hidden_layers"])
     warm = a.warm if a.warm is not None else max(2, a.steps // 10)
     py, logs, res = sys.executable, out / "logs", {"config": vars(a), "layer_ids": ids, "rows": {}}
+    phases = Phases(logs, a.resume)
     recipe = [a.recipe, *recipe_overrides(a, out, ids, cuda)]
     if a.sequences:
-        (out / "ours").mkdir()
+        (out / "ours").mkdir(exist_ok=True)
         shutil.copy(a.sequences, out / "ours" / "sequences.pt")
         res["regenerate_s"] = None
     else:
-        res["regenerate_s"] = timed([py, ME, "_regenerate", str(logs / "regen.json"), *recipe], logs / "regen.log")
-    ours = {"wall_s": timed([py, ME, "_ours", str(logs / "ours.json"), *recipe], logs / "ours.log")}
-    res["export_s"] = timed([py, "-m", "train.speculators_data", str(out / "ours"), "--target", str(a.target),
-                             "--layer-ids", *map(str, ids), "--out", str(out / "data"), "--dtype", "float32"],
-                            logs / "export.log")
+        res["regenerate_s"] = phases.run("regen", [py, ME, "_regenerate", str(logs / "regen.json"), *recipe],
+                                         clear=(out / "ours",))
+    ours = {"wall_s": phases.run("ours", [py, ME, "_ours", str(logs / "ours.json"), *recipe])}
+    res["export_s"] = phases.run("export", [py, "-m", "train.speculators_data", str(out / "ours"), "--target",
+                                            str(a.target), "--layer-ids", *map(str, ids), "--out", str(out / "data"),
+                                            "--dtype", "float32", "--batch-size", "32", "--overwrite"])
     data = json.loads((out / "data" / "export.json").read_text())
     tokens_per_step = a.batch_size * data["max_seq_len"]
     ours.update(json.loads((logs / "ours.json").read_text()), steady_tok_s=steady_ours(out / "ours", tokens_per_step,
@@ -260,13 +283,19 @@ def bench(a) -> dict:
     for opt in [o for o in a.optimizers.split(",") if o]:
         name = f"speculators-{opt}"
         args = speculators_args(a, out, name, opt, data, mask_id, cuda)
-        row = {"wall_s": timed([py, ME, "_speculators", str(logs / f"{name}.json"), *args], logs / f"{name}.log")}
+        row = {"wall_s": phases.run(name, [py, ME, "_speculators", str(logs / f"{name}.json"), *args],
+                                    clear=(out / name,))}
         rec = json.loads((logs / f"{name}.json").read_text())
         row.update(steady_tok_s=steady_speculators(rec.pop("records"), warm), e2e_s=row["wall_s"] + res["export_s"],
                    **rec)
         drafters[name] = out / "drafters" / name
-        timed([py, "-m", "dspark.checkpoint", "convert", str(last_checkpoint(out / name / "ckpt")), "--target",
-               str(a.target), "--out", str(drafters[name])], logs / f"convert-{name}.log")
+        ckpt = last_checkpoint(out / name / "ckpt")
+        phases.run(f"convert-{name}", [py, "-m", "dspark.checkpoint", "convert", str(ckpt), "--target",
+                                       str(a.target), "--out", str(drafters[name])], clear=(drafters[name],))
+        phases.run(f"parity-{name}", [py, str(ROOT / "bench" / "speculators_parity.py"), str(ckpt), "--target",
+                                      str(a.target), "--sequences", str(out / "ours" / "sequences.pt"), "--rows",
+                                      str(a.parity_rows), "--out", str(logs / f"parity-{name}.json")])
+        row["parity"] = json.loads((logs / f"parity-{name}.json").read_text())
         res["rows"][name] = row
     cmd = [py, "-m", "eval", "--target", str(a.target), "--out", str(out / "eval"), "--tasks", a.eval_tasks,
            "--num-prompts", str(a.eval_prompts), "--max-tokens", str(a.eval_max_tokens)]
@@ -275,7 +304,7 @@ def bench(a) -> dict:
         cmd += ["--corpus", corpus]
     for name, d in drafters.items():
         cmd += ["--drafter", str(d), "--name", name]
-    res["eval_s"] = timed(cmd, logs / "eval.log")
+    res["eval_s"] = phases.run("eval", cmd, clear=(out / "eval",))
     report = json.loads((out / "eval" / "report.json").read_text())
     for name, row in res["rows"].items():
         row["tau"] = {t: v["drafters"][name]["tau"] for t, v in report["tasks"].items()}
@@ -303,6 +332,13 @@ def table(res: dict) -> str:
     for name, r in rows.items():
         lines.append("| " + " | ".join([name, *[f(r["tau"][t]) for t in tasks], f(r["tau_overall"]),
                                          f(r["steady_tok_s"], 0), f(r["e2e_s"], 0), f(r["peak_alloc_gib"])]) + " |")
+    for name, r in rows.items():
+        if "parity" in r:
+            p = r["parity"]
+            lines.append(f"\n{name} checkpoint, speculators' model vs ours ({p['rows']} holdout rows of {p['row_len']}, "
+                         f"every anchor): max |logit diff| fp32 {p['float32']['logits']:.2e}, bf16 "
+                         f"{p['bfloat16']['logits']:.3f} (max |logit| {p['bfloat16']['max_abs_logit']:.1f}); "
+                         f"confidence bf16 {p['bfloat16']['confidence']:.3f}")
     regen = res["regenerate_s"]
     lines.append(f"\nregeneration (shared, in neither end-to-end time): {f(regen, 0)} s; speculators' end-to-end time "
                  f"includes the feature export ({res['export_s']:.0f} s); {res['tokens_per_step']} tokens per step; "

@@ -36,7 +36,9 @@
 #   ablate-k3-mini the k3-mini target (TARGET_ARGS), then ablate on it (ARGS), as one detached run (its own OUT;
 #                  writes OUT/DONE for `wait`)
 #   peer-qwen3-mini  the Qwen3 peer target (recipes/targets/qwen3-mini.yaml -> runs/peer-target; TARGET_ARGS), then
-#                  peer on it (ARGS), as one detached run (its own OUT; writes OUT/DONE)
+#                  peer on it from recipes/peer-qwen3-mini.yaml (1000 steps of 16 rows x 256 tokens, 32 anchors a row,
+#                  block 8, 2 layers, Markov rank 64; ARGS add to or replace these), as one detached run (its own OUT;
+#                  writes OUT/DONE); PEER_RESUME=1 goes on in OUT/peer where a run stopped (its target kept)
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
@@ -239,8 +241,15 @@ case "$target" in
     ;;
   peer-qwen3-mini)
     # shellcheck disable=SC2086 # TARGET_ARGS is a word list
-    { log peer python3 -m train recipes/targets/qwen3-mini.yaml log.wandb_mode=disabled ${TARGET_ARGS:-} \
-      && PEER_TARGET=runs/peer-target/final bash "$0" peer "$@"; } || rc=1
+    if [ "${PEER_RESUME:-0}" = 1 ] && [ -d runs/peer-target/final ]; then
+      set -- --resume "$@"  # the target and the bench's finished phases stay
+    else
+      log peer python3 -m train recipes/targets/qwen3-mini.yaml log.wandb_mode=disabled ${TARGET_ARGS:-} || rc=1
+    fi
+    [ "$rc" = 0 ] && { PEER_TARGET=runs/peer-target/final bash "$0" peer --recipe recipes/peer-qwen3-mini.yaml \
+      --steps 1000 --batch-size 16 --anchors 32 --layers 2 --markov-rank 64 --warmup 40 --regen-sequences 4096 \
+      --holdout 64 --prompt-tokens 64 --new-tokens 192 \
+      --eval-tasks humaneval,heldout_code,creative,chat,heldout_prose "$@" || rc=1; }
     echo "peer-qwen3-mini: done rc=$rc" | tee "$OUT/DONE"
     ;;
   k3-mini)
@@ -304,8 +313,11 @@ case "$target" in
     run_out=${RUN_OUT:-runs/gpu}
     end=$((SECONDS + ${1:-60}))
     while [ ! -f "$run_out/DONE" ] && [ $SECONDS -lt $end ]; do sleep 5; done
-    tar -czf "$OUT/results.tgz" -C "$run_out" --exclude="*.tgz" . && ls -la "$run_out"
-    tail -n 4 "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt 2>/dev/null
+    # logs and tables only: no checkpoints, sequences or speculators' feature files
+    tar -czf "$OUT/results.tgz" -C "$run_out" --exclude="*.tgz" --exclude="*.safetensors" --exclude="*.pt" \
+      --exclude="*.arrow" --exclude="*.bin" . && ls -la "$run_out"
+    tail -n 4 "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt "$run_out"/peer.txt 2>/dev/null
+    cat "$run_out"/peer/peer.md "$run_out"/ablate/ablation.md 2>/dev/null
     grep -h "^|" "$run_out"/serve.txt "$run_out"/pair.txt "$run_out"/timeline.txt 2>/dev/null | tail -n 80
     cat "$run_out/DONE" 2>/dev/null || echo "not done yet"
     ;;

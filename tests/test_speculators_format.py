@@ -12,6 +12,7 @@ from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import Qwen3Config
 
+from bench.speculators_parity import max_diffs
 from dspark.checkpoint import convert, export_drafter, load_drafter, load_target, main
 from dspark.engine import Engine
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
@@ -69,66 +70,26 @@ def dirs(tmp_path_factory):
     return root / "target", root / "spec", model
 
 
-def speculators_outputs(model, aux, last, x, monkeypatch):
-    """speculators' own DSpark training forward on target features; its loss function is replaced by one that
-    keeps the (Markov-corrected) logits and confidence logits. Every anchor is used, so the blocks are
-    deterministic: anchors 0..T-N-1 (speculators leaves out the last block_size positions)."""
-    import speculators.models.dspark.core as core
-
-    seen = {}
-
-    def keep(logits, targets, confidence_logits, loss_mask, *args, **kwargs):
-        seen.update(logits=logits, confidence=confidence_logits)
-        return logits.sum() * 0, {}
-
-    monkeypatch.setattr(core, "compute_metrics", keep)
-    T = x.shape[1]
-    with torch.no_grad():
-        model(hidden_states=aux, input_ids=x, loss_mask=torch.ones_like(x), verifier_last_hidden_states=last,
-              document_ids=torch.zeros_like(x), max_anchors=T - BLOCK)
-    return seen["logits"].view(T - BLOCK, BLOCK, -1), seen["confidence"].view(T - BLOCK, BLOCK)
-
-
-def ours_outputs(drafter, aux, x):
-    """Our training pass on the same blocks, Markov head teacher-forced on the block's tokens as speculators does."""
-    T = x.shape[1]
-    anchors = torch.arange(T - BLOCK)[None]
-    with torch.no_grad():
-        h = drafter.train_forward(aux, x, anchors)  # [1, A, N, H]
-        prev = x[0, anchors[0, :, None] + torch.arange(BLOCK)][None]  # [1, A, N]: anchor, then the block's tokens
-        bias, m = drafter.markov(prev)
-        return (drafter.base_logits(h) + bias)[0], drafter.confidence(h, m)[0], bias[0]
-
-
-def compare(target_dir, spec_dir, model, monkeypatch, dtype=torch.float32, seed=0):
+def compare(target_dir, spec_dir, model, dtype=torch.float32, seed=0):
     """-> max abs diffs (logits, confidence logits, Markov bias) between speculators' model and ours on one random
-    sequence of 32 tokens, in `dtype`."""
+    sequence of 32 tokens, in `dtype` (the passes bench/speculators_parity.py runs on trained checkpoints)."""
     target = load_target(target_dir)
     drafter = load_drafter(spec_dir, target, dtype=dtype)
-    model = model.to(dtype)
     x = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        _, feats = target(x, aux_layer_ids=[0, 2, LAYERS - 1])  # ours = AUX_HF - 1, then the last layer, pre-norm
-    aux, last = feats[..., : 2 * HIDDEN].to(dtype), feats[..., 2 * HIDDEN:].to(dtype)
-    s_logits, s_conf = speculators_outputs(model, aux, last, x, monkeypatch)
-    o_logits, o_conf, o_bias = ours_outputs(drafter, aux, x)
-    prev = x[0, torch.arange(32 - BLOCK)[:, None] + torch.arange(BLOCK)]
-    with torch.no_grad():
-        s_bias = model.markov_head.block_bias(prev_token_ids=prev, hidden_states=None)
-    diff = lambda a, b: float((a.float() - b.float()).abs().max())
-    return diff(s_logits, o_logits), diff(s_conf, o_conf), diff(s_bias, o_bias)
+    d = max_diffs(model.to(dtype), drafter, target, x, dtype)
+    return d["logits"], d["confidence"], d["markov_bias"]
 
 
-def test_speculators_checkpoint_gives_speculators_logits_fp32(dirs, monkeypatch):
+def test_speculators_checkpoint_gives_speculators_logits_fp32(dirs):
     target_dir, spec_dir, model = dirs
-    logits, conf, bias = compare(target_dir, spec_dir, model, monkeypatch)
+    logits, conf, bias = compare(target_dir, spec_dir, model)
     assert bias < 1e-6 and logits < 1e-4 and conf < 1e-5, (logits, conf, bias)
 
 
-def test_speculators_checkpoint_gives_speculators_logits_bf16(dirs, monkeypatch):
+def test_speculators_checkpoint_gives_speculators_logits_bf16(dirs):
     """bf16 on both sides: the two implementations round differently (e.g. our fused RMSNorm), so only close."""
     target_dir, spec_dir, model = dirs
-    logits, conf, bias = compare(target_dir, spec_dir, speculator(target_dir), monkeypatch, dtype=torch.bfloat16)
+    logits, conf, bias = compare(target_dir, spec_dir, speculator(target_dir), dtype=torch.bfloat16)
     assert logits < 0.25 and conf < 0.05 and bias < 0.02, (logits, conf, bias)
 
 
