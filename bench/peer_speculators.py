@@ -26,9 +26,11 @@ Figures: steady-state training tokens/s (sequence tokens per step / step time, a
 warm-up excluded; ours includes the target's forward, speculators reads features from disk), end-to-end wall time per
 phase, peak GPU memory of the training process (torch.cuda.max_memory_allocated; ours holds the target as well).
 
+Speculators' losses run eager (inside its compiled forward): its Triton-fused losses do not trace under torch 2.11's
+dynamo ("ListVariable ... is already tracked for mutation" on the kernels' autotune configs).
 On a machine without a GPU the same run works at toy size (speculators' trainer assumes an accelerator: its process
 gets two shims there, the device "cpu" for the local rank and a no-op accelerator synchronize; flex attention ->
-sdpa, its Triton-fused losses -> eager, features in fp32). CPU smoke (about 6 minutes on 2 cores), after `make quickstart`'s target:
+sdpa, features in fp32). CPU smoke (about 6 minutes on 2 cores), after `make quickstart`'s target:
     python3 bench/peer_speculators.py --target runs/quickstart/target/final --out /tmp/peer-smoke --steps 12 \
         --layers 1 --block-size 4 --markov-rank 8 --batch-size 4 --anchors 8 --regen-sequences 24 --holdout 8 \
         --prompt-tokens 32 --new-tokens 48 --eval-prompts 2 --eval-max-tokens 24 --eval-tasks humaneval,creative
@@ -232,7 +234,7 @@ def speculators_args(a, out: Path, name: str, optimizer: str, data: dict, mask_i
             "--epochs", str(epochs), "--checkpoint-freq", str(epochs), "--seed", str(a.seed),
             "--num-workers", str(a.num_workers if cuda else 0),
             "--hidden-states-dtype", "bfloat16" if cuda else "float32",
-            *([] if cuda else ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]), *a.spec_arg]
+            "--loss-implementation", "eager", *([] if cuda else ["--draft-attn-impl", "sdpa"]), *a.spec_arg]
 
 
 def last_checkpoint(ckpt: Path) -> Path:
