@@ -43,6 +43,7 @@ DEFAULT_ROWS = {
     "tv-confidence": ["loss.confidence_target=tv"],
     "rejection-anchors": ["anchors=rejection"],
     "dflash": ["drafter.mode=dflash"],
+    "muon": ["optim.optimizer=muon"],  # Muon for the hidden matrices (train/optim.py)
 }
 DEFAULT_TASKS = "humaneval,heldout_code,creative,heldout_prose,chat"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")

@@ -6,7 +6,8 @@ target, regenerated sequences and budget, then converted and evaluated with `pyt
 Phases (each a subprocess, timed; OUT/peer.json and OUT/peer.md hold the table):
 1. regenerate  our trainer's data path (train.sequences.load_sequences: the target continues corpus prompts) ->
                OUT/ours/sequences.pt; shared by both trainers, so its time is reported apart (--sequences reuses one)
-2. ours        python -m train RECIPE (resume=true: it reads those sequences); target features online every step
+2. ours        python -m train RECIPE (resume=true: it reads those sequences); target features online every step; one
+               row per --ours-optimizers (adamw: "ours"; muon: "ours-muon", train/optim.py)
 3. export      python -m train.speculators_data: the same rows + the target's features in speculators' data format
                (speculators trains from features stored on disk: its end-to-end time = export + training)
 4. speculators python -m speculators.train --speculator-type dspark, one row per --optimizers (adamw: like ours;
@@ -188,6 +189,7 @@ def parse_args(argv):
     ap.add_argument("--holdout", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=192)
+    ap.add_argument("--ours-optimizers", default="adamw,muon", help="our rows (optim.optimizer; adamw is 'ours')")
     ap.add_argument("--optimizers", default="adamw,muon", help="speculators rows")
     ap.add_argument("--spec-loss", default="kl_div", help="speculators' --loss-fn")
     ap.add_argument("--spec-arg", action="append", default=[], help="extra speculators.train argument (repeatable)")
@@ -272,16 +274,23 @@ def bench(a) -> dict:
     else:
         res["regenerate_s"] = phases.run("regen", [py, ME, "_regenerate", str(logs / "regen.json"), *recipe],
                                          clear=(out / "ours",))
-    ours = {"wall_s": phases.run("ours", [py, ME, "_ours", str(logs / "ours.json"), *recipe])}
+    drafters = {}
+    for opt in [o for o in a.ours_optimizers.split(",") if o]:
+        name = "ours" if opt == "adamw" else f"ours-{opt}"  # "ours" also holds the shared sequences
+        if name != "ours" and not (out / name / "sequences.pt").is_file():
+            (out / name).mkdir(exist_ok=True)
+            shutil.copy(out / "ours" / "sequences.pt", out / name / "sequences.pt")
+        argv = [*recipe, f"output_dir={out / name}", f"optim.optimizer={opt}"]
+        res["rows"][name] = {"wall_s": phases.run(name, [py, ME, "_ours", str(logs / f"{name}.json"), *argv])}
+        drafters[name] = out / name / "final"
     res["export_s"] = phases.run("export", [py, "-m", "train.speculators_data", str(out / "ours"), "--target",
                                             str(a.target), "--layer-ids", *map(str, ids), "--out", str(out / "data"),
                                             "--dtype", "float32", "--batch-size", "32", "--overwrite"])
     data = json.loads((out / "data" / "export.json").read_text())
     tokens_per_step = a.batch_size * data["max_seq_len"]
-    ours.update(json.loads((logs / "ours.json").read_text()), steady_tok_s=steady_ours(out / "ours", tokens_per_step,
-                                                                                         warm), e2e_s=ours["wall_s"])
-    res["rows"]["ours"] = ours
-    drafters = {"ours": out / "ours" / "final"}
+    for name, row in res["rows"].items():
+        row.update(json.loads((logs / f"{name}.json").read_text()), e2e_s=row["wall_s"],
+                   steady_tok_s=steady_ours(out / name, tokens_per_step, warm))
     for opt in [o for o in a.optimizers.split(",") if o]:
         name = f"speculators-{opt}"
         args = speculators_args(a, out, name, opt, data, mask_id, cuda)
@@ -337,8 +346,8 @@ def table(res: dict) -> str:
     for name, r in rows.items():
         if "parity" in r:
             p = r["parity"]
-            lines.append(f"\n{name} checkpoint, speculators' model vs ours ({p['rows']} holdout rows of {p['row_len']}, "
-                         f"every anchor): max |logit diff| fp32 {p['float32']['logits']:.2e}, bf16 "
+            lines.append(f"\n{name} checkpoint, speculators' model vs ours ({p['rows']} holdout rows of "
+                         f"{p['row_len']}, every anchor): max |logit diff| fp32 {p['float32']['logits']:.2e}, bf16 "
                          f"{p['bfloat16']['logits']:.3f} (max |logit| {p['bfloat16']['max_abs_logit']:.1f}); "
                          f"confidence bf16 {p['bfloat16']['confidence']:.3f}")
     regen = res["regenerate_s"]

@@ -191,6 +191,8 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    optimizer: Literal["adamw", "muon"] = doc("adamw", "muon: Muon for the hidden 2D matrices, AdamW for the rest "
+                                                       "(train/optim.py)")
     lr: float = 1.5e-3
     min_lr_ratio: float = doc(0.1, "cosine floor as a fraction of lr")
     warmup_steps: int = 40
@@ -199,9 +201,15 @@ class OptimConfig:
     grad_clip: float = 1.0
     batch_size: int = doc(16, "global batch (rows of seq_len)")
     grad_accum: int = 1
+    muon_lr: float | None = doc(None, "the Muon group's lr (None = lr; its step is scaled to AdamW's update RMS)")
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = doc(5, "Newton-Schulz iterations per Muon step")
 
     def validate(self):
-        positive(self, "lr")
+        positive(self, "lr muon_lr")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise RecipeError(f"muon_momentum: expected a number in [0, 1), got {self.muon_momentum}")
+        at_least(self, "muon_ns_steps", 1)
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise RecipeError(f"min_lr_ratio: expected a fraction in [0, 1], got {self.min_lr_ratio}")
         at_least(self, "warmup_steps", 0)

@@ -82,26 +82,34 @@ def test_profile_steps_writes_a_step_profile(setup):
     assert json.loads((setup / "prof" / "final_metrics.json").read_text())["steps"] == 4
 
 
-def test_resume_after_kill_9_continues_from_the_last_checkpoint(setup):
-    """Kill -9 after the step-2 checkpoint, resume: the result equals an uninterrupted run, bit for bit."""
-    ref = train(recipe(setup, "straight"))
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_after_kill_9_continues_from_the_last_checkpoint(setup, optimizer):
+    """Kill -9 after the step-2 checkpoint, resume: the result equals an uninterrupted run, bit for bit (with Muon:
+    both optimizers' states and schedules come back)."""
+    optim = {"batch_size": 4, "warmup_steps": 2, "optimizer": optimizer}
+    ref = train(recipe(setup, f"straight-{optimizer}", optim=optim))
     assert ref.returncode == 0, ref.stderr[-2000:]
-    path = recipe(setup, "killed")
+    path = recipe(setup, f"killed-{optimizer}", optim=optim)
     proc = train(path, "log.save_every=2", wait=False)
-    ckpt = setup / "killed" / "checkpoints" / "step-2" / "trainer_state.json"
+    ckpt = setup / f"killed-{optimizer}" / "checkpoints" / "step-2" / "trainer_state.json"
     deadline = time.time() + 240
     while not ckpt.is_file() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     assert ckpt.is_file(), f"no checkpoint appeared (exit {proc.poll()}): {path.with_suffix('.stderr').read_text()[-2000:]}"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (setup / "killed" / "final").exists() or proc.returncode != 0
+    assert not (setup / f"killed-{optimizer}" / "final").exists() or proc.returncode != 0
     res = train(path, "resume=true")
     assert res.returncode == 0, res.stderr[-2000:]
     assert "resumed from" in res.stderr
-    a = load_file(str(setup / "straight" / "final" / "model.safetensors"))
-    b = load_file(str(setup / "killed" / "final" / "model.safetensors"))
+    a = load_file(str(setup / f"straight-{optimizer}" / "final" / "model.safetensors"))
+    b = load_file(str(setup / f"killed-{optimizer}" / "final" / "model.safetensors"))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    if optimizer == "muon":  # Muon trained the hidden matrices: not the AdamW run's weights
+        if not (setup / "straight-adamw" / "final").is_dir():
+            assert train(recipe(setup, "straight-adamw")).returncode == 0
+        c = load_file(str(setup / "straight-adamw" / "final" / "model.safetensors"))
+        assert not torch.equal(a["layers.0.self_attn.q_proj.weight"], c["layers.0.self_attn.q_proj.weight"])
 
 
 @pytest.mark.parametrize("over, message", [

@@ -1,10 +1,9 @@
-"""The one training loop (targets and drafters): accelerate for devices/precision/data parallel, AdamW with
-warmup + cosine, tqdm, wandb (offline unless configured), periodic resumable checkpoints, holdout evals."""
+"""The one training loop (targets and drafters): accelerate for devices/precision/data parallel, AdamW (or Muon for
+the hidden matrices, train.optim) with warmup + cosine, tqdm, wandb (offline unless configured), periodic resumable checkpoints, holdout evals."""
 from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import shutil
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from train.optim import build_optimizers
 from train.outputs import latest_checkpoint
 from train.sync import wait_for_everyone
 
@@ -65,22 +65,6 @@ class Deadline:
         return len(self.flags) > 2 and self.flags.pop(0).item() > 0
 
 
-def cosine_lr(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:
-    if step < warmup:
-        return (step + 1) / warmup
-    t = (step - warmup) / max(1, max_steps - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
-
-
-def _param_groups(model: torch.nn.Module, weight_decay: float):
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.dim() < 2 or name.endswith(("A_log", "dt_bias")) else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def make_accelerator(recipe):
     from accelerate import Accelerator
 
@@ -97,11 +81,10 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
     ckpt_root = out / "checkpoints"
     oc = recipe.optim
     model = spec.model
-    opt = torch.optim.AdamW(_param_groups(model, oc.weight_decay), lr=oc.lr, betas=tuple(oc.betas))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: cosine_lr(s, recipe.max_steps, oc.warmup_steps, oc.min_lr_ratio))
-    model, opt = accelerator.prepare(model, opt)
-    accelerator.register_for_checkpointing(sched)
+    opts, scheds = build_optimizers(model, oc, recipe.max_steps)
+    model, *opts = accelerator.prepare(model, *opts)
+    for sched in scheds:
+        accelerator.register_for_checkpointing(sched)
     for m in spec.extra_modules:
         m.to(accelerator.device)
 
@@ -160,9 +143,12 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and oc.grad_clip > 0:
                     accelerator.clip_grad_norm_(model.parameters(), oc.grad_clip)
-                opt.step()
-                sched.step() if accelerator.sync_gradients else None
-                opt.zero_grad(set_to_none=True)
+                for opt in opts:
+                    opt.step()
+                for sched in scheds if accelerator.sync_gradients else ():
+                    sched.step()
+                for opt in opts:
+                    opt.zero_grad(set_to_none=True)
         hook = getattr(accelerator.unwrap_model(model), "on_step_end", None)
         if hook is not None:
             hook()
@@ -179,7 +165,7 @@ def run(recipe, spec: LoopSpec, accelerator) -> dict:
         global_loss = accelerator.reduce(loss.detach().float(), reduction="mean")
         if pending is not None:
             metrics = record(*pending)
-        pending = (step, global_loss, step_metrics, time.time() - t0, sched.get_last_lr()[0])
+        pending = (step, global_loss, step_metrics, time.time() - t0, scheds[0].get_last_lr()[0])
         bar.update(1)
         evaluate_now = step % recipe.log.eval_every == 0 or step == recipe.max_steps
         if evaluate_now or step % recipe.log.save_every == 0:  # the log is complete up to an eval or checkpoint

@@ -1,0 +1,66 @@
+"""train.optim: Muon on merged weights equals torch's Muon on the separate matrices, and which parameters each
+optimizer gets."""
+import torch
+
+from dspark.config import OptimConfig
+from dspark.models.drafter import DrafterConfig, DSparkDrafter
+from train.optim import Muon, build_optimizers, cosine_lr
+
+
+def test_muon_on_row_blocks_equals_torch_muon_on_the_separate_matrices():
+    """A [q; k; v]-like weight of three blocks (one taller than wide, one wider): five steps of ours on the merged
+    weight = torch.optim.Muon (match_rms_adamw) on the three matrices, bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    sizes = [48, 16, 40]
+    parts = [torch.nn.Parameter(torch.randn(n, 32, generator=g)) for n in sizes]
+    merged = torch.nn.Parameter(torch.cat([p.detach() for p in parts]))
+    ref = torch.optim.Muon(parts, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    ours = Muon([merged], {merged: sizes}, lr=0.02, weight_decay=0.1, momentum=0.95)
+    for _ in range(5):
+        grad = torch.randn(sum(sizes), 32, generator=g)
+        merged.grad = grad.clone()
+        for p, gp in zip(parts, grad.split(sizes)):
+            p.grad = gp.clone()
+        ref.step()
+        ours.step()
+    assert torch.equal(torch.cat([p.detach() for p in parts]), merged.detach())
+    whole = torch.nn.Parameter(torch.cat([p.detach() for p in parts]))  # one matrix: not the same update
+    one = Muon([whole], lr=0.02, weight_decay=0.1, momentum=0.95)
+    whole.grad = grad.clone()
+    merged.grad = grad.clone()
+    before = merged.detach().clone()
+    one.step()
+    ours.step()
+    assert not torch.allclose(whole.detach() - before, merged.detach() - before, atol=1e-4)
+
+
+def drafter():
+    cfg = DrafterConfig(vocab_size=300, hidden_size=64, target_hidden_size=64, target_layer_ids=[1, 3],
+                        num_target_layers=4, mask_token_id=2, block_size=4, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=96,
+                        max_position_embeddings=512, markov_rank=8)
+    frozen = lambda: torch.nn.Parameter(torch.randn(300, 64), requires_grad=False)  # noqa: E731
+    return DSparkDrafter(cfg, frozen(), frozen())
+
+
+def test_muon_gets_the_hidden_matrices_with_their_blocks_adamw_the_rest():
+    model = drafter()
+    names = {id(p): n for n, p in model.named_parameters()}
+    opts, scheds = build_optimizers(model, OptimConfig(optimizer="muon", lr=1e-3, warmup_steps=4), max_steps=20)
+    adamw, muon = opts
+    got_muon = sorted(names[id(p)] for g in muon.param_groups for p in g["params"])
+    got_adamw = sorted(names[id(p)] for g in adamw.param_groups for p in g["params"])
+    hidden = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+    assert got_muon == sorted(["fc.weight"] + [f"layers.{i}.{m}.weight" for i in range(2) for m in hidden])
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert sorted(got_muon + got_adamw) == trainable  # each trainable parameter in exactly one optimizer
+    assert {"markov_head.markov_w1.weight", "confidence_head.proj.weight", "norm.weight"} <= set(got_adamw)
+    qkv = model.layers[0].self_attn.qkv_proj.weight
+    assert muon.blocks[id(qkv)][:3] == [64, 32, 32]  # q (4 heads x 16), k and v (2 x 16)
+    assert muon.blocks[id(model.layers[0].mlp.gate_up_proj.weight)][:2] == [96, 96]
+    assert [s.get_last_lr()[0] for s in scheds] == [1e-3 * cosine_lr(0, 20, 4, 0.1)] * 2  # one schedule for both
+
+
+def test_adamw_alone_by_default():
+    opts, _ = build_optimizers(drafter(), OptimConfig(), max_steps=10)
+    assert len(opts) == 1 and isinstance(opts[0], torch.optim.AdamW)

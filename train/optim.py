@@ -1,0 +1,93 @@
+"""The optimizers and the learning-rate schedule of the training loop.
+
+adamw: one AdamW over every trainable parameter (no weight decay on vectors and KDA's A_log / dt_bias).
+muon: Muon over the 2D weight matrices of the hidden layers (both sides > 1; the Markov head's vocabulary factors
+left out, as in Keller Jordan's Muon and speculators' DSpark trainer), AdamW over the rest. Both follow the same
+warmup + cosine schedule. Muon's step is scaled to AdamW's update RMS (`match_rms_adamw`), so one lr serves both
+groups unless optim.muon_lr says otherwise.
+
+`Muon` is torch.optim.Muon's update (Nesterov momentum, 5 Newton-Schulz steps in bf16, decoupled weight decay)
+applied to each row block of a merged weight on its own: our q|k|v and gate|up projections are one weight each
+(MergedLinear), and orthogonalizing the stack is not what Muon does to the separate matrices of other trainers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dspark.models.layers import MergedLinear
+
+ADAMW_ONLY = ("embed_tokens", "lm_head", "markov_w1", "markov_w2")  # 2D, yet vocabulary-sized: AdamW
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic iteration)
+
+
+def cosine_lr(step: int, max_steps: int, warmup: int, min_ratio: float) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, max_steps - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
+def orthogonalize(g: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tensor:
+    """[A, B] -> about U V^T of g's SVD (singular values pushed into ~[0.5, 1.5]), in bf16 as torch's Muon."""
+    a, b, c = NS_COEFFICIENTS
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """torch.optim.Muon (adjust_lr_fn="match_rms_adamw"), each block of rows of `blocks[p]` (sizes summing to
+    p.shape[0]) orthogonalized and scaled as a matrix of its own; other parameters as one matrix."""
+
+    def __init__(self, params, blocks: dict[torch.Tensor, list[int]] | None = None, lr: float = 1e-3,
+                 weight_decay: float = 0.1, momentum: float = 0.95, ns_steps: int = 5):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps))
+        self.blocks = {id(p): sizes for p, sizes in (blocks or {}).items()}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, mom = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                buf.lerp_(p.grad, 1 - mom)
+                update = p.grad.lerp(buf, mom)  # Nesterov
+                p.mul_(1 - lr * group["weight_decay"])
+                sizes = self.blocks.get(id(p), [p.shape[0]])
+                for rows, u in zip(p.split(sizes), update.split(sizes)):  # views of p: updated in place
+                    rows.add_(orthogonalize(u, group["ns_steps"]), alpha=-lr * 0.2 * math.sqrt(max(u.shape)))
+
+
+def no_decay(name: str, p: torch.Tensor) -> bool:
+    return p.dim() < 2 or name.endswith(("A_log", "dt_bias"))
+
+
+def is_muon_matrix(name: str, p: torch.Tensor) -> bool:
+    return p.dim() == 2 and min(p.shape) > 1 and not any(h in name for h in ADAMW_ONLY)
+
+
+def build_optimizers(model: torch.nn.Module, oc, max_steps: int):
+    """-> ([optimizer, ...], [LambdaLR, ...]): AdamW first (its lr is the one logged), then Muon when oc.optimizer
+    is "muon"."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    muon = [p for n, p in named if oc.optimizer == "muon" and is_muon_matrix(n, p)]
+    ids = {id(p) for p in muon}
+    rest = [(n, p) for n, p in named if id(p) not in ids]
+    groups = [{"params": [p for n, p in rest if not no_decay(n, p)], "weight_decay": oc.weight_decay},
+              {"params": [p for n, p in rest if no_decay(n, p)], "weight_decay": 0.0}]
+    opts = [torch.optim.AdamW([g for g in groups if g["params"]], lr=oc.lr, betas=tuple(oc.betas))]
+    if muon:
+        blocks = {m.weight: m._sizes for m in model.modules() if isinstance(m, MergedLinear) and id(m.weight) in ids}
+        opts.append(Muon(muon, blocks, lr=oc.muon_lr or oc.lr, weight_decay=oc.weight_decay,
+                         momentum=oc.muon_momentum, ns_steps=oc.muon_ns_steps))
+    schedule = lambda s: cosine_lr(s, max_steps, oc.warmup_steps, oc.min_lr_ratio)  # noqa: E731
+    return opts, [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in opts]
