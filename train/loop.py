@@ -1,5 +1,6 @@
 """The one training loop (targets and drafters): accelerate for devices/precision/data parallel, AdamW (or Muon for
-the hidden matrices, train.optim) with warmup + cosine, tqdm, wandb (offline unless configured), periodic resumable checkpoints, holdout evals."""
+the hidden matrices, train.optim) with warmup + cosine, tqdm, wandb (offline unless configured), periodic resumable
+checkpoints, holdout evals."""
 from __future__ import annotations
 
 import json

@@ -86,7 +86,7 @@ def build_optimizers(model: torch.nn.Module, oc, max_steps: int):
               {"params": [p for n, p in rest if no_decay(n, p)], "weight_decay": 0.0}]
     opts = [torch.optim.AdamW([g for g in groups if g["params"]], lr=oc.lr, betas=tuple(oc.betas))]
     if muon:
-        blocks = {m.weight: m._sizes for m in model.modules() if isinstance(m, MergedLinear) and id(m.weight) in ids}
+        blocks = {m.weight: m.row_sizes for m in model.modules() if isinstance(m, MergedLinear) and id(m.weight) in ids}
         opts.append(Muon(muon, blocks, lr=oc.muon_lr or oc.lr, weight_decay=oc.weight_decay,
                          momentum=oc.muon_momentum, ns_steps=oc.muon_ns_steps))
     schedule = lambda s: cosine_lr(s, max_steps, oc.warmup_steps, oc.min_lr_ratio)  # noqa: E731

@@ -126,6 +126,11 @@ class MergedLinear(RowBlocks, nn.Linear):
         if init:  # init=False: the owner calls reset_parts itself (to keep its modules' initialisation order)
             self.reset_parameters()
 
+    @property
+    def row_sizes(self) -> list[int]:
+        """The weight's row count per part, then the padding rows (if any): sums to out_features."""
+        return self._sizes
+
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """y [..., out_features] -> one [..., n] view per part (the padding columns dropped)."""
         return y.split(self._sizes, -1)[: len(self.parts)]
