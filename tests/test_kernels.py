@@ -133,9 +133,12 @@ def _interp_checks() -> dict:
 
 def _glu_route_checks(g) -> dict:
     """The gated-MLP activation (fp32: gate / up as the halves of a merged projection, a ragged block tail; relative to
-    the largest output) and the MoE router (ids exact, weights 1e-6; sigmoid / softmax, with and without
-    renormalisation, E = 6 not a power of two, a ragged hidden tail)."""
+    the largest output), the MoE router (ids exact, weights 1e-6; sigmoid / softmax, with and without
+    renormalisation, E = 6 not a power of two, a ragged hidden tail) and the experts' weighted sum (dense: every
+    expert's output on every token, read through a transposed view; gathered: one row per (token, slot); fp32, and
+    into bf16 within one ulp: the two sum in different orders)."""
     from dspark.kernels.glu import glu_ref, glu_triton
+    from dspark.kernels.moe_combine import moe_combine_ref, moe_combine_triton
     from dspark.kernels.moe_route import moe_route_ref, moe_route_triton
 
     res = {}
@@ -153,6 +156,17 @@ def _glu_route_checks(g) -> dict:
             name = f"moe_route_{act}{'_renorm' if renorm else ''}"
             res[name] = [float((ri != ki).sum()), 0.0]
             res[name + "_logit"] = [_err(rw, kw), 1e-6]
+    y = torch.randn(7, 6, 40, generator=g).transpose(0, 1)  # [E, N, R]: strides (40, 240, 1)
+    idx = torch.stack([torch.randperm(6, generator=g)[:3] for _ in range(7)])
+    wt = torch.rand(7, 3, generator=g)
+    ref = moe_combine_ref(y, wt, idx)
+    res["moe_combine_dense"] = [_err(ref, moe_combine_triton(y, wt, idx, block=16)), 1e-6 * ref.abs().max().item()]
+    yg = torch.randn(7, 3, 40, generator=g)
+    ref = moe_combine_ref(yg, wt)
+    res["moe_combine_gathered"] = [_err(ref, moe_combine_triton(yg, wt, block=16)), 1e-6 * ref.abs().max().item()]
+    out = moe_combine_triton(yg, wt, dtype=torch.bfloat16, block=16)
+    res["moe_combine_gathered_bf16"] = [_err(moe_combine_ref(yg, wt, dtype=torch.bfloat16), out)
+                                        + float(out.dtype != torch.bfloat16), 2 ** -7 * ref.abs().max().item()]
     return res
 
 
@@ -248,6 +262,7 @@ def _engine_pair_checks() -> dict:
     import dspark.kernels.greedy_verify as gv
     import dspark.kernels.kda_decode as kd
     import dspark.kernels.markov_sample as ms
+    import dspark.kernels.moe_combine as mc
     import dspark.kernels.moe_route as mr
     import dspark.kernels.rope as rp
     from tests.targets import make_target
@@ -267,13 +282,14 @@ def _engine_pair_checks() -> dict:
 
     for mod, name in ((kd, "kda_decode_triton"), (ar, "attn_res_mix_triton"), (ms, "markov_sample_triton"),
                       (dg, "grouped_gemv_triton"), (rp, "norm_rope_triton"), (gv, "greedy_step_triton"),
-                      (gl, "glu_triton"), (mr, "moe_route_triton")):
+                      (gl, "glu_triton"), (mr, "moe_route_triton"), (mc, "moe_combine_triton")):
         counted(mod, name)
     res = {}
     # K3: the grouped expert matvec serves AR steps (1 token x top-2 of 8 experts < 8 pairs; a verify runs every
     # expert once). Qwen3 drafter head dim 16: the norm + RoPE kernel's power-of-two case
     expect = {"k3": {"kda_decode_triton", "attn_res_mix_triton", "grouped_gemv_triton", "glu_triton",
-                     "moe_route_triton", "norm_rope_triton"},  # the last: the K3 drafter's MLA RoPE
+                     "moe_route_triton", "moe_combine_triton",
+                     "norm_rope_triton"},  # the K3 drafter's MLA RoPE
               "qwen3": {"norm_rope_triton", "glu_triton"}}
     for kind, make in (("k3", make_k3_drafter), ("qwen3", make_drafter)):
         target = make_target(kind)
@@ -329,7 +345,8 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "k3_engine_pair_tokens", "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs",
                 "norm_rope_rows", "norm_rope_shared", "rope_only", "rope_interleaved", "greedy_step", "glu_silu", "glu_situ",
                 "glu_situ_no_up_clamp", "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax",
-                "moe_route_softmax_renorm", "qwen3_engine_pair_tokens",
+                "moe_route_softmax_renorm", "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16",
+                "qwen3_engine_pair_tokens",
                 "qwen3_engine_pair_accepted", "qwen3_engine_batch_tokens"]
 
 
@@ -553,8 +570,9 @@ def test_cuda_grouped_gemv():
 def test_cuda_glu_and_router():
     """k3-mini shapes in bf16: the SiTU-GLU of a 9-token verify's shared expert ([gate | up] halves read in place) and
     the SwiGLU within one bf16 rounding of the torch path; the router's picks equal the reference's wherever its
-    scores are not near-tied, weights within 1e-4."""
+    scores are not near-tied, weights within 1e-4; the experts' weighted sum within one bf16 ulp."""
     from dspark.kernels.glu import glu_ref, glu_triton
+    from dspark.kernels.moe_combine import moe_combine_ref, moe_combine_triton
     from dspark.kernels.moe_route import moe_route_ref, moe_route_triton
 
     gate, up = (torch.randn(9, 2 * 384, device="cuda") * 4).bfloat16().chunk(2, -1)
@@ -570,6 +588,10 @@ def test_cuda_glu_and_router():
     clear = ((top3[:, :-1] - top3[:, 1:]).abs() > 1e-4).all(-1)  # rows whose top-3 biased scores are apart
     assert clear.sum() > 32 and torch.equal(ki[clear], ri[clear])
     assert _err(kw[clear], rw[clear]) <= 1e-4
+    y = torch.randn(16, 9, 768, device="cuda").bfloat16()  # a 9-token verify, every expert: [E, N, R]
+    idx, wt = ri[:9], rw[:9]
+    ref, out = moe_combine_ref(y, wt, idx, torch.bfloat16), moe_combine_triton(y, wt, idx, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and _err(out, ref) <= 2 ** -7 * ref.float().abs().max().item()  # one ulp
 
 
 @cuda

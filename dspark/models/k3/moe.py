@@ -24,6 +24,7 @@ from torch import nn
 
 from dspark.kernels import use_triton
 from dspark.kernels.decode_gemv import grouped_gemv
+from dspark.kernels.moe_combine import moe_combine
 from dspark.kernels.moe_route import moe_route, moe_route_ref
 from dspark.models.layers import GatedMLP, RMSNorm
 
@@ -154,8 +155,9 @@ class LatentMoE(nn.Module):
         return self.experts.stacks(dtype)
 
     def _experts_gathered(self, z: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Same as _experts_loop with device ops only: per (token, slot) pair its expert's weights, one bmm each;
-        when there are at least as many pairs as experts, every expert once on every token instead (_experts_dense)."""
+        """Same as _experts_loop with device ops only, the sum in z's dtype (accumulated in fp32): per (token, slot)
+        pair its expert's weights, one bmm each; when there are at least as many pairs as experts, every expert once
+        on every token instead (_experts_dense)."""
         N, k = idx.shape
         ex = self.experts
         if N * k >= self.num_experts:
@@ -165,26 +167,25 @@ class LatentMoE(nn.Module):
             w13, w2 = ex.stacks()
             zk = z.to(w13.dtype).repeat_interleave(k, 0)  # [N*k, R], row j = token j // k
             a = ex.glu(grouped_gemv(zk, w13, flat)).contiguous()  # [N*k, I]
-            return (grouped_gemv(a, w2, flat).float().view(N, k, -1) * w[..., None]).sum(1)
+            return moe_combine(grouped_gemv(a, w2, flat).view(N, k, -1), w, dtype=z.dtype)
         w13, w2 = ex.stacks(self.gate.weight.dtype, flat)  # [N*k, 2I, R], [N*k, R, I]
         zk = z.to(w13.dtype)[:, None].expand(N, k, z.shape[-1]).reshape(N * k, -1, 1)  # [N*k, R, 1]
         a = ex.glu(torch.bmm(w13, zk)[..., 0])  # [N*k, I]
         y = torch.bmm(w2, a[:, :, None])[..., 0]  # [N*k, R]
-        return (y.float().view(N, k, -1) * w[..., None]).sum(1)
+        return moe_combine(y.view(N, k, -1), w, dtype=z.dtype)
 
     def _experts_dense(self, z, idx, w) -> torch.Tensor:
         """All E experts on all N tokens, summed with the routing weights (0 for the experts a token did not pick):
         reads each expert once, where the gathered path would read N*k experts' weights (a verify step of 9 tokens,
         top-2 of 16, reads 18). Two plain matmuls: [w1 | w3] of every expert as one [E*2I, R] weight, then one bmm
         over experts (cuBLAS picks its regular kernels: no broadcast or transposed-input batch).
-        z [N, R] -> [N, R] fp32."""
+        z [N, R] -> [N, R] in z's dtype (the weighted sum accumulated in fp32)."""
         w13, w2 = self.experts.stacks(self.gate.weight.dtype)
         E, N, R = w13.shape[0], z.shape[0], z.shape[-1]
         h = torch.nn.functional.linear(z.to(w13.dtype), w13.view(-1, R)).view(N, E, -1)  # [N, E, 2I]
         a = self.experts.glu(h).transpose(0, 1)  # [E, N, I]
         y = torch.bmm(a, w2.transpose(1, 2))  # [E, N, R]
-        route = torch.zeros(N, E, dtype=torch.float32, device=z.device).scatter_(1, idx, w.float())
-        return (y.float() * route.t()[..., None]).sum(0)
+        return moe_combine(y, w, idx, dtype=z.dtype)
 
     def expert_load(self, x: torch.Tensor) -> torch.Tensor:
         """Tokens routed to each expert for x [.., hidden] with the current bias -> [E] (diagnostics / tests)."""
