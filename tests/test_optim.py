@@ -1,23 +1,27 @@
 """train.optim: Muon on merged weights equals torch's Muon on the separate matrices, and which parameters each
 optimizer gets."""
+import os
+
 import torch
 
 from dspark.config import OptimConfig
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from train.optim import Muon, build_optimizers, cosine_lr
 
+DEVICE = os.environ.get("DSPARK_TEST_DEVICE", "cpu")
+
 
 def test_muon_on_row_blocks_equals_torch_muon_on_the_separate_matrices():
     """A [q; k; v]-like weight of three blocks (one taller than wide, one wider): five steps of ours on the merged
-    weight = torch.optim.Muon (match_rms_adamw) on the three matrices, bit for bit."""
+    weight = torch.optim.Muon (match_rms_adamw) on the three matrices, bit for bit (on DSPARK_TEST_DEVICE)."""
     g = torch.Generator().manual_seed(0)
     sizes = [48, 16, 40]
-    parts = [torch.nn.Parameter(torch.randn(n, 32, generator=g)) for n in sizes]
+    parts = [torch.nn.Parameter(torch.randn(n, 32, generator=g).to(DEVICE)) for n in sizes]
     merged = torch.nn.Parameter(torch.cat([p.detach() for p in parts]))
     ref = torch.optim.Muon(parts, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
     ours = Muon([merged], {merged: sizes}, lr=0.02, weight_decay=0.1, momentum=0.95)
     for _ in range(5):
-        grad = torch.randn(sum(sizes), 32, generator=g)
+        grad = torch.randn(sum(sizes), 32, generator=g).to(DEVICE)
         merged.grad = grad.clone()
         for p, gp in zip(parts, grad.split(sizes)):
             p.grad = gp.clone()
