@@ -19,7 +19,7 @@ def test_muon_on_row_blocks_equals_torch_muon_on_the_separate_matrices():
     parts = [torch.nn.Parameter(torch.randn(n, 32, generator=g).to(DEVICE)) for n in sizes]
     merged = torch.nn.Parameter(torch.cat([p.detach() for p in parts]))
     ref = torch.optim.Muon(parts, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
-    ours = Muon([merged], {merged: sizes}, lr=0.02, weight_decay=0.1, momentum=0.95)
+    ours = Muon([{"params": [merged], "row_sizes": sizes}], lr=0.02, weight_decay=0.1, momentum=0.95)
     for _ in range(5):
         grad = torch.randn(sum(sizes), 32, generator=g).to(DEVICE)
         merged.grad = grad.clone()
@@ -60,8 +60,9 @@ def test_muon_gets_the_hidden_matrices_with_their_blocks_adamw_the_rest():
     assert sorted(got_muon + got_adamw) == trainable  # each trainable parameter in exactly one optimizer
     assert {"markov_head.markov_w1.weight", "confidence_head.proj.weight", "norm.weight"} <= set(got_adamw)
     qkv = model.layers[0].self_attn.qkv_proj.weight
-    assert muon.blocks[id(qkv)][:3] == [64, 32, 32]  # q (4 heads x 16), k and v (2 x 16)
-    assert muon.blocks[id(model.layers[0].mlp.gate_up_proj.weight)][:2] == [96, 96]
+    sizes = {id(p): g["row_sizes"] for g in muon.param_groups for p in g["params"]}
+    assert sizes[id(qkv)][:3] == [64, 32, 32]  # q (4 heads x 16), k and v (2 x 16)
+    assert sizes[id(model.layers[0].mlp.gate_up_proj.weight)][:2] == [96, 96]
     assert [s.get_last_lr()[0] for s in scheds] == [1e-3 * cosine_lr(0, 20, 4, 0.1)] * 2  # one schedule for both
 
 

@@ -43,13 +43,14 @@ def orthogonalize(g: torch.Tensor, steps: int, eps: float = 1e-7) -> torch.Tenso
 
 
 class Muon(torch.optim.Optimizer):
-    """torch.optim.Muon (adjust_lr_fn="match_rms_adamw"), each block of rows of `blocks[p]` (sizes summing to
-    p.shape[0]) orthogonalized and scaled as a matrix of its own; other parameters as one matrix."""
+    """torch.optim.Muon (adjust_lr_fn="match_rms_adamw"). A param group with `row_sizes` (summing to each of its
+    parameters' rows) has every block of rows orthogonalized and scaled as a matrix of its own; in other groups each
+    parameter is one matrix."""
 
-    def __init__(self, params, blocks: dict[torch.Tensor, list[int]] | None = None, lr: float = 1e-3,
-                 weight_decay: float = 0.1, momentum: float = 0.95, ns_steps: int = 5):
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps))
-        self.blocks = {id(p): sizes for p, sizes in (blocks or {}).items()}
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
+                 ns_steps: int = 5):
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
+                                      row_sizes=None))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -62,7 +63,7 @@ class Muon(torch.optim.Optimizer):
                 buf.lerp_(p.grad, 1 - mom)
                 update = p.grad.lerp(buf, mom)  # Nesterov
                 p.mul_(1 - lr * group["weight_decay"])
-                sizes = self.blocks.get(id(p), [p.shape[0]])
+                sizes = group["row_sizes"] or [p.shape[0]]
                 for rows, u in zip(p.split(sizes), update.split(sizes)):  # views of p: updated in place
                     rows.add_(orthogonalize(u, group["ns_steps"]), alpha=-lr * 0.2 * math.sqrt(max(u.shape)))
 
@@ -85,9 +86,11 @@ def build_optimizers(model: torch.nn.Module, oc, max_steps: int):
     groups = [{"params": [p for n, p in rest if not no_decay(n, p)], "weight_decay": oc.weight_decay},
               {"params": [p for n, p in rest if no_decay(n, p)], "weight_decay": 0.0}]
     opts = [torch.optim.AdamW([g for g in groups if g["params"]], lr=oc.lr, betas=tuple(oc.betas))]
-    if muon:
-        blocks = {m.weight: m.row_sizes for m in model.modules() if isinstance(m, MergedLinear) and id(m.weight) in ids}
-        opts.append(Muon(muon, blocks, lr=oc.muon_lr or oc.lr, weight_decay=oc.weight_decay,
-                         momentum=oc.muon_momentum, ns_steps=oc.muon_ns_steps))
+    if muon:  # a group per merged weight (its blocks), one for the other matrices
+        merged = [m for m in model.modules() if isinstance(m, MergedLinear) and id(m.weight) in ids]
+        blocked = [{"params": [m.weight], "row_sizes": m.row_sizes} for m in merged]
+        whole = [p for p in muon if all(p is not m.weight for m in merged)]
+        opts.append(Muon(blocked + ([{"params": whole}] if whole else []), lr=oc.muon_lr or oc.lr,
+                         weight_decay=oc.weight_decay, momentum=oc.muon_momentum, ns_steps=oc.muon_ns_steps))
     schedule = lambda s: cosine_lr(s, max_steps, oc.warmup_steps, oc.min_lr_ratio)  # noqa: E731
     return opts, [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in opts]
