@@ -49,18 +49,20 @@ DEFAULT_TASKS = "humaneval,heldout_code,creative,heldout_prose,chat"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 
 
-def parse_rows(a) -> dict[str, list[str]]:
+def parse_rows(specs: list[str], rows_file: str | None = None,
+               default: dict[str, list[str]] = DEFAULT_ROWS) -> dict[str, list[str]]:
+    """Rows from a YAML file (NAME: [key=value, ...]) and 'NAME: key=value ...' specs; `default` when neither."""
     rows: dict[str, list[str]] = {}
-    if a.rows:
-        data = yaml.safe_load(Path(a.rows).read_text())
+    if rows_file:
+        data = yaml.safe_load(Path(rows_file).read_text())
         if not isinstance(data, dict):
-            raise ValueError(f"--rows {a.rows}: expected a mapping NAME: [key=value, ...]")
+            raise ValueError(f"--rows {rows_file}: expected a mapping NAME: [key=value, ...]")
         for name, ov in data.items():
             rows[str(name)] = [ov] if isinstance(ov, str) else list(ov or [])
-    for spec in a.row:
+    for spec in specs:
         name, _, ov = spec.partition(":")
         rows[name.strip()] = shlex.split(ov)
-    rows = rows or dict(DEFAULT_ROWS)
+    rows = rows or dict(default)
     for name, ov in rows.items():
         if not NAME.fullmatch(name):
             raise ValueError(f"row {name!r}: expected a name of letters, digits, '.', '_', '+', '-'")
@@ -211,7 +213,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     out = Path(a.out)
     try:
-        rows = parse_rows(a)
+        rows = parse_rows(a.row, a.rows)
         for name, ov in rows.items():  # every row's recipe validates before any training
             try:
                 load_recipe(a.recipe, [*a.set, *ov, f"output_dir={out / 'rows' / name}"])

@@ -7,7 +7,8 @@ Phases (each a subprocess, timed; OUT/peer.json and OUT/peer.md hold the table):
 1. regenerate  our trainer's data path (train.sequences.load_sequences: the target continues corpus prompts) ->
                OUT/ours/sequences.pt; shared by both trainers, so its time is reported apart (--sequences reuses one)
 2. ours        python -m train RECIPE (resume=true: it reads those sequences); target features online every step; one
-               row per --ours-optimizers (adamw: "ours"; muon: "ours-muon", train/optim.py)
+               row per --ours-row 'NAME: key=value ...' (default: "ours" with AdamW, "ours-muon" with Muon,
+               train/optim.py)
 3. export      python -m train.speculators_data: the same rows + the target's features in speculators' data format
                (speculators trains from features stored on disk: its end-to-end time = export + training)
 4. speculators python -m speculators.train --speculator-type dspark, one row per --optimizers (adamw: like ours;
@@ -20,9 +21,10 @@ Matched: target, rows (speculators packs --batch-size rows of the regenerated le
 batch x row length, max_anchors = batch x --anchors), block size, draft depth and width (the target's heads, head dim,
 MLP width), aux layers (speculators' --target-layer-ids = ours + 1), every draft layer full attention and non-causal
 (--full-attention-indices all), Markov rank, confidence head (without the Markov input unless --confidence-with-markov),
-steps, lr, warmup, cosine to 0, weight decay, grad clip 1.0. Each keeps its own losses (ours: decayed CE on the target's
-argmax + confidence BCE on greedy correctness; speculators: --spec-loss, default kl_div, + confidence BCE on 1 - TV)
-and its AdamW betas (ours 0.9/0.95, speculators torch's 0.9/0.999).
+steps, lr, warmup, cosine to 0, weight decay, grad clip 1.0. Each keeps its own losses (ours: the recipe's, e.g.
+decayed CE on the target's argmax + KL to its distribution + confidence BCE on greedy correctness; speculators:
+--spec-loss, default kl_div, + confidence BCE on 1 - TV) and its AdamW betas (ours 0.9/0.95, speculators torch's
+0.9/0.999); an --ours-row can take either difference away (loss.ce=0, loss.decay_gamma=4, ...).
 Figures: steady-state training tokens/s (sequence tokens per step / step time, after the first --warm steps: compile and
 warm-up excluded; ours includes the target's forward, speculators reads features from disk), end-to-end wall time per
 phase, peak GPU memory of the training process (torch.cuda.max_memory_allocated; ours holds the target as well).
@@ -53,7 +55,10 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.ablate_drafter import parse_rows  # noqa: E402
+
 ME = str(Path(__file__).resolve())
+OURS_ROWS = {"ours": ["optim.optimizer=adamw"], "ours-muon": ["optim.optimizer=muon"]}
 
 
 # --------------------------------------------------------------------------- in-process runners (subprocesses)
@@ -189,7 +194,9 @@ def parse_args(argv):
     ap.add_argument("--holdout", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=192)
-    ap.add_argument("--ours-optimizers", default="adamw,muon", help="our rows (optim.optimizer; adamw is 'ours')")
+    ap.add_argument("--ours-row", action="append", default=[],
+                    help="'NAME: key=value ...': one of our rows, recipe overrides on top of the matched ones "
+                    "(repeatable; default: ours = AdamW, ours-muon = Muon)")
     ap.add_argument("--optimizers", default="adamw,muon", help="speculators rows")
     ap.add_argument("--spec-loss", default="kl_div", help="speculators' --loss-fn")
     ap.add_argument("--spec-arg", action="append", default=[], help="extra speculators.train argument (repeatable)")
@@ -275,12 +282,11 @@ def bench(a) -> dict:
         res["regenerate_s"] = phases.run("regen", [py, ME, "_regenerate", str(logs / "regen.json"), *recipe],
                                          clear=(out / "ours",))
     drafters = {}
-    for opt in [o for o in a.ours_optimizers.split(",") if o]:
-        name = "ours" if opt == "adamw" else f"ours-{opt}"  # "ours" also holds the shared sequences
-        if name != "ours" and not (out / name / "sequences.pt").is_file():
+    for name, overrides in parse_rows(a.ours_row, default=OURS_ROWS).items():
+        if name != "ours" and not (out / name / "sequences.pt").is_file():  # OUT/ours holds the shared sequences
             (out / name).mkdir(exist_ok=True)
             shutil.copy(out / "ours" / "sequences.pt", out / name / "sequences.pt")
-        argv = [*recipe, f"output_dir={out / name}", f"optim.optimizer={opt}"]
+        argv = [*recipe, f"output_dir={out / name}", *overrides]
         res["rows"][name] = {"wall_s": phases.run(name, [py, ME, "_ours", str(logs / f"{name}.json"), *argv])}
         drafters[name] = out / name / "final"
     res["export_s"] = phases.run("export", [py, "-m", "train.speculators_data", str(out / "ours"), "--target",
