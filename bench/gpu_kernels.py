@@ -1,6 +1,6 @@
 """dspark.kernels on one GPU: each Triton kernel against its torch reference at K3 shapes.
 
-Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov,moe] [--iters 50] [--graph]
+Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov,moe,sample] [--iters 50] [--graph]
 One row per case: max abs error vs the reference (the fp32 reference where the kernel's inputs are bf16), median
 CUDA-event times (after warm-up) of the torch reference and the kernel, the bytes-moved floor (bytes / 4.8 TB/s)
 and the fraction of it the kernel reaches (floor / kernel time). --graph times the kernel as 20 calls captured in
@@ -9,7 +9,8 @@ one CUDA graph (GPU time per call, as inside the decode graphs; without it the h
 picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as column slices of one fused projection
 (as the model passes them since the KDA input GEMMs were fused).
 `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
-against the loop path, N tokens. Prints only; bench/RESULTS.md keeps the figures with their commands.
+against the loop path, N tokens. `sample`: inverse-CDF sampling against its torch definition.
+Prints only; bench/RESULTS.md keeps the figures with their commands.
 Exits with code 2 and a message without CUDA or triton.
 """
 from __future__ import annotations
@@ -28,8 +29,9 @@ HBM = 4.8e12  # bytes/s, H200 datasheet
 GRAPH = False  # --graph: kernel times from graph_ms
 
 
-def _row(name, err, ref_fn, ker_fn, nbytes, iters):
-    t_ref = 1e3 * median_ms(ref_fn, 5, iters)
+def _row(name, err, ref_fn, ker_fn, nbytes, iters, ref_graph=False):
+    """ref_graph: the reference graph-timed too under --graph (a torch path that runs inside the decode graphs)."""
+    t_ref = 1e3 * (graph_ms(ref_fn, 20, iters) if GRAPH and ref_graph else median_ms(ref_fn, 5, iters))
     t_ker = 1e3 * (graph_ms(ker_fn, 20, iters) if GRAPH else median_ms(ker_fn, 5, iters))
     floor = nbytes / HBM * 1e6
     print(f"{name:<44} {err:>9.2e} {t_ref:>10.1f} {t_ker:>9.1f} {t_ref / t_ker:>7.1f}x {nbytes / 1e6:>9.2f} "
@@ -178,9 +180,25 @@ def bench_moe(iters):
             _row(f"moe k3-mini N={N} ({path})", _err(ker(), ref()), ref, ker, nbytes, iters)
 
 
+def bench_sample(iters):
+    """One sampled token per row by inverse CDF (dspark/kernels/inverse_cdf.py) against the torch definition the
+    engine ran before it (both graph-timed under --graph: both run inside the decode graphs): K3's vocabulary and the
+    quickstart's, 1 row (an AR step), 9 (a k = 8 step's draws of one row) and 64."""
+    from dspark.kernels.inverse_cdf import inverse_cdf_ref, inverse_cdf_triton
+    from dspark.spec.sampling import process_logits
+
+    for V in (163840, 8192):
+        for R in (1, 9, 64):
+            w = process_logits(torch.randn(R, V, device="cuda") * 3, 0.7)
+            u = torch.rand(R, device="cuda")
+            err = float((inverse_cdf_triton(w, u) != inverse_cdf_ref(w, u)).sum())  # picks that differ
+            _row(f"inverse_cdf R={R} V={V}", err, partial(inverse_cdf_ref, w, u), partial(inverse_cdf_triton, w, u),
+                 R * V * 4 * 2, iters, ref_graph=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="kda,attnres,mxfp4,markov,moe")
+    ap.add_argument("--only", default="kda,attnres,mxfp4,markov,moe,sample")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graph", action="store_true", help="kernel times inside a CUDA graph (no launch cost)")
     args = ap.parse_args()
@@ -198,7 +216,7 @@ def main() -> int:
     print(f"{'case':<44} {'max_err':>9} {'ref_us':>10} {'ker_us':>9} {'speedup':>8} {'MB':>9} {'floor_us':>8} "
           f"{'of_floor':>6}")
     benches = dict(kda=bench_kda, kda_sweep=bench_kda_sweep, attnres=bench_attnres, mxfp4=bench_mxfp4,
-                   markov=bench_markov, moe=bench_moe)
+                   markov=bench_markov, moe=bench_moe, sample=bench_sample)
     for name in args.only.split(","):
         benches[name.strip()](args.iters)
     return 0

@@ -33,6 +33,35 @@ def _err(a, b):
     return (a.float() - b.float()).abs().max().item()
 
 
+def _icdf_cases(g, device="cpu"):
+    """(name, w, u, kernel kwargs) for inverse_cdf: half the weights zero, an all-zero row, one row positive only in
+    its last columns, u = 0 and u at its largest (u * total rounds up to total: the last positive column); bf16 weights;
+    [B, k, V] leading dims; a row whose only weights are one column or two far apart."""
+    w = torch.rand(37, 5000, generator=g)
+    w[torch.rand(37, 5000, generator=g) < 0.5] = 0
+    w[3], w[5, :-7] = 0, 0
+    u = torch.rand(37, generator=g)
+    u[0], u[1], u[5] = 0.0, 1 - 2 ** -24, 1 - 2 ** -24
+    sparse = torch.zeros(4, 1000)
+    sparse[0, 999], sparse[1, 0], sparse[2, 500], sparse[3, [10, 900]] = 1.0, 2.0, 1e-30, 1.0
+    cases = [("fp32", w, u, dict(slice_cols=2048, block=1024)), ("small_slices", w, u, dict(slice_cols=512, block=128)),
+             ("bf16", w.bfloat16(), u, {}), ("bkv", torch.rand(2, 3, 300, generator=g) ** 8,
+                                             torch.rand(2, 3, generator=g), dict(slice_cols=64, block=32)),
+             ("sparse", sparse, torch.tensor([0.5, 0.99999, 0.3, 0.5]), dict(slice_cols=256, block=64))]
+    return [(n, w.to(device), u.to(device), kw) for n, w, u, kw in cases]
+
+
+def _icdf_invalid(w, u, ids) -> int:
+    """Picks that are not the inverse CDF's up to fp32 rounding (float64 sums): a zero-weight column, a column whose
+    cumulative window misses u * total by more than 1e-5 of the total, or not 0 on a row without weight."""
+    w64, ids, u = w.double().reshape(-1, w.shape[-1]).cpu(), ids.reshape(-1, 1).cpu(), u.reshape(-1).double().cpu()
+    cdf = w64.cumsum(-1)
+    total, hi, wi = cdf[:, -1], cdf.gather(1, ids)[:, 0], w64.gather(1, ids)[:, 0]
+    t, slack = u * total, 1e-5 * total
+    ok = torch.where(total == 0, ids[:, 0] == 0, (wi > 0) & (hi - wi <= t + slack) & (hi >= t - slack))
+    return int((~ok).sum())
+
+
 # ------------------------------------------------------------------------------------------ interpreter (subprocess)
 def _interp_checks() -> dict:
     """Runs with TRITON_INTERPRET=1: name -> [max abs error, tolerance]."""
@@ -40,6 +69,7 @@ def _interp_checks() -> dict:
     from dspark.kernels.attn_res import attn_res_mix_ref, attn_res_mix_triton
     from dspark.kernels.chain_inputs import chain_inputs_triton
     from dspark.kernels.greedy_verify import greedy_step_ref, greedy_step_triton
+    from dspark.kernels.inverse_cdf import inverse_cdf_ref, inverse_cdf_triton
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
     from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
     from dspark.kernels.mxfp4_matmul import (
@@ -128,6 +158,10 @@ def _interp_checks() -> dict:
     res.update(_glu_route_checks(g))
     res["greedy_step"] = [float(sum(int((greedy_step_triton(*c) != greedy_step_ref(*c)).sum())
                                     for c in _greedy_cases("cpu", seed))), 0.0]
+    for name, w, u, kw in _icdf_cases(g):  # every pick valid; these cases pick what the torch definition picks
+        ids = inverse_cdf_triton(w, u, **kw)
+        res[f"inverse_cdf_{name}"] = [_icdf_invalid(w, u, ids) + float(ids.shape != u.shape)
+                                      + float((ids != inverse_cdf_ref(w, u)).sum()), 0.0]
     return res
 
 
@@ -346,6 +380,7 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "norm_rope_rows", "norm_rope_shared", "rope_only", "rope_interleaved", "greedy_step", "glu_silu", "glu_situ",
                 "glu_situ_no_up_clamp", "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax",
                 "moe_route_softmax_renorm", "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16",
+                "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16", "inverse_cdf_bkv", "inverse_cdf_sparse",
                 "qwen3_engine_pair_tokens",
                 "qwen3_engine_pair_accepted", "qwen3_engine_batch_tokens"]
 
@@ -644,3 +679,33 @@ def test_cuda_greedy_step():
 
     for d, top, n in _greedy_cases("cuda", 5, shapes=((1, 8), (64, 4), (512, 7), (32, 0))):
         assert torch.equal(greedy_step_triton(d, top, n), greedy_step_ref(d, top, n))
+
+
+@cuda
+def test_cuda_inverse_cdf():
+    """The interpreter's cases on the GPU, K3's vocabulary (163840) at 1, 9 and 64 rows of temperature-0.7 softmaxes and
+    of rejection residuals max(p - q, 0), every pick valid and nearly all equal to the torch definition's; and 20000
+    draws from one 64-column distribution (a quarter of it zero) with the frequencies it gives (chi-square, p > 1e-4)."""
+    from dspark.kernels.inverse_cdf import inverse_cdf_ref, inverse_cdf_triton
+    from dspark.spec.sampling import process_logits
+
+    g = torch.Generator().manual_seed(0)
+    for name, w, u, kw in _icdf_cases(g, "cuda"):
+        ids = inverse_cdf_triton(w, u, **kw)
+        assert _icdf_invalid(w, u, ids) == 0 and torch.equal(ids, inverse_cdf_ref(w, u)), name
+    for R in (1, 9, 64):
+        p = process_logits(torch.randn(R, 163840, device="cuda") * 3, 0.7)
+        q = process_logits(torch.randn(R, 163840, device="cuda") * 3, 0.7)
+        u = torch.rand(R, device="cuda")
+        for w in (p, (p - q).clamp(min=0)):
+            ids = inverse_cdf_triton(w, u)
+            assert _icdf_invalid(w, u, ids) == 0
+            assert (ids != inverse_cdf_ref(w, u)).float().mean().item() <= 0.05
+    probs = torch.rand(64, generator=g)
+    probs[torch.randperm(64, generator=g)[:16]] = 0
+    n = 20000
+    ids = inverse_cdf_triton(probs.cuda().expand(n, 64), torch.rand(n, generator=g).cuda())
+    seen, want = torch.bincount(ids.cpu(), minlength=64).double(), probs.double() / probs.sum() * n
+    assert seen[probs == 0].sum() == 0
+    chi2 = ((seen - want)[probs > 0] ** 2 / want[probs > 0]).sum().item()
+    assert chi2 < 92.0, chi2  # 47 degrees of freedom: p = 1e-4 at 92

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.kernels.inverse_cdf import inverse_cdf
+
 TEMPERATURE_FLOOR = 1e-5  # sampled rows divide by at least this (callers map smaller temperatures to 0 = greedy)
 
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
@@ -105,19 +107,10 @@ def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) ->
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: probs [..., V] >= 0 (need not sum to 1), u [...] in [0, 1) -> ids [...] long.
-    Picks the first index whose cumulative weight exceeds u * total; rounding in the cumsum (a parallel scan may
-    not be monotone) never yields a zero-weight index: it falls back to the nearest positive index below. A row
-    without any weight gives its argmax (index 0)."""
-    w = probs if probs.dtype == torch.float64 else probs.float()
-    V = w.shape[-1]
-    cdf = w.cumsum(-1)
-    target = u.to(w.dtype)[..., None] * cdf[..., -1:]
-    i = torch.searchsorted(cdf, target, right=True).clamp(max=V - 1)  # [..., 1]
-    arange = torch.arange(V, device=w.device)
-    last_pos = torch.where(w > 0, arange, -1).cummax(-1).values  # the last positive index at or before each slot
-    j = last_pos.gather(-1, i)[..., 0]
-    return torch.where(j >= 0, j, w.argmax(-1))
+    """Inverse-CDF sampling: probs [..., V] >= 0 (need not sum to 1), u [...] in [0, 1) -> ids [...] long: the first
+    index whose cumulative weight exceeds u * total, never a zero-weight index; a row without any weight gives its
+    argmax (index 0). One Triton launch pair on CUDA (dspark/kernels/inverse_cdf.py), else its torch definition."""
+    return inverse_cdf(probs, u)
 
 
 def sample_rows(logits: torch.Tensor, temperature, top_k, top_p, u: torch.Tensor
