@@ -9,8 +9,8 @@ one CUDA graph (GPU time per call, as inside the decode graphs; without it the h
 picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as column slices of one fused projection
 (as the model passes them since the KDA input GEMMs were fused).
 `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
-against the loop path, N tokens. `sample`: inverse-CDF sampling against its torch definition.
-Prints only; bench/RESULTS.md keeps the figures with their commands.
+against the loop path, N tokens. `sample`: a sampled token's temperature softmax and inverse-CDF draw against their
+torch definitions. Prints only; bench/RESULTS.md keeps the figures with their commands.
 Exits with code 2 and a message without CUDA or triton.
 """
 from __future__ import annotations
@@ -181,15 +181,19 @@ def bench_moe(iters):
 
 
 def bench_sample(iters):
-    """One sampled token per row by inverse CDF (dspark/kernels/inverse_cdf.py) against the torch definition the
-    engine ran before it (both graph-timed under --graph: both run inside the decode graphs): K3's vocabulary and the
-    quickstart's, 1 row (an AR step), 9 (a k = 8 step's draws of one row) and 64."""
+    """A sampled token's two steps against the torch definitions the engine ran before them (both graph-timed under
+    --graph: both run inside the decode graphs): the temperature softmax of the logits and one draw by inverse CDF.
+    K3's vocabulary and the quickstart's; 1 row (an AR step), 9 (a k = 8 step's positions of one row) and 64."""
     from dspark.kernels.inverse_cdf import inverse_cdf_ref, inverse_cdf_triton
-    from dspark.spec.sampling import process_logits
+    from dspark.kernels.temperature_softmax import temperature_softmax_ref, temperature_softmax_triton
 
     for V in (163840, 8192):
         for R in (1, 9, 64):
-            w = process_logits(torch.randn(R, V, device="cuda") * 3, 0.7)
+            x, t = (torch.randn(R, V, device="cuda") * 3).bfloat16(), torch.full((R,), 0.7, device="cuda")
+            w = temperature_softmax_ref(x, t)
+            _row(f"temperature_softmax R={R} V={V}", _err(temperature_softmax_triton(x, t), w),
+                 partial(temperature_softmax_ref, x, t), partial(temperature_softmax_triton, x, t), R * V * (2 * 2 + 4),
+                 iters, ref_graph=True)
             u = torch.rand(R, device="cuda")
             err = float((inverse_cdf_triton(w, u) != inverse_cdf_ref(w, u)).sum())  # picks that differ
             _row(f"inverse_cdf R={R} V={V}", err, partial(inverse_cdf_ref, w, u), partial(inverse_cdf_triton, w, u),

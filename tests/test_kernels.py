@@ -51,6 +51,19 @@ def _icdf_cases(g, device="cpu"):
     return [(n, w.to(device), u.to(device), kw) for n, w, u, kw in cases]
 
 
+def _softmax_cases(g):
+    """(name, logits, t, kernel kwargs) for temperature_softmax: per-row t (sampled, greedy, below the floor), a row of
+    ties, rows that are -inf past column 100 or up to column 2100 (a whole slice of -inf), a tied max far apart
+    (the first is the greedy pick); bf16 logits; [B, k, V] leading dims."""
+    x = torch.randn(6, 5000, generator=g) * 4
+    x[1], x[2, 100:], x[3, :2100] = x[1].max(), float("-inf"), float("-inf")
+    x[4, 7] = x[4, 4000] = x[4].max() + 1
+    t = torch.tensor([0.7, 0.0, 1.0, 0.5, 0.0, 1e-7])
+    return [("fp32", x, t, {}), ("small_slices", x, t, dict(slice_cols=512, block=128)), ("bf16", x.bfloat16(), t, {}),
+            ("bkv", torch.randn(2, 3, 300, generator=g), torch.tensor([[0.0, 1.0, 0.7], [2.0, 0.3, 0.0]]),
+             dict(slice_cols=64, block=32))]
+
+
 def _icdf_invalid(w, u, ids) -> int:
     """Picks that are not the inverse CDF's up to fp32 rounding (float64 sums): a zero-weight column, a column whose
     cumulative window misses u * total by more than 1e-5 of the total, or not 0 on a row without weight."""
@@ -79,6 +92,7 @@ def _interp_checks() -> dict:
         mxfp4_matmul_triton,
         quantize_mxfp4,
     )
+    from dspark.kernels.temperature_softmax import temperature_softmax_ref, temperature_softmax_triton
 
     assert interpreting()
     res = {}
@@ -158,6 +172,9 @@ def _interp_checks() -> dict:
     res.update(_glu_route_checks(g))
     res["greedy_step"] = [float(sum(int((greedy_step_triton(*c) != greedy_step_ref(*c)).sum())
                                     for c in _greedy_cases("cpu", seed))), 0.0]
+    for name, x, t, kw in _softmax_cases(g):
+        out, ref = temperature_softmax_triton(x, t, **kw), temperature_softmax_ref(x, t)
+        res[f"temperature_softmax_{name}"] = [_err(out, ref) + float(out.shape != ref.shape), 1e-6]
     for name, w, u, kw in _icdf_cases(g):  # every pick valid; these cases pick what the torch definition picks
         ids = inverse_cdf_triton(w, u, **kw)
         res[f"inverse_cdf_{name}"] = [_icdf_invalid(w, u, ids) + float(ids.shape != u.shape)
@@ -380,7 +397,8 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "norm_rope_rows", "norm_rope_shared", "rope_only", "rope_interleaved", "greedy_step", "glu_silu", "glu_situ",
                 "glu_situ_no_up_clamp", "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax",
                 "moe_route_softmax_renorm", "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16",
-                "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16", "inverse_cdf_bkv", "inverse_cdf_sparse",
+                "temperature_softmax_fp32", "temperature_softmax_small_slices", "temperature_softmax_bf16",
+                "temperature_softmax_bkv", "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16", "inverse_cdf_bkv", "inverse_cdf_sparse",
                 "qwen3_engine_pair_tokens",
                 "qwen3_engine_pair_accepted", "qwen3_engine_batch_tokens"]
 
@@ -682,14 +700,18 @@ def test_cuda_greedy_step():
 
 
 @cuda
-def test_cuda_inverse_cdf():
-    """The interpreter's cases on the GPU, K3's vocabulary (163840) at 1, 9 and 64 rows of temperature-0.7 softmaxes and
+def test_cuda_sampling_kernels():
+    """temperature_softmax and inverse_cdf: the interpreter's cases on the GPU; inverse_cdf at K3's vocabulary (163840) at 1, 9 and 64 rows of temperature-0.7 softmaxes and
     of rejection residuals max(p - q, 0), every pick valid and nearly all equal to the torch definition's; and 20000
     draws from one 64-column distribution (a quarter of it zero) with the frequencies it gives (chi-square, p > 1e-4)."""
     from dspark.kernels.inverse_cdf import inverse_cdf_ref, inverse_cdf_triton
+    from dspark.kernels.temperature_softmax import temperature_softmax_ref, temperature_softmax_triton
     from dspark.spec.sampling import process_logits
 
     g = torch.Generator().manual_seed(0)
+    for name, x, t, kw in _softmax_cases(g):
+        x, t = x.cuda(), t.cuda()
+        assert _err(temperature_softmax_triton(x, t, **kw), temperature_softmax_ref(x, t)) <= 1e-6, name
     for name, w, u, kw in _icdf_cases(g, "cuda"):
         ids = inverse_cdf_triton(w, u, **kw)
         assert _icdf_invalid(w, u, ids) == 0 and torch.equal(ids, inverse_cdf_ref(w, u)), name

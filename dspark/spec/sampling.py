@@ -16,8 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dspark.kernels.inverse_cdf import inverse_cdf
-
-TEMPERATURE_FLOOR = 1e-5  # sampled rows divide by at least this (callers map smaller temperatures to 0 = greedy)
+from dspark.kernels.temperature_softmax import TEMPERATURE_FLOOR, temperature_softmax
 
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser multipliers
@@ -80,30 +79,31 @@ def process_logits(logits: torch.Tensor, temperature=1.0, top_k=0, top_p=1.0) ->
     temperature <= 0: greedy, a one-hot at the argmax (first index on ties); other rows divide by at least
     TEMPERATURE_FLOOR. top_k 0 (or >= V) is off; ties with the k-th value are kept. top_p >= 1 is off; top-p keeps
     the smallest prefix (by probability after top-k) whose mass reaches top_p, and always the most likely token.
-    Finite logits never give nan/inf. Sorting is skipped when top_k and top_p are Python numbers that are off.
-    Apply the same call to target and drafter logits so both describe the same sampling rule."""
-    logits = logits.float()
+    Finite logits never give nan/inf. Sorting is skipped when top_k and top_p are Python numbers that are off; the
+    filters drop logits (to -inf) and temperature_softmax (dspark/kernels/temperature_softmax.py) makes the rest
+    probabilities. Apply the same call to target and drafter logits so both describe the same sampling rule."""
     V = logits.shape[-1]
-    t = _per_row(temperature, logits, torch.float32)
-    greedy = t <= 0
-    x = (logits - logits.amax(-1, keepdim=True)) / torch.where(greedy, 1.0, t.clamp(min=TEMPERATURE_FLOOR))
+    t = _per_row(temperature, logits, torch.float32)  # [..., 1]
     k_off = _static_off(top_k, lambda k: k <= 0 or k >= V)
     p_off = _static_off(top_p, lambda p: p >= 1.0)
     if not (k_off and p_off):
+        logits = logits.float()
+        x = (logits - logits.amax(-1, keepdim=True)) / torch.where(t <= 0, 1.0, t.clamp(min=TEMPERATURE_FLOOR))
         srt, idx = x.sort(dim=-1, descending=True, stable=True)  # [..., V]; the argmax first, as torch.argmax picks it
+        drop = torch.zeros_like(srt, dtype=torch.bool)
         if not k_off:
             k = _per_row(top_k, logits, torch.long)
             kth = srt.gather(-1, (k - 1).clamp(0, V - 1))
-            srt = srt.masked_fill((srt < kth) & (k > 0) & (k < V), float("-inf"))
+            drop |= (srt < kth) & (k > 0) & (k < V)
+            srt = srt.masked_fill(drop, float("-inf"))
         if not p_off:
             p = _per_row(top_p, logits, torch.float32)
             ps = srt.softmax(-1)
             before = ps.cumsum(-1) - ps  # mass of the more likely tokens
             rank = torch.arange(V, device=x.device)
-            srt = srt.masked_fill((before >= p) & (p < 1) & (rank > 0), float("-inf"))
-        x = torch.empty_like(x).scatter_(-1, idx, srt)
-    onehot = torch.zeros_like(x).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    return torch.where(greedy, onehot, x.softmax(-1))
+            drop |= (before >= p) & (p < 1) & (rank > 0)
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter_(-1, idx, drop), float("-inf"))
+    return temperature_softmax(logits, t[..., 0])
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
