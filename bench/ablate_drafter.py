@@ -44,6 +44,7 @@ DEFAULT_ROWS = {
     "rejection-anchors": ["anchors=rejection"],
     "dflash": ["drafter.mode=dflash"],
     "muon": ["optim.optimizer=muon"],  # Muon for the hidden matrices (train/optim.py)
+    "decay-g4": ["loss.decay_gamma=4"],  # DFlash's position decay at block 8 (the default is exp(-d / block_size))
 }
 DEFAULT_TASKS = "humaneval,heldout_code,creative,heldout_prose,chat"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
