@@ -352,6 +352,11 @@ class LossConfig:
         "1 - TV(q_draft, p_target), the chance a draft sampled from q is accepted by rejection sampling")
     decay_gamma: float | None = doc(None, "position decay exp(-d/gamma) of the ce, distill and kl terms; None = "
                                           "block_size")
+    decay_norm: Literal["weights", "tokens"] = doc(
+        "weights", "the decayed terms' denominator: the sum of the decay weights (a weighted mean), or the number of "
+        "drafted tokens (speculators' DSpark)")
+    confidence_grad: bool = doc(False, "the confidence BCE's gradient reaches the draft layers (speculators' DSpark); "
+                                       "false: the head learns on detached hidden states")
 
     def validate(self):
         at_least(self, "ce distill kl confidence", 0.0)

@@ -1,4 +1,5 @@
-"""Drafter loss options: soft targets (loss.kl) and the confidence head's target (loss.confidence_target)."""
+"""Drafter loss options: soft targets (loss.kl), the confidence head's target (loss.confidence_target) and gradient
+(loss.confidence_grad), the decayed terms' normalisation (loss.decay_norm)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,11 +88,41 @@ def test_confidence_target_tv_is_one_minus_the_tv_distance(drafter):
         drafter_loss(drafter, h, anchors, labels, None, LossWeights(confidence_target="tv"))
 
 
+def test_decay_norm_tokens_divides_the_decayed_sum_by_the_drafted_tokens(drafter):
+    """decay_norm=tokens (speculators' normalisation): the same decayed sum over the number of valid drafts instead of
+    over the sum of the decay weights, so the loss is the default's times sum(w) / count."""
+    h, anchors, labels, tl = inputs(drafter)
+    labels[0, 0, 2] = -100
+    weights, _, _ = drafter_loss(drafter, h, anchors, labels, tl, LossWeights(kl=1.0, confidence=0.0))
+    tokens, _, _ = drafter_loss(drafter, h, anchors, labels, tl, LossWeights(kl=1.0, confidence=0.0,
+                                                                            decay_norm="tokens"))
+    w = torch.exp(-torch.arange(D, device=labels.device) / D) * (labels >= 0)
+    ratio = (w.sum() / (labels >= 0).sum()).item()
+    assert ratio < 0.9 and tokens.item() == pytest.approx(weights.item() * ratio, rel=1e-5)
+
+
+def test_confidence_grad_reaches_the_draft_hidden_states_only_when_asked(drafter):
+    """confidence_grad: the confidence BCE's gradient flows into the draft hidden states h (and so the draft layers);
+    by default the head learns on detached ones and h gets none of it."""
+    h0, anchors, labels, tl = inputs(drafter)
+    grads = {}
+    for flag in (False, True):
+        h = h0.clone().requires_grad_(True)
+        loss, _, _ = drafter_loss(drafter, h, anchors, labels, tl, LossWeights(ce=0.0, confidence=1.0,
+                                                                            confidence_grad=flag))
+        loss.backward()
+        grads[flag] = h.grad
+    drafter.zero_grad()
+    assert grads[False] is None and grads[True].abs().sum() > 0
+
+
 def test_recipe_loss_fields_are_validated():
     from dspark.config import RecipeError, load_recipe
 
     with pytest.raises(RecipeError, match=r"loss.confidence_target: expected one of \['correct', 'tv'\]"):
         load_recipe("recipes/quickstart.yaml", ["loss.confidence_target=soft"])
+    with pytest.raises(RecipeError, match=r"loss.decay_norm: expected one of \['weights', 'tokens'\]"):
+        load_recipe("recipes/quickstart.yaml", ["loss.decay_norm=count"])
     with pytest.raises(RecipeError, match="loss.kl: expected >= 0.0"):
         load_recipe("recipes/quickstart.yaml", ["loss.kl=-1"])
     r = load_recipe("recipes/quickstart.yaml", ["loss.ce=0", "loss.kl=1.0"])  # KL instead of CE is a recipe

@@ -16,11 +16,14 @@ class LossWeights:
     decay_gamma: float | None = None  # w_d = exp(-d / gamma); None = block_size (DFlash: 7 for 16, 4 for 8)
     kl: float = 0.0  # KL(p_target || q_draft) at the aligned position
     confidence_target: str = "correct"  # "correct": 0/1 greedy correctness; "tv": 1 - TV(q_draft, p_target)
+    decay_norm: str = "weights"  # the decayed terms over the sum of the decay weights, or over the token count
+    confidence_grad: bool = False  # the confidence BCE's gradient reaches the draft layers
 
     @classmethod
     def from_recipe(cls, loss) -> LossWeights:
         """From a recipe's LossConfig."""
-        return cls(loss.ce, loss.distill, loss.confidence, loss.decay_gamma, loss.kl, loss.confidence_target)
+        return cls(loss.ce, loss.distill, loss.confidence, loss.decay_gamma, loss.kl, loss.confidence_target,
+                   loss.decay_norm, loss.confidence_grad)
 
     @property
     def needs_target_logits(self) -> bool:
@@ -50,7 +53,7 @@ def drafter_loss(drafter, h: torch.Tensor, anchor_tokens: torch.Tensor, labels: 
     gamma = w.decay_gamma or float(drafter.config.block_size)
     pos_w = torch.exp(-torch.arange(D, device=h.device, dtype=torch.float32) / gamma)
     wgt = pos_w * valid  # [B, A, D]
-    denom = wgt.sum().clamp(min=1.0)
+    denom = (wgt.sum() if w.decay_norm == "weights" else valid.sum()).clamp(min=1.0)
 
     def decayed(x):  # [B, A, D] -> the position-decayed mean over the valid drafts
         return (x * wgt).sum() / denom
@@ -73,7 +76,8 @@ def drafter_loss(drafter, h: torch.Tensor, anchor_tokens: torch.Tensor, labels: 
         loss = loss + w.kl * decayed(kl)
         metrics["kl"] = decayed(kl.detach())
     correct = (logits.argmax(-1) == labels) & valid  # [B, A, D]
-    conf = drafter.confidence(h.detach(), None if m is None else m.detach())
+    hc, mc = (h, m) if w.confidence_grad else (h.detach(), None if m is None else m.detach())
+    conf = drafter.confidence(hc, mc)
     if conf is not None and w.confidence:
         if w.confidence_target == "tv":  # the acceptance probability of a draft sampled from q: sum_v min(p, q)
             goal = 1 - (tv.detach() if tv is not None else 0.5 * (q.detach() - p).abs().sum(-1))
