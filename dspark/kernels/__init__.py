@@ -75,5 +75,11 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     return interpreting() or all(t.is_cuda for t in tensors)
 
 
+def as_rows(x: torch.Tensor) -> tuple[torch.Size, torch.Tensor]:
+    """x [..., V] -> (its leading shape, x as rows [R, V] with unit column stride: a view where it can be)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return x.shape[:-1], rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels import next_pow2, tl, triton, use_triton
+from dspark.kernels import as_rows, next_pow2, tl, triton, use_triton
 
 SLICE = 2048  # columns per program of the first pass (K3's vocabulary: 80 programs per row)
 BLOCK = 1024  # columns per chunk
@@ -81,10 +81,8 @@ def _pick_kernel(w_ptr, u_ptr, sums_ptr, last_ptr, out_ptr, V, stride_w, S,
 @torch.compiler.disable  # a torch.compile'd caller launches the kernels as they are
 def inverse_cdf_triton(w: torch.Tensor, u: torch.Tensor, slice_cols: int = SLICE, block: int = BLOCK
                        ) -> torch.Tensor:
-    lead, V = w.shape[:-1], w.shape[-1]
-    w2 = w.reshape(-1, V)
-    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
-    R = w2.shape[0]
+    lead, w2 = as_rows(w)
+    R, V = w2.shape
     out = torch.empty(R, dtype=torch.long, device=w.device)
     if R == 0:
         return out.view(lead)

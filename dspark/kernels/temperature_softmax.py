@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.kernels import next_pow2, tl, triton, use_triton
+from dspark.kernels import as_rows, next_pow2, tl, triton, use_triton
 
 TEMPERATURE_FLOOR = 1e-5  # sampled rows divide by at least this (callers map smaller temperatures to 0 = greedy)
 SLICE = 2048  # columns per program (K3's vocabulary: 80 programs per row)
@@ -84,12 +84,10 @@ def _write_kernel(x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, out_ptr, V, stride_x,
 @torch.compiler.disable  # a torch.compile'd caller launches the kernels as they are
 def temperature_softmax_triton(logits: torch.Tensor, t: torch.Tensor, slice_cols: int = SLICE, block: int = BLOCK
                                ) -> torch.Tensor:
-    lead, V = logits.shape[:-1], logits.shape[-1]
-    x = logits.reshape(-1, V)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    R = x.shape[0]
+    lead, x = as_rows(logits)
+    R, V = x.shape
     out = torch.empty(R, V, dtype=torch.float32, device=logits.device)
-    if R == 0 or V == 0:
+    if R == 0:
         return out.view(*lead, V)
     tr = t.to(torch.float32).expand(lead).reshape(R).contiguous()
     block = min(block, slice_cols)
