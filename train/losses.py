@@ -2,7 +2,7 @@
 distribution, teacher-forced Markov, confidence BCE (against 0/1 correctness or 1 - TV)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +22,7 @@ class LossWeights:
     @classmethod
     def from_recipe(cls, loss) -> LossWeights:
         """From a recipe's LossConfig."""
-        return cls(loss.ce, loss.distill, loss.confidence, loss.decay_gamma, loss.kl, loss.confidence_target,
-                   loss.decay_norm, loss.confidence_grad)
+        return cls(**{f.name: getattr(loss, f.name) for f in fields(cls)})
 
     @property
     def needs_target_logits(self) -> bool:

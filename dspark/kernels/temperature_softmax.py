@@ -32,16 +32,16 @@ def temperature_softmax_ref(logits: torch.Tensor, t: torch.Tensor) -> torch.Tens
 
 
 @triton.jit
-def _divisor(t):
-    return tl.where(t <= 0, 1.0, tl.maximum(t, 1e-5))  # TEMPERATURE_FLOOR
+def _divisor(t, FLOOR: tl.constexpr):
+    return tl.where(t <= 0, 1.0, tl.maximum(t, FLOOR))
 
 
 @triton.jit
 def _stats_kernel(x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, V, stride_x, S,
-                  SLICE: tl.constexpr, BLOCK: tl.constexpr):
+                  FLOOR: tl.constexpr, SLICE: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
-    div = _divisor(tl.load(t_ptr + r))
+    div = _divisor(tl.load(t_ptr + r), FLOOR)
     m = float("-inf")
     acc = 0.0
     arg = 0
@@ -61,11 +61,11 @@ def _stats_kernel(x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, V, stride_x, S,
 
 @triton.jit
 def _write_kernel(x_ptr, t_ptr, max_ptr, sum_ptr, arg_ptr, out_ptr, V, stride_x, S,
-                  SLICE: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
+                  FLOOR: tl.constexpr, SLICE: tl.constexpr, SP: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     t = tl.load(t_ptr + r)
-    div = _divisor(t)
+    div = _divisor(t, FLOOR)
     si = tl.arange(0, SP)
     ms = tl.load(max_ptr + r * S + si, mask=si < S, other=float("-inf"))
     sums = tl.load(sum_ptr + r * S + si, mask=si < S, other=0.0)
@@ -94,9 +94,10 @@ def temperature_softmax_triton(logits: torch.Tensor, t: torch.Tensor, slice_cols
     S = triton.cdiv(V, slice_cols)
     mx = torch.empty(R, S, dtype=torch.float32, device=logits.device)
     sums, arg = torch.empty_like(mx), torch.empty(R, S, dtype=torch.int32, device=logits.device)
-    _stats_kernel[(R, S)](x, tr, mx, sums, arg, V, x.stride(0), S, SLICE=slice_cols, BLOCK=block, num_warps=4)
-    _write_kernel[(R, S)](x, tr, mx, sums, arg, out, V, x.stride(0), S, SLICE=slice_cols, SP=next_pow2(S),
+    _stats_kernel[(R, S)](x, tr, mx, sums, arg, V, x.stride(0), S, FLOOR=TEMPERATURE_FLOOR, SLICE=slice_cols,
                           BLOCK=block, num_warps=4)
+    _write_kernel[(R, S)](x, tr, mx, sums, arg, out, V, x.stride(0), S, FLOOR=TEMPERATURE_FLOOR, SLICE=slice_cols,
+                          SP=next_pow2(S), BLOCK=block, num_warps=4)
     return out.view(*lead, V)
 
 
