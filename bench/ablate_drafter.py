@@ -42,7 +42,8 @@ DEFAULT_ROWS = {
     "kl": ["loss.ce=0", "loss.kl=1.0"],  # soft targets instead of CE
     "tv-confidence": ["loss.confidence_target=tv"],
     "rejection-anchors": ["anchors=rejection"],
-    "dflash": ["drafter.mode=dflash"],
+    # the DFlash layout takes Qwen3 layers (the k3 backbone has only the dspark layout); block 9 = 8 drafts
+    "dflash": ["drafter.backbone=qwen3", "drafter.mode=dflash", "drafter.block_size=9"],
     "muon": ["optim.optimizer=muon"],  # Muon for the hidden matrices (train/optim.py)
     "decay-g4": ["loss.decay_gamma=4"],  # DFlash's position decay at block 8 (the default is exp(-d / block_size))
 }

@@ -34,7 +34,9 @@
 #                  speculators wheels in .whl); PEER_TARGET (default runs/peer-target/final) must exist; ARGS go to the
 #                  script
 #   ablate-k3-mini the k3-mini target (TARGET_ARGS), then ablate on it (ARGS), as one detached run (its own OUT;
-#                  writes OUT/DONE for `wait`)
+#                  writes OUT/DONE for `wait`); the CUDA tests run beside the target's training and the regeneration
+#                  until the first row's timed training begins (-> $OUT/tests-cuda.txt), REST_TESTS=1 runs the rest
+#                  after the ablation
 #   peer-qwen3-mini  the Qwen3 peer target (recipes/targets/qwen3-mini.yaml -> runs/peer-target; TARGET_ARGS), then
 #                  peer on it from recipes/peer-qwen3-mini.yaml (1000 steps of 16 rows x 256 tokens, 32 anchors a row,
 #                  block 8, 2 layers, Markov rank 64; ARGS add to or replace these), as one detached run (its own OUT;
@@ -149,6 +151,28 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -c "import fla; print('fla', getattr(fla, '__version__', '?'))" 2>/dev/null || echo "fla: not installed"
 echo "NGPU=$NGPU OUT=$OUT"
 
+# side_tests GLOB: the CUDA suite beside a training (the engine's own tests first), in a process group of its own
+# (xdist's workers included), stopped once a file GLOB names says "trainable params": the drafter's timed training
+# begins, which it must not share
+side_tests() {
+  setsid bash "$0" tests-cuda -n 8 --timeout 200 tests/test_overlap.py tests/test_runner.py tests/test_engine.py \
+    tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
+  side_pid=$!
+  # shellcheck disable=SC2086 # GLOB is expanded at every look
+  ( until cat $1 2>/dev/null | grep -qs "trainable params"; do sleep 5; done
+    kill -- -$side_pid 2>/dev/null && echo "CUDA tests stopped as the drafter's training began" ) &
+  side_watcher=$!
+}
+side_tests_end() { kill $side_watcher 2>/dev/null; kill -- -$side_pid 2>/dev/null; wait; }
+# rest_tests: every test of the CUDA suite the side run did not report
+rest_tests() {
+  local outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS" done_ids  # `-v` lines, with xdist or without
+  mapfile -t done_ids < <(grep -oE "($outcome) tests/[^ ]+|tests/[^ ]+::[^ ]+ ($outcome)" "$OUT/tests-cuda.txt" \
+    | grep -oE "tests/[^ ]+" | sort -u | sed "s/^/--deselect=/")
+  echo "${#done_ids[@]} tests done beside the training; the rest now"
+  bash "$0" tests-cuda -n 8 --timeout 200 "${done_ids[@]}" > "$OUT/rest.txt" 2>&1
+}
+
 rc=0
 case "$target" in
   kernels)
@@ -236,7 +260,10 @@ case "$target" in
     ;;
   ablate-k3-mini)
     # shellcheck disable=SC2086 # TARGET_ARGS is a word list
+    side_tests "$OUT/ablate/rows/*.log"
     { bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" ablate "$@"; } || rc=1
+    side_tests_end
+    [ "${REST_TESTS:-0}" = 1 ] && { rest_tests || rc=1; }
     echo "ablate-k3-mini: done rc=$rc" | tee "$OUT/DONE"
     ;;
   peer-qwen3-mini)
@@ -259,20 +286,10 @@ case "$target" in
     ;;
   served)
     # shellcheck disable=SC2086 # the ARGS variables are word lists
-    # the CUDA tests share the GPU with the target's training and the regeneration, not with the drafter's timed
-    # steps: in a process group of their own (xdist's workers included), stopped when that training begins
-    # (the engine's own tests first: the served runs below depend on them)
-    setsid bash "$0" tests-cuda -n 8 --timeout 200 tests/test_overlap.py tests/test_runner.py tests/test_engine.py \
-      tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
-    tests=$!
-    ( until grep -qs "trainable params" "$OUT/train-drafter.txt"; do sleep 5; done
-      kill -- -$tests 2>/dev/null && echo "served: CUDA tests stopped as the drafter's training began" ) &
-    watcher=$!
+    side_tests "$OUT/train-drafter.txt"
     trained=0
     bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} && trained=1 || rc=1
-    kill $watcher 2>/dev/null
-    kill -- -$tests 2>/dev/null
-    wait
+    side_tests_end
     s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-240} s3=${COMPILED_SERVE_S:-360} s4=${QUICKSTART_COMPILED_S:-240}
     quickstart=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final)
     # the compiled servers at concurrency 1, code, greedy, with one batch slot (the graphs of one row only)
@@ -301,12 +318,7 @@ case "$target" in
     # shellcheck disable=SC2086 # TIMELINE_ARGS is a word list
     [ "${TIMELINE:-1}" != 0 ] && { "${tl_pair[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
       --prompts 64 --kernels 8} || rc=$?; }
-    # the rest of the CUDA suite: every test the side run did not report
-    outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"  # `-v` lines, with xdist ("[gw0] [ 5%] PASSED id") or without
-    mapfile -t done_ids < <(grep -oE "($outcome) tests/[^ ]+|tests/[^ ]+::[^ ]+ ($outcome)" "$OUT/tests-cuda.txt" \
-      | grep -oE "tests/[^ ]+" | sort -u | sed "s/^/--deselect=/")
-    echo "served: ${#done_ids[@]} tests done beside the training; the rest now"
-    bash "$0" tests-cuda -n 8 --timeout 200 "${done_ids[@]}" > "$OUT/rest.txt" 2>&1 || rc=$?
+    rest_tests || rc=$?
     echo "served: done rc=$rc" | tee "$OUT/DONE"
     ;;
   wait)

@@ -301,6 +301,9 @@ class DrafterModelConfig:
         at_least(self, "block_size", 1 if self.mode == "dspark" else 2, f" in {self.mode} mode")
         at_least(self, "num_layers num_heads num_kv_heads head_dim intermediate_size", 1)
         at_least(self, "markov_rank", 0)
+        if self.backbone == "k3" and self.mode == "dflash":
+            raise RecipeError("drafter.mode: the k3 backbone (K3DSparkModel) has only the dspark layout; a DFlash "
+                              "drafter for a K3 target takes Qwen3 layers: set drafter.backbone=qwen3")
         ids = self.target_layer_ids
         if ids is not None and (not ids or min(ids) < 0 or ids != sorted(set(ids))):
             raise RecipeError(f"target_layer_ids: expected strictly increasing 0-based layer ids (or null), got {ids}")

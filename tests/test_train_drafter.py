@@ -13,6 +13,8 @@ import yaml
 from safetensors.torch import load_file
 
 from dspark.checkpoint import load_drafter, load_target
+from dspark.engine import Engine
+from dspark.request import SamplingParams
 
 
 def recipe(root: Path, out: str, **over) -> Path:
@@ -305,3 +307,34 @@ def test_chat_prompts_regenerate_chat_template_turns(setup, tmp_path):
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 2 and "data.regenerate.chat_prompts: the target tokenizer" in last, last
     assert not (setup / "nochat").exists() or not any((setup / "nochat").iterdir())
+
+
+def test_dflash_drafter_on_a_k3_target_trains_with_qwen3_layers(setup, tmp_path):
+    """The DFlash baseline of a K3 pair: drafter.backbone=qwen3 (the k3 backbone has only the dspark layout), its
+    attention dims from the target's heads (a K3 config has no head_dim); it trains, exports the DFlash layout and
+    loads against the K3 target."""
+    from dspark.models.k3.config import k3_tiny_config
+    from dspark.models.k3.model import K3ForCausalLM
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(setup / "target"))
+    torch.manual_seed(0)
+    target = K3ForCausalLM(k3_tiny_config(vocab_size=len(tok), max_position_embeddings=512,
+                                          eos_token_id=tok.eos_token_id))
+    target.save_pretrained(tmp_path / "k3")
+    tok.save_pretrained(str(tmp_path / "k3"))
+    over = {"target": str(tmp_path / "k3"), "output_dir": str(tmp_path / "dflash"), "max_steps": 3,
+            "drafter": {"backbone": "qwen3", "mode": "dflash", "block_size": 4, "num_layers": 1}}
+    res = train(recipe(setup, "dflash-k3", **over))
+    assert res.returncode == 0, res.stderr[-2000:]
+    cfg = json.loads((tmp_path / "dflash" / "final" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    k3 = load_target(tmp_path / "k3")
+    drafter = load_drafter(tmp_path / "dflash" / "final", k3)
+    assert drafter.config.mode == "dflash" and drafter.markov_head is None
+    assert drafter.config.head_dim * drafter.config.num_attention_heads == target.config.hidden_size
+    prompt, params = tok("def add(a, b):\n    return")["input_ids"], SamplingParams(max_tokens=12, ignore_eos=True)
+    ar = Engine(k3).generate([prompt], params)[0].token_ids
+    assert Engine(k3, drafter).generate([prompt], params)[0].token_ids == ar  # lossless in the engine
+    res = train(recipe(setup, "k3-dflash-bad", **{**over, "drafter": {"backbone": "k3", "mode": "dflash"}}))
+    assert res.returncode == 2 and "drafter.backbone=qwen3" in res.stderr.strip().splitlines()[-1], res.stderr[-500:]

@@ -37,11 +37,12 @@ def default_layer_ids(num_layers: int) -> list[int]:
 
 
 def drafter_config(recipe: DrafterRecipe, target, tokenizer) -> DrafterConfig:
-    """The drafter's config from the recipe and the target. backbone auto: qwen3 for Qwen3 targets, k3 (MLA,
-    K3DSparkModel) for kimi_linear / kimi_k3 ones; k3 dims default to the target's MLA dims."""
+    """The drafter's config from the recipe and the target. backbone auto: qwen3 for Qwen3 targets and DFlash
+    drafters, k3 (MLA, K3DSparkModel) for DSpark drafters of kimi_linear / kimi_k3 targets; k3 dims default to the
+    target's MLA dims."""
     m, tc = recipe.drafter, target.config
     backbone = m.backbone if m.backbone != "auto" else (
-        "qwen3" if getattr(tc, "model_type", None) == "qwen3" else "k3")
+        "qwen3" if getattr(tc, "model_type", None) == "qwen3" or m.mode == "dflash" else "k3")
     mask_id = tokenizer.convert_tokens_to_ids(tokenizer.mask_token) if tokenizer.mask_token else None
     if mask_id is None:
         raise ValueError(f"target tokenizer ({recipe.target}): no mask token; DSpark drafting needs one "
@@ -59,9 +60,13 @@ def drafter_config(recipe: DrafterRecipe, target, tokenizer) -> DrafterConfig:
     if backbone == "k3":
         return DrafterConfig(**common, **_k3_fields(m, tc), backbone="k3", num_target_layers=len(ids),
                              rope_theta=K3_DEFAULT_ROPE_THETA)
+    # a Qwen3 drafter on a target without GQA dims (a DFlash drafter for a K3 target): all heads kv, hidden / heads
+    heads = common["num_attention_heads"]
     return DrafterConfig(
-        **common, num_target_layers=tc.num_hidden_layers, num_key_value_heads=m.num_kv_heads or tc.num_key_value_heads,
-        head_dim=m.head_dim or tc.head_dim, rope_theta=getattr(target, "rope_theta", 10000.0))
+        **common, num_target_layers=tc.num_hidden_layers,
+        num_key_value_heads=m.num_kv_heads or getattr(tc, "num_key_value_heads", None) or heads,
+        head_dim=m.head_dim or getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+        rope_theta=getattr(target, "rope_theta", 10000.0))
 
 
 def _k3_fields(m, tc) -> dict:
