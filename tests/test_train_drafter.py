@@ -313,9 +313,10 @@ def test_dflash_drafter_on_a_k3_target_trains_with_qwen3_layers(setup, tmp_path)
     """The DFlash baseline of a K3 pair: drafter.backbone=qwen3 (the k3 backbone has only the dspark layout), its
     attention dims from the target's heads (a K3 config has no head_dim); it trains, exports the DFlash layout and
     loads against the K3 target."""
+    from transformers import AutoTokenizer
+
     from dspark.models.k3.config import k3_tiny_config
     from dspark.models.k3.model import K3ForCausalLM
-    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(setup / "target"))
     torch.manual_seed(0)
