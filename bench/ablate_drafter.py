@@ -37,15 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.config import RecipeError, load_recipe  # noqa: E402
 
 DEFAULT_ROWS = {
-    "baseline": [],  # the recipe (k3-mini: CE on the target's argmax)
-    "ce+kl": ["loss.kl=1.0"],  # soft targets beside CE (the quickstart recipe's loss)
-    "kl": ["loss.ce=0", "loss.kl=1.0"],  # soft targets instead of CE
+    "baseline": [],  # the recipe (k3-mini: CE + KL, position decay γ = 4, Muon)
+    "ce": ["loss.kl=0"],  # hard targets alone (the target's argmax)
+    "kl": ["loss.ce=0"],  # soft targets alone
     "tv-confidence": ["loss.confidence_target=tv"],
     "rejection-anchors": ["anchors=rejection"],
     # the DFlash layout takes Qwen3 layers (the k3 backbone has only the dspark layout); block 9 = 8 drafts
     "dflash": ["drafter.backbone=qwen3", "drafter.mode=dflash", "drafter.block_size=9"],
-    "muon": ["optim.optimizer=muon"],  # Muon for the hidden matrices (train/optim.py)
-    "decay-g4": ["loss.decay_gamma=4"],  # DFlash's position decay at block 8 (the default is exp(-d / block_size))
+    "adamw": ["optim.optimizer=adamw"],
 }
 DEFAULT_TASKS = "humaneval,heldout_code,creative,heldout_prose,chat"
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")

@@ -26,9 +26,9 @@
 #   serve          the server under load (bench/serve_bench.py): concurrency 1, 4, 16, 64 on code and prose prompts,
 #                  greedy and at temperature 0.7 -> $OUT/serve.json
 #   flex           the drafter's flex-attention block mask against the dense mask (bench/check_flex_cuda.py --diagnose)
-#   ablate         drafter-training ablation on the k3-mini target (bench/ablate_drafter.py): baseline, KL targets
-#                  beside CE and instead of it, the 1 - TV confidence target, rejection anchors, the DFlash layout,
-#                  Muon, same sequences and budget, each evaluated by python -m eval -> $OUT/ablate/ablation.{json,md};
+#   ablate         drafter-training ablation on the k3-mini target (bench/ablate_drafter.py): the recipe, CE alone,
+#                  KL alone, the 1 - TV confidence target, rejection anchors, the DFlash layout, AdamW, same sequences
+#                  and budget, each evaluated by python -m eval -> $OUT/ablate/ablation.{json,md};
 #                  ARGS go to every row (`max_minutes=3`)
 #   peer           ours against speculators' DSpark trainer on one Qwen3 target (bench/peer_speculators.py; carry the
 #                  speculators wheels in .whl); PEER_TARGET (default runs/peer-target/final) must exist; ARGS go to the
