@@ -77,21 +77,29 @@ def per_prompt(engine: Engine, prompts, max_tokens: int, temperature: float = 0.
 
 def profile(name: str, engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0,
             steps: int = 32) -> str:
-    """The kernels of `steps` decode steps of these requests decoded together (after their prefill), by total device
-    time."""
+    """The kernels of the prefill step of these requests (their first tokens: the time to first token's engine
+    part), then of `steps` decode steps decoded together, each by total device time."""
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True))
-    engine.step()
-    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
-                                                    if engine.device.type == "cuda" else [])
+    cuda = engine.device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    sort = "device_time_total" if cuda else "cpu_time_total"
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = 1e3 * (time.perf_counter() - t0)
+    lens = sorted(len(p) for p in prompts)
+    out = [f"## {name}: the prefill step of {len(prompts)} prompts of {lens[0]}-{lens[-1]} tokens, T={temperature:g} "
+           f"({wall:.2f} ms wall under the profiler)\n" + prof.key_averages().table(sort_by=sort, row_limit=20)]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
             engine.step()
     while engine.has_work():
         engine.step()
-    sort = "device_time_total" if engine.device.type == "cuda" else "cpu_time_total"
     table = prof.key_averages().table(sort_by=sort, row_limit=30)
-    return f"## {name}: {steps} steps at bs={len(prompts)}, T={temperature:g}\n" + table
+    return "\n\n".join(out + [f"## {name}: {steps} steps at bs={len(prompts)}, T={temperature:g}\n" + table])
 
 
 def main(argv=None) -> None:

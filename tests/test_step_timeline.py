@@ -35,3 +35,20 @@ def test_step_timeline_phases_add_up(models, tmp_path):
             want = 1.0 if r["tau"] is None else r["tau"]
             assert abs(r["per_k"][str(max(ks))]["tokens_per_row_step"] - want) < 0.35
     assert "| k2 | 0.7 | 2 |" in res.stdout
+
+
+def test_pair_profile_has_the_prefill_then_the_decode_steps(models):
+    """bench/pair_decode.py's profile: the kernels of the prefill step (the engine's part of the time to first token)
+    in a table of its own, then those of the decode steps; the requests run to the end."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from pair_decode import profile
+
+    from dspark import Engine, load_drafter, load_target
+
+    target = load_target(models[0])
+    engine = Engine(target, load_drafter(models[1], target), max_model_len=256)
+    text = profile("dspark", engine, [[5, 6, 7, 8] * 10, [9, 10] * 7], max_tokens=12, steps=3)
+    prefill, _, decode = text.partition("\n\n## ")
+    assert prefill.startswith("## dspark: the prefill step of 2 prompts of 14-40 tokens, T=0 (")
+    assert decode.startswith("dspark: 3 steps at bs=2, T=0") and "Self CPU" in prefill and "Self CPU" in decode
+    assert not engine.has_work()
