@@ -6,7 +6,7 @@ import torch
 
 from dspark.config import OptimConfig
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
-from train.optim import Muon, build_optimizers, cosine_lr
+from train.optim import Muon, build_optimizers, cosine_lr, ns_dtype, orthogonalize
 
 DEVICE = os.environ.get("DSPARK_TEST_DEVICE", "cpu")
 
@@ -19,7 +19,8 @@ def test_muon_on_row_blocks_equals_torch_muon_on_the_separate_matrices():
     parts = [torch.nn.Parameter(torch.randn(n, 32, generator=g).to(DEVICE)) for n in sizes]
     merged = torch.nn.Parameter(torch.cat([p.detach() for p in parts]))
     ref = torch.optim.Muon(parts, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
-    ours = Muon([{"params": [merged], "row_sizes": sizes}], lr=0.02, weight_decay=0.1, momentum=0.95)
+    ours = Muon([{"params": [merged], "row_sizes": sizes}], lr=0.02, weight_decay=0.1, momentum=0.95,
+                ns_dtype=torch.bfloat16)  # torch's Muon iterates in bf16 everywhere
     for _ in range(5):
         grad = torch.randn(sum(sizes), 32, generator=g).to(DEVICE)
         merged.grad = grad.clone()
@@ -36,6 +37,25 @@ def test_muon_on_row_blocks_equals_torch_muon_on_the_separate_matrices():
     one.step()
     ours.step()
     assert not torch.allclose(whole.detach() - before, merged.detach() - before, atol=1e-4)
+
+
+def test_newton_schulz_in_fp32_where_the_cpu_emulates_bf16():
+    """On a CPU without native bf16 matmuls the iterations run in fp32 (bf16 is emulated there, ~30x slower); they
+    orthogonalize as the bf16 ones do: singular values in Muon's band, the same update up to bf16 rounding."""
+    native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert ns_dtype("cpu") == (torch.bfloat16 if native else torch.float32) and ns_dtype("cuda") == torch.bfloat16
+    g = torch.randn(48, 96, generator=torch.Generator().manual_seed(0))
+    o32, o16 = orthogonalize(g, 5, dtype=torch.float32), orthogonalize(g, 5, dtype=torch.bfloat16).float()
+    s = torch.linalg.svdvals(o32)
+    assert o32.dtype == torch.float32 and 0.5 < s.min() and s.max() < 1.3
+    assert (o32 - o16).norm() / o32.norm() < 0.02
+    p = torch.nn.Parameter(g.clone())
+    p.grad = g.clone()
+    Muon([p], lr=0.02).step()  # the default: ns_dtype of the parameter's device
+    q = torch.nn.Parameter(g.clone())
+    q.grad = g.clone()
+    Muon([q], lr=0.02, ns_dtype=ns_dtype("cpu")).step()
+    assert torch.equal(p, q)
 
 
 def drafter():
