@@ -113,7 +113,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # Triton autotune picks (fla's and ours) persist in Triton's cache as *.autotune.json
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 # (a carried .cache/triton-autotune.tgz, else the picks kept in the repository for the H200 image)
-picks=$(ls .cache/triton-autotune.tgz bench/triton-autotune-h200.tgz 2>/dev/null | head -n 1)
+picks=""; for f in .cache/triton-autotune.tgz bench/triton-autotune-h200.tgz; do [ -f "$f" ] && { picks=$f; break; }; done
 if [ -n "$picks" ]; then
   mkdir -p "$TRITON_CACHE" && tar -xzf "$picks" -C "$TRITON_CACHE" \
     && echo "triton autotune picks restored from $picks: $(tar -tzf "$picks" | grep -c autotune.json)"

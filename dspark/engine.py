@@ -285,7 +285,7 @@ class Engine:
     def _queue_step(self, reqs: list[Request], k: int, chain: InFlight | None, src: list[int] | None) -> InFlight:
         if k > 0 and chain is None:
             self._flush_context(reqs)
-        self.policy.step_started(1e3 * (self.runner.wait_s + self.runner.launch_wait_s))
+        self.policy.step_started(1e3 * (self.runner.wait_s + self.runner.launch_wait_s), chain is not None)
         ps = [r.params for r in reqs]
         mode = sampling_mode(ps)
         plain = [self._plain(p) for p in ps]

@@ -2,7 +2,8 @@
 
 A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
 position j given all before it, greedy and sampled rows apart, over the recent row-steps). Its cost is what steps of
-its kind (batch bucket, k, sampling mode) took from one start to the next when they ran back to back: the median of
+its kind (batch bucket, k, sampling mode) took from one start to the next when they ran back to back (with async
+scheduling: the next step queued behind it; a switch to drafting waits for the read and flushes first): the median of
 the kind's last CYCLE_WINDOW such cycles, once it has MIN_CYCLES (a median: a first step's one-off costs, or a
 pause inside a step, would otherwise stick to a kind that runs rarely). A kind not timed that often is modelled: its
 graph's replay time and the host's own work per step (each cycle less the host's waits for the device, the median
@@ -175,12 +176,15 @@ class KPolicy:
         if reach[0] >= ACCEPT_WINDOW:
             self.accepted[group], self.reached[group] = [x // 2 for x in acc], [x // 2 for x in reach]
 
-    def step_started(self, waited_ms: float = 0.0) -> None:
-        """At a decode step's start (waited_ms: the host's running total of waits for the device, ms): the last
-        step's host work (the time since it began less the waits in between) into the samples of all steps, that
-        time into its kind's cycles and, with its replay, into its k's cycle counters."""
+    def step_started(self, waited_ms: float = 0.0, chained: bool = True) -> None:
+        """At a decode step's start (waited_ms: the host's running total of waits for the device, ms; chained: it
+        was queued behind the last step, or there is no overlap): the last step's host work (the time since it
+        began less the waits in between) into the samples of all steps, that time into its kind's cycles and, with
+        its replay, into its k's cycle counters. An unchained start under overlap (a switch to drafting, which
+        reads the step in flight and flushes its context first) leaves the last step unsampled: that gap is the
+        switch's cost, which the flush term charges to drafting, not a plain step's."""
         now, last = time.perf_counter(), self.last_step
-        if last is not None and last[3] is not None:
+        if last is not None and last[3] is not None and (chained or not self.overlap):
             cycle = (now - last[0]) * 1e3
             if cycle < HOST_PAUSE_MS:
                 key = last[2]

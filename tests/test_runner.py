@@ -3,6 +3,7 @@ host reads inside a step (meta device), seeded sampling independent of the batch
 unaffected by sampled neighbours, the per-step choice of k, graphs equal to the eager step, and the drafter
 trainer's regeneration through the engine."""
 import gc
+import statistics
 import weakref
 from collections import deque
 
@@ -318,6 +319,36 @@ def test_k_policy_costs_a_kind_by_its_measured_cycles(targets, monkeypatch):
     assert p.best(1, 100, "greedy", acc, reach) == 0  # at most 3.4 / 4.0 against 1.1 x 1 / 1.0 tokens per ms
     p.cycle_by_kind.clear()  # the model alone: max(1.4, 1.0) = 1.4 ms, and drafting wins
     assert p.best(1, 100, "greedy", acc, reach) == 4
+
+
+def test_k_policy_charges_a_switch_to_drafting_not_to_the_plain_step_before_it(targets, monkeypatch):
+    """Under async scheduling a switch from plain to drafting steps is not queued behind the plain step in flight:
+    it reads that step and flushes the stashed context first. That gap is the switch's cost (the flush term), not a
+    plain step's: were it sampled, a plain kind sampled mostly next to switches would look dearer than drafting at
+    an acceptance where drafting loses, and the policy would keep drafting. Without overlap every gap counts."""
+    target = targets["qwen3"]
+    acc, reach = [40, 16, 6, 2], [100, 40, 16, 6]  # 0.4 per position: 1.6 tokens per step at k = 4
+    for overlap in (True, False):
+        engine = Engine(target, make_drafter(target), overlap=overlap)
+        p, key = engine.policy, engine.runner.key_for
+        engine.runner.step_ms = lambda key: 0.3 + 0.15 * key.k  # replay: plain 0.3 ms, k = 4 0.9 ms
+        now, waited = [0.0], [0.0]
+        monkeypatch.setattr("dspark.policy.time.perf_counter", lambda now=now: now[0])
+        for _ in range(4):  # a plain step queued behind a drafting one, then a switch 3 ms later
+            p.step_started(waited[0])
+            p.step_replayed(0.3, key(1, 0, 100, "sampled"))
+            now[0] += 3e-3
+            p.step_started(waited[0], chained=False)
+            p.step_replayed(0.9, key(1, 4, 100, "sampled"))
+            now[0] += 0.9e-3  # 0.2 ms of host work, 0.7 waiting for the device
+            waited[0] += 0.7
+        plain = p.measured_cycles(key(1, 0, 100, "sampled"))
+        if overlap:
+            assert plain is None  # never sampled: its cost is modelled, max(replay 0.3, host work)
+            assert p.best(1, 100, "sampled", acc, reach) == 0
+        else:
+            assert statistics.median(plain) == pytest.approx(3.0)
+            assert p.best(1, 100, "sampled", acc, reach) == 4  # 1.6 / 0.9 against 1.1 / 3.0 tokens per ms
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
