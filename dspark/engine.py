@@ -224,15 +224,8 @@ class Engine:
         if not done:
             return []
         rows = [reqs[b] for b in done]
-        dev = self.device
         last = last[done] if len(done) < len(reqs) else last
-        filt = sampling_mode([r.params for r in rows]) == "filter"  # else no sort over the vocabulary
-        sampling = RowSampling(torch.tensor([r.params.temperature for r in rows], device=dev),
-                               torch.tensor([r.params.top_k for r in rows], device=dev) if filt else 0,
-                               torch.tensor([r.params.top_p for r in rows], device=dev) if filt else 1.0)
-        first = self.runner.sample_first(last, sampling, torch.tensor([r.seed for r in rows], device=dev),
-                                         torch.tensor([len(r.prompt_ids) for r in rows], device=dev))
-        first = first.tolist()
+        first = self._first_tokens(rows, last).tolist()
         emitted, now, c = [], time.perf_counter(), self.counters
         for r, tok in zip(rows, first):
             c["prompt_tokens"] += len(r.prompt_ids)
@@ -242,6 +235,20 @@ class Engine:
             r.status = Status.DECODE
             emitted.append((r, self.scheduler.emit(r, [tok])))
         return emitted
+
+    def _first_tokens(self, rows: list[Request], last: torch.Tensor) -> torch.Tensor:
+        """The token after each row's prompt from its last logits [n, V] -> [n]: the argmax when every row is
+        greedy (what sampling gives a greedy row, without its per-row tensors and kernels: the prefill's host time
+        is part of the time to first token), else sampled on the device."""
+        if all(r.params.temperature <= 0 for r in rows):
+            return last.argmax(-1)
+        dev = self.device
+        filt = sampling_mode([r.params for r in rows]) == "filter"  # else no sort over the vocabulary
+        sampling = RowSampling(torch.tensor([r.params.temperature for r in rows], device=dev),
+                               torch.tensor([r.params.top_k for r in rows], device=dev) if filt else 0,
+                               torch.tensor([r.params.top_p for r in rows], device=dev) if filt else 1.0)
+        return self.runner.sample_first(last, sampling, torch.tensor([r.seed for r in rows], device=dev),
+                                        torch.tensor([len(r.prompt_ids) for r in rows], device=dev))
 
     def _choose_k(self, reqs: list[Request], ahead: int = 0) -> int:
         """The step's drafts: the policy's (module doc), or 0 when every row is a seeded sampled one under it. ahead:

@@ -1,5 +1,7 @@
 """The engine end to end on CPU fp32: speculative greedy == autoregressive greedy for every draft quality, prefix
 caching changes nothing, no cache leaks, prefill/decode handoff, and plain-forward references."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from dspark.engine import Engine
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.request import SamplingParams
 from dspark.spec.draft import Proposal
+from dspark.spec.sampling import RowSampling
 from tests.targets import TARGETS, make_target
 
 V = 300
@@ -196,6 +199,26 @@ def test_stop_token_ids_end_the_request(target, prompts, refs):
     out = Engine(target, make_drafter(target)).generate([prompts[1]], SamplingParams(max_tokens=24,
                                                                                     stop_token_ids=[stop]))[0]
     assert out.token_ids == refs[1][: refs[1].index(stop) + 1] and out.finish_reason == "stop"
+
+
+def test_first_token_of_greedy_rows_is_what_sampling_gives_them(target):
+    """A prefill whose rows are all greedy takes the argmax of their last logits, not the sampling path: the same
+    token the sampling path gives a greedy row (ties to the first index), checked on logits with ties; a batch with
+    one sampled row still samples, and its greedy rows keep their argmax."""
+    engine = Engine(target, make_drafter(target))
+    g = torch.Generator().manual_seed(3)
+    last = torch.randint(0, 4, (6, V), generator=g).float().to(engine.device)  # many ties at the max
+    greedy = [SimpleNamespace(params=SamplingParams(max_tokens=4), seed=n, prompt_ids=[1] * (n + 2))
+              for n in range(6)]
+    sampled = SimpleNamespace(params=SamplingParams(max_tokens=4, temperature=0.8, seed=5), seed=5,
+                              prompt_ids=[1, 2, 3])
+    fast = engine._first_tokens(greedy, last)
+    zeros = torch.zeros(6, device=engine.device)
+    ref = engine.runner.sample_first(last, RowSampling(zeros), zeros.long(), torch.arange(6, device=engine.device))
+    assert fast.tolist() == ref.tolist() == last.argmax(-1).tolist()
+    mixed = engine._first_tokens(greedy[:5] + [sampled], last)
+    assert mixed[:5].tolist() == ref[:5].tolist()
+    assert 0 <= int(mixed[5]) < V
 
 
 def test_sampling_params_are_respected(target, prompts):
