@@ -51,14 +51,14 @@
 #                  $OUT/serve-quickstart.json, and compiled at concurrency 1 -> $OUT/serve-quickstart-compiled.json; the
 #                  pair through the engine (pair, with the kernel profile; PAIR=0 skips it), the step timeline of the
 #                  quickstart pair if carried, else of the k3-mini pair (timeline; TIMELINE=0 skips it, TIMELINE_ARGS
-#                  replace `--batches 1,16,64 --prompts 64 --kernels 8`), then the CUDA tests the side run did not
-#                  reach. The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360), QUICKSTART_SERVE_S
-#                  (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the first serve run
-#                  (`--concurrency 1,16`), QUICKSTART_ARGS to the quickstart pair's; SYNC_SERVE_S (0: skipped) adds that
-#                  run once more with `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs
-#                  the pair with the engine in the server's process (`--no-engine-process`; INPROC_ARGS, default
-#                  `--concurrency 16,64 --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair run's
-#                  `--prompts 4 --batches 1`
+#                  replace `--batches 1,16,64 --prompts 64 --kernels 8`), then the CUDA tests the side run did not reach
+#                  (REST_TESTS=0 skips them). The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360),
+#                  QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the first
+#                  serve run (`--concurrency 1,16`), QUICKSTART_ARGS to the quickstart pair's; SYNC_SERVE_S (0: skipped)
+#                  adds that run once more with `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0:
+#                  skipped) runs the pair with the engine in the server's process (`--no-engine-process`; INPROC_ARGS,
+#                  default `--concurrency 16,64 --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair
+#                  run's `--prompts 4 --batches 1`
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -318,7 +318,7 @@ case "$target" in
     # shellcheck disable=SC2086 # TIMELINE_ARGS is a word list
     [ "${TIMELINE:-1}" != 0 ] && { "${tl_pair[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
       --prompts 64 --kernels 8} || rc=$?; }
-    rest_tests || rc=$?
+    [ "${REST_TESTS:-1}" = 1 ] && { rest_tests || rc=$?; }
     echo "served: done rc=$rc" | tee "$OUT/DONE"
     ;;
   wait)
