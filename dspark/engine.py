@@ -240,10 +240,10 @@ class Engine:
         """The token after each row's prompt from its last logits [n, V] -> [n]: the argmax when every row is
         greedy (what sampling gives a greedy row, without its per-row tensors and kernels: the prefill's host time
         is part of the time to first token), else sampled on the device."""
-        if all(r.params.temperature <= 0 for r in rows):
+        mode = sampling_mode([r.params for r in rows])
+        if mode == "greedy":
             return last.argmax(-1)
-        dev = self.device
-        filt = sampling_mode([r.params for r in rows]) == "filter"  # else no sort over the vocabulary
+        dev, filt = self.device, mode == "filter"  # else no sort over the vocabulary
         sampling = RowSampling(torch.tensor([r.params.temperature for r in rows], device=dev),
                                torch.tensor([r.params.top_k for r in rows], device=dev) if filt else 0,
                                torch.tensor([r.params.top_p for r in rows], device=dev) if filt else 1.0)
