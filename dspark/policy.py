@@ -5,10 +5,13 @@ position j given all before it, greedy and sampled rows apart, over the recent r
 its kind (batch bucket, k, sampling mode) took from one start to the next when they ran back to back (with async
 scheduling: the next step queued behind it; a switch to drafting waits for the read and flushes first): the median of
 the kind's last CYCLE_WINDOW such cycles, once it has MIN_CYCLES (a median: a first step's one-off costs, or a
-pause inside a step, would otherwise stick to a kind that runs rarely). A kind not timed that often is modelled: its
-graph's replay time and the host's own work per step (each cycle less the host's waits for the device, the median
-over the last steps of every kind), with async scheduling the larger of the two (they overlap), else their sum.
-Measured cycles hold what the model leaves out, such as a step whose host work and device time fail to overlap.
+pause inside a step, would otherwise stick to a kind that runs rarely). A kind not timed that often borrows from
+the measured kinds of its k and mode at other batch buckets: its replay plus their median excess of cycle over
+replay (a drafting step's host work, such as its acceptance bookkeeping, follows k more than the bucket). With none
+of those it is modelled: its graph's replay time and the host's own work per step (each cycle less the host's waits
+for the device, the median over the last steps of every kind), with async scheduling the larger of the two (they
+overlap), else their sum. Measured cycles hold what the model leaves out, such as a step whose host work and device
+time fail to overlap.
 Drafting after plain steps also pays the eager flush of their stashed context rows, spread over the REPICK_EVERY
 steps a choice lasts.
 The policy picks the k with the most expected tokens per millisecond, so speculation runs plainly where drafting
@@ -61,6 +64,7 @@ class KPolicy:
         # bucket, k, sampling mode) the last times from one step's start to the next (ms)
         self.host_all: deque[float] = deque(maxlen=4 * CYCLE_WINDOW)
         self.cycle_by_kind: dict[tuple[int, int, str], deque[float]] = {}
+        self.replay_by_kind: dict[tuple[int, int, str], float] = {}  # each timed kind's replay at capture (ms)
         self.flush_ms: float | None = None  # an eager context flush's host time (ms), moving average
         self.last_k = 0  # the k of the last choice (a k > 0 after plain steps flushes their context first)
         # the step in progress: (perf_counter at its start, the host's total wait for the device then (ms), its key,
@@ -121,12 +125,22 @@ class KPolicy:
         cycles = self.cycle_by_kind.get((key.rows, key.k, key.mode))
         return cycles if cycles and len(cycles) >= MIN_CYCLES else None
 
+    def excess_ms(self, k: int, mode: str) -> float | None:
+        """The median, over the measured kinds of k drafts and this mode (every batch bucket), of their median cycle
+        less their replay (ms); None when no such kind is measured."""
+        excess = [statistics.median(c) - self.replay_by_kind[kind] for kind, c in self.cycle_by_kind.items()
+                  if kind[1:] == (k, mode) and len(c) >= MIN_CYCLES and kind in self.replay_by_kind]
+        return statistics.median(excess) if excess else None
+
     def step_cost(self, key: StepKey, replay_ms: float) -> float:
-        """A step's expected time (ms): its kind's measured cycle, else its replay and the host's work per step
-        (module doc)."""
+        """A step's expected time (ms): its kind's measured cycle, else its replay plus the excess of its k's
+        measured kinds, else its replay and the host's work per step (module doc)."""
         cycles = self.measured_cycles(key)
         if cycles is not None:
             return statistics.median(cycles)
+        excess = self.excess_ms(key.k, key.mode)
+        if excess is not None:
+            return replay_ms + excess
         return max(replay_ms, self.host_ms) if self.overlap else replay_ms + self.host_ms
 
     def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
@@ -193,6 +207,7 @@ class KPolicy:
                 if kind not in self.cycle_by_kind:
                     self.cycle_by_kind[kind] = deque(maxlen=CYCLE_WINDOW)
                 self.cycle_by_kind[kind].append(cycle)
+                self.replay_by_kind[kind] = last[3]
                 self.cycles[key.k] += 1
                 self.cycle_ms[key.k] += cycle
                 self.replay_ms[key.k] += last[3]

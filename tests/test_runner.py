@@ -321,6 +321,35 @@ def test_k_policy_costs_a_kind_by_its_measured_cycles(targets, monkeypatch):
     assert p.best(1, 100, "greedy", acc, reach) == 4
 
 
+def test_k_policy_costs_an_untimed_bucket_by_its_ks_measured_excess(targets, monkeypatch):
+    """A kind of step not yet timed at this batch bucket takes its replay plus the median excess (cycle less replay)
+    of the measured kinds of its k and mode at other buckets, before the model (the larger of replay and host work):
+    drafting steps whose host work a bucket of one row showed to be 0.4 ms above their replay cost that much at two
+    rows too, and the policy stays plain there, where the model alone would draft. Another mode's excess is not
+    borrowed."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p, key = engine.policy, engine.runner.key_for
+    engine.runner.step_ms = lambda key: 0.5 + 0.05 * key.k * key.rows  # replay ms
+    acc, reach = [60, 36, 21, 13], [100, 60, 36, 21]  # 0.6 per position
+    now, waited = [0.0], [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+    for k, cycle in ((0, 0.5), (1, 0.95), (2, 1.0), (4, 1.1)):  # one row, back to back: replay + 0.4 when drafting
+        for _ in range(3):
+            p.step_started(waited[0])
+            p.step_replayed(0.5 + 0.05 * k, key(1, k, 100, "sample"))
+            now[0] += cycle / 1e3
+            waited[0] += cycle - 0.1  # 0.1 ms of host work a step
+    p.step_started(waited[0])
+    p.last_k = 4
+    assert p.excess_ms(2, "sample") == pytest.approx(0.4) and p.excess_ms(2, "greedy") is None
+    two = key(2, 2, 100, "sample")
+    assert p.measured_cycles(two) is None and p.step_cost(two, 0.7) == pytest.approx(1.1)
+    assert p.best(2, 100, "sample", acc, reach) == 0  # k = 2: 1.96 tokens per 1.1 ms against 1.1 x 1 / 0.5
+    est = p.estimates(2, 100, "greedy", acc, reach)  # greedy kinds: none measured, the model drafts
+    assert est[2]["cost_ms"] == pytest.approx(0.7) and p.best(2, 100, "greedy", acc, reach) > 0
+
+
 def test_k_policy_charges_a_switch_to_drafting_not_to_the_plain_step_before_it(targets, monkeypatch):
     """Under async scheduling a switch from plain to drafting steps is not queued behind the plain step in flight:
     it reads that step and flushes the stashed context first. That gap is the switch's cost (the flush term), not a
