@@ -606,6 +606,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 finally:
                     gc.unfreeze()
                 report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
+                if a.out:  # the levels so far, so that a run stopped from outside still leaves them
+                    write_json(a.out, {**report, "partial": True, "rows": rows(report["levels"])})
                 step_ms = {k: tuple(None if v[x] is None else round(v[x], 3)
                                     for x in ("cycle_ms", "replay_ms", "device_ms"))
                            for k, v in lv["step_ms_per_k"].items()}
@@ -649,6 +651,7 @@ def main(argv: list[str] | None = None, log=print) -> int:
     finally:
         report["rows"] = rows(report["levels"])
         report["environment"] = environment()
+        report["partial"] = False
         if a.out:
             write_json(a.out, report)
     log(table(report["rows"]), end="")

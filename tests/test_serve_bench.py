@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,11 +28,20 @@ def test_serve_bench_end_to_end(models, tmp_path):
            "--max-tokens", "8", "--max-prompt-tokens", "48", "--num-prompts", "4", "--startup-timeout", "120",
            "--time-limit", "240", "--out", str(out), "--profile", "creative:0.7:2", "--client-procs", "2", "--",
            "--device", "cpu"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
+    with open(tmp_path / "stdout.txt", "w+") as outf, open(tmp_path / "stderr.txt", "w+") as errf:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=outf, stderr=errf, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        while not out.exists() and proc.poll() is None:  # written after each level, whole each time
+            time.sleep(0.05)
+        early = json.loads(out.read_text())
+        rc = proc.wait(timeout=300)
+        errf.seek(0)
+        assert rc == 0, errf.read()[-3000:]
+        outf.seek(0)
+        stdout = outf.read()
+    assert early["partial"] and 1 <= len(early["levels"]) < 16 and early["rows"]
     rep = json.loads(out.read_text())
-    assert rep["status"] == "complete"
+    assert rep["status"] == "complete" and rep["partial"] is False
     assert set(rep["servers"]) == {"ar", "dspark"} and "--drafter" in rep["servers"]["dspark"]["command"]
     assert "--drafter" not in rep["servers"]["ar"]["command"]
 
@@ -78,7 +88,7 @@ def test_serve_bench_end_to_end(models, tmp_path):
         else:
             assert row["greedy_compared"] is None
     assert rep["environment"]["torch"] and "gpus" in rep["environment"]
-    lines = [x for x in res.stdout.splitlines() if x.startswith("| ")]  # the markdown table: header + one per row
+    lines = [x for x in stdout.splitlines() if x.startswith("| ")]  # the markdown table: header + one per row
     assert len(lines) == len(rows) + 1 and all(x.split(" | ")[0][2:] in TASKS for x in lines[1:])
 
 

@@ -25,6 +25,7 @@ def ablate(*args):
                           text=True, timeout=600)
 
 
+@pytest.mark.timeout(900)  # five trainings and their evals, each a process: about 1 min on CPU, over 200 s on CUDA
 def test_rows_share_sequences_and_budget_and_land_in_one_table(setup, tmp_path):
     recipe = write_recipe(setup)
     out = tmp_path / "abl"
