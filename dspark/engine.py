@@ -44,7 +44,7 @@ from dspark.cache.paged import PagedCache
 from dspark.cache.prefix import PrefixCacheConfig
 from dspark.policy import KPolicy
 from dspark.request import Request, RequestOutput, SamplingParams, Status
-from dspark.runner import Launched, ModelRunner, RowInput
+from dspark.runner import Launched, ModelRunner, RowInput, without_grad
 from dspark.scheduler import Scheduler
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
@@ -162,7 +162,7 @@ class Engine:
         return bool(s.waiting or s.running or self.in_flight or self._resolved)
 
     # ------------------------------------------------------------------ the step
-    @torch.no_grad()
+    @without_grad
     def step(self) -> list[tuple[Request, list[int]]]:
         """One scheduler step. Returns (request, newly emitted token ids) for every request that emitted. With
         overlap, the decode step it launches is read by the next call (its tokens come back then)."""
@@ -458,8 +458,9 @@ class Engine:
         # runs: at hundreds of rows those passes otherwise cost milliseconds of host time per step (vLLM's gc.freeze)
         gc.freeze()
         try:
-            while self.has_work():  # a request finishes in a step where it emits: O(batch) per step, not O(requests)
-                bar.update(sum(r.status is Status.FINISHED for r, _ in self.step()))
+            with torch.no_grad():  # once here, not per step
+                while self.has_work():  # a request finishes in a step where it emits: O(batch), not O(requests)
+                    bar.update(sum(r.status is Status.FINISHED for r, _ in self.step()))
         finally:
             gc.unfreeze()
             bar.close()

@@ -29,6 +29,7 @@ Random numbers: a request's uniforms are a pure function of its seed and positio
 """
 from __future__ import annotations
 
+import functools
 import gc
 import time
 import warnings
@@ -56,6 +57,19 @@ from dspark.step_buffers import (
     chain_inputs,
     pow2_at_least,
 )
+
+
+def without_grad(fn):
+    """torch.no_grad() around fn, entered only where grad is on: entering it costs microseconds, a share of a decode
+    step's host time, and the engine's loops (generate, the server's engine thread) already run with grad off."""
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return fn(*a, **kw)
+        return fn(*a, **kw)
+    return wrapper
+
 
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one
@@ -421,7 +435,7 @@ class ModelRunner:
         """The replay time of a key's graph (captured now if needed); None without graphs."""
         return self._get(key).ms if self.graphs else None
 
-    @torch.no_grad()
+    @without_grad
     def launch(self, rows: list[RowInput], tables: list[list[int]], num_cached: list[int], slots: list[int],
                key: StepKey) -> Launched:
         """Queue one step for the live rows (tables: each row's blocks, padded here with the scratch block to

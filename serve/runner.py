@@ -20,6 +20,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from dspark.request import Request, RequestOutput, SamplingParams
 from serve.profile import EngineProfile
 
@@ -210,6 +212,7 @@ class EngineRunner:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        torch.set_grad_enabled(False)  # this thread's grad mode: the engine's steps then skip entering no_grad
         try:
             while not self._stop.is_set():
                 try:  # block only when idle; between steps take whatever arrived
