@@ -39,7 +39,6 @@ import asyncio
 import datetime
 import gc
 import json
-import multiprocessing as mp
 import os
 import platform
 import shlex
@@ -48,7 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -56,6 +55,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.serve_clients import ClientError, Req, clients, http_client, in_processes, one  # noqa: E402
 from eval.__main__ import encode, versions  # noqa: E402
 from eval.measure import counters_delta, parse_prometheus, spec_decode_counters, stats_from_counters  # noqa: E402
 from eval.tasks import TASKS, build_task, select  # noqa: E402
@@ -223,147 +223,6 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
-
-
-# ---------------------------------------------------------------------------- the clients
-@dataclass
-class Req:
-    index: int
-    prompt: int
-    seed: int | None
-    ok: bool = False
-    error: str = ""
-    text: str = ""
-    completion_tokens: int = 0
-    events: int = 0  # text-carrying SSE events
-    ttft: float = 0.0  # s
-    latency: float = 0.0  # s, to [DONE]
-    itl: list[float] = field(default_factory=list)  # s, gaps between text-carrying events
-
-
-async def one(client: httpx.AsyncClient, a, prompt: str, temperature: float, r: Req) -> None:
-    """One streaming completion, timed per SSE event (the time its network chunk arrived)."""
-    body = {"prompt": prompt, "max_tokens": a.max_tokens, "temperature": temperature, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    if r.seed is not None:
-        body["seed"] = r.seed
-    parts, last, done, finish = [], None, False, None
-    t0 = time.perf_counter()
-    try:
-        async with asyncio.timeout(a.request_timeout), client.stream("POST", "/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300].decode(errors='replace')}"
-                return
-            buf = b""
-            async for chunk in resp.aiter_bytes():
-                now = time.perf_counter()
-                *events, buf = (buf + chunk).split(b"\n\n")
-                for ev in events:
-                    data = ev.strip()[6:] if ev.strip().startswith(b"data: ") else None
-                    if data is None:
-                        continue
-                    if data == b"[DONE]":
-                        done = True
-                        continue
-                    obj = json.loads(data)
-                    if "error" in obj:
-                        r.error = f"error event: {obj['error'].get('message')}"
-                        return
-                    if obj.get("usage"):
-                        r.completion_tokens = obj["usage"]["completion_tokens"]
-                    for ch in obj.get("choices") or ():
-                        if ch.get("text"):
-                            if last is None:
-                                r.ttft = now - t0
-                            else:
-                                r.itl.append(now - last)
-                            last = now
-                            r.events += 1
-                            parts.append(ch["text"])
-                        finish = ch.get("finish_reason") or finish
-        r.latency, r.text = time.perf_counter() - t0, "".join(parts)
-        if not (done and finish):
-            r.error = "the stream ended without a finish_reason and data: [DONE]"
-        elif not r.completion_tokens or not r.events:
-            r.error = "no usage chunk or no text in the stream"
-        else:
-            r.ok = True
-    except TimeoutError:
-        r.error = f"timed out after {a.request_timeout:.0f} s (--request-timeout)"
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
-        r.error = f"{type(e).__name__}: {e}"
-
-
-def http_client(url: str, a, conc: int) -> httpx.AsyncClient:
-    """The client a level's (or a client process's) conc streams share: a connection each, and two spare."""
-    limits = httpx.Limits(max_connections=conc + 2, max_keepalive_connections=conc + 2)
-    return httpx.AsyncClient(base_url=url, timeout=a.request_timeout, limits=limits)
-
-
-async def clients(client: httpx.AsyncClient, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req],
-                  limit: float) -> tuple[float, float, bool]:
-    """conc clients sending reqs back to back -> (perf_counter at the end, this process's CPU seconds, cut by the
-    time limit)."""
-    todo = iter(reqs)
-
-    async def worker():
-        for r in todo:  # one shared iterator: each request is taken by exactly one client
-            await one(client, a, prompts[r.prompt], temperature, r)
-
-    cpu0, cut = time.process_time(), False
-    try:
-        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(conc))), limit)
-    except TimeoutError:
-        cut = True
-    return time.perf_counter(), time.process_time() - cpu0, cut
-
-
-def client_process(url: str, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req], limit: float,
-                   start, results) -> None:
-    """A client process: its share of a level's clients and requests, started when every process is ready (start:
-    a barrier) -> (reqs, end, CPU seconds, cut) on the results queue."""
-    async def go():
-        async with http_client(url, a, conc) as client:
-            start.wait()
-            return await clients(client, a, prompts, temperature, conc, reqs, limit)
-
-    try:
-        results.put((reqs, *asyncio.run(go())))
-    except BaseException as e:  # noqa: BLE001 - the parent reports it
-        start.abort()  # a parent still waiting for every process to be ready stops waiting
-        results.put(f"{type(e).__name__}: {e}")
-        raise
-
-
-def in_processes(url: str, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req], procs: int,
-                 limit: float) -> tuple[float, float, bool, list[Req]]:
-    """A level's clients spread over `procs` spawned processes (client g takes requests i with i % procs == g's
-    process), timed from the moment all are ready -> (wall s, the busiest process's CPU fraction, cut, the requests
-    as the processes filled them, in order)."""
-    ctx = mp.get_context("spawn")  # no copy of this process's event loop
-    start, results = ctx.Barrier(procs + 1), ctx.Queue()
-    shares = [(conc // procs + (g < conc % procs), reqs[g::procs]) for g in range(procs)]
-    workers = [ctx.Process(target=client_process, daemon=True,
-                           args=(url, a, prompts, temperature, n, share, limit, start, results))
-               for n, share in shares]
-    for w in workers:
-        w.start()
-    try:
-        start.wait(timeout=300)
-    except Exception:  # noqa: BLE001 - BrokenBarrierError or a timeout: a process did not come up
-        for w in workers:
-            w.kill()
-        raise BenchError("the client processes did not start (--client-procs)") from None
-    t0 = time.perf_counter()
-    got = [results.get(timeout=limit + a.request_timeout + 60) for _ in workers]
-    for w in workers:
-        w.join(30)
-    failed = [x for x in got if isinstance(x, str)]
-    if failed:
-        raise BenchError(f"a client process failed: {failed[0]}")
-    wall = max(end for _, end, _, _ in got) - t0
-    done = {r.index: r for share, *_ in got for r in share}
-    return wall, max(cpu for _, _, cpu, _ in got) / wall, any(c for *_, c in got), [done[r.index] for r in reqs]
 
 
 FIRST_TOKEN = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
@@ -600,11 +459,14 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 # read as the server's inter-token latency
                 gc.collect()
                 gc.freeze()
+                t_level = time.monotonic()
                 try:
                     lv = asyncio.run(run_level(f"http://127.0.0.1:{port}", a, prompts[task], temp, conc, deadline,
                                                a.profile == (task, temp, conc)))
                 finally:
                     gc.unfreeze()
+                # the level's whole time: warm-up, counters and client processes' start included, not only wall_s
+                lv["level_s"] = time.monotonic() - t_level
                 report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
                 if a.out:  # the levels so far, so that a run stopped from outside still leaves them
                     write_json(a.out, {**report, "partial": True, "rows": rows(report["levels"])})
@@ -612,7 +474,7 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                                     for x in ("cycle_ms", "replay_ms", "device_ms"))
                            for k, v in lv["step_ms_per_k"].items()}
                 host = {k: None if v is None else round(v, 3) for k, v in lv["host_ms_per_step"].items()}
-                log(f"[serve_bench] {where}: {lv['output_tok_s']:.1f} tok/s, "
+                log(f"[serve_bench] {where} ({lv['level_s']:.1f} s in all): {lv['output_tok_s']:.1f} tok/s, "
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
                     f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})} "
                     f"({int(lv.get('overlapped_steps', 0))} overlapped), "
@@ -645,7 +507,7 @@ def main(argv: list[str] | None = None, log=print) -> int:
               "prompts": {t: len(p) for t, p in prompts.items()}, "servers": {}, "levels": [], "status": "complete"}
     try:
         run(a, extra, prompts, report, err)
-    except BenchError as e:
+    except (BenchError, ClientError) as e:
         report["status"] = f"failed: {e}"
         err(f"error: {e}")
     finally:
