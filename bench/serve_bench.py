@@ -235,6 +235,11 @@ HOST = {"loop": "dspark:engine_loop_seconds_total", "step": "dspark:engine_step_
         "read_wait": "dspark:step_read_wait_seconds_total", "launch_wait": "dspark:step_launch_wait_seconds_total"}
 
 
+# drafting after plain steps: the stashed context's flushes, those queued behind a plain step in flight, host seconds
+FLUSH = {"count": "dspark:context_flushes_total", "queued": "dspark:context_flushes_queued_total",
+         "seconds": "dspark:context_flush_seconds_total"}
+
+
 def per_k_delta(c0: dict, c1: dict, key: str) -> dict[int, float]:
     return {k: v - c0[key].get(k, 0.0) for k, v in sorted(c1[key].items())}
 
@@ -259,6 +264,7 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         if not busy or time.monotonic() - t0 > timeout:
             return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
                     "overlapped_steps": vals.get("dspark:overlapped_steps_total", 0.0),
+                    "flushes": {key: vals.get(name, 0.0) for key, name in FLUSH.items()},
                     **{key: per_k[name] for name, key in PER_K.items()},
                     "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy,
                     "host_s": {key: vals.get(name, 0.0) for key, name in HOST.items()},
@@ -341,6 +347,7 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
         "steps_per_k": per_k_delta(c0, c1, "steps_per_k"), "step_host_ms": c1["step_host_ms"],
         "overlapped_steps": c1["overlapped_steps"] - c0["overlapped_steps"],
+        "context_flushes": {key: c1["flushes"][key] - c0["flushes"][key] for key in FLUSH},
         "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
         "host_ms_per_step": host_ms_per_step(c0, c1, sum(per_k_delta(c0, c1, "steps_per_k").values())),
         "server_idle_at_reads": c0["idle"] and c1["idle"], "client_procs": procs,
@@ -477,7 +484,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                 log(f"[serve_bench] {where} ({lv['level_s']:.1f} s in all): {lv['output_tok_s']:.1f} tok/s, "
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
                     f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})} "
-                    f"({int(lv.get('overlapped_steps', 0))} overlapped), "
+                    f"({int(lv.get('overlapped_steps', 0))} overlapped), context flushes "
+                    f"{ {k: round(v, 4) for k, v in lv['context_flushes'].items()} }, "
                     f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay / device) "
                     f"{step_ms}, engine thread ms per step {host}, "
                     f"server first-token ms "

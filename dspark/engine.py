@@ -22,8 +22,10 @@ the following step before it reads that one, so the host's work (reading, stop h
 delivery) runs while the device computes. The device completes the queued step's inputs from the one in flight
 (runner.chain_inputs: each continuing row's pending token, length and room), so nothing waits for the host; the
 host learns the step's result one call later. A row that certainly finishes in flight (no room after it) sits the
-next step out; one that stops on EOS or a stop string costs that step a row whose output is dropped. A step that
-would first flush a row's stashed context rows (drafting after plain steps) waits for the read.
+next step out; one that stops on EOS or a stop string costs that step a row whose output is dropped. Drafting
+after plain steps first turns their stashed context rows into the drafter's (flush_context); after a plain step in
+flight that flush is queued behind it too, covering the position it stashes (a plain step emits exactly one token a
+row), so a switch to drafting waits for nothing either.
 """
 from __future__ import annotations
 
@@ -128,6 +130,9 @@ class Engine:
                          "decode_steps_per_k": [0] * (self.k + 1),  # device steps by the drafts they verified
                          "tokens_per_k": [0] * (self.k + 1),  # tokens those steps committed (accepted drafts + 1)
                          "overlapped_steps": 0,  # decode steps queued while the one before was still in flight
+                         # drafting after plain steps: the eager flushes of their stashed context rows, their host
+                         # seconds, and of them the ones queued behind a plain step in flight
+                         "context_flushes": 0, "context_flush_s": 0.0, "context_flushes_queued": 0,
                          # graph steps by k: how many were timed on the device (events around the replay) and
                          # their time there (ms), against the replay time measured at capture that the policy uses
                          "device_steps_per_k": [0] * (self.k + 1), "device_ms_per_k": [0.0] * (self.k + 1),
@@ -177,15 +182,14 @@ class Engine:
                 with traced("engine.prefill"):
                     emitted += self._prefill(prefill)
             decode = [r for r in sched.running if r.status is Status.DECODE]
-            flight, launched, choice = self.in_flight, None, None
+            flight, launched = self.in_flight, None
             if flight is not None:
-                launched, choice = self._launch_chained(flight, decode)
+                launched = self._launch_chained(flight, decode)
                 self.in_flight = None
                 emitted = self._read(flight) + emitted
                 decode = [r for r in sched.running if r.status is Status.DECODE]
             if launched is None and decode:
-                same = choice is not None and [id(r) for r in choice[0]] == [id(r) for r in decode]
-                launched = self._launch(decode, choice[1] if same else self._choose_k(decode))
+                launched = self._launch(decode, self._choose_k(decode))
             if launched is not None and not self.overlap:
                 emitted += self._read(launched)
             else:
@@ -262,24 +266,23 @@ class Engine:
         """A seeded sampled row under the policy decodes plainly (module doc)."""
         return self.pinned_k is None and p.seed is not None and p.temperature > 0
 
-    def _launch_chained(self, flight: InFlight, decode: list[Request]
-                        ) -> tuple[InFlight | None, tuple[list[Request], int] | None]:
+    def _launch_chained(self, flight: InFlight, decode: list[Request]) -> InFlight | None:
         """The next step queued before `flight` is read, its rows continuing flight's on the device, when its
         inputs do not need the host to know flight's result. The rows that certainly finish in flight (no room
         after it) sit it out. Not launched (None) when each row left may finish in flight (its room is within what
-        flight may emit: a step wasted on a finished request costs more than waiting for the read), or when a row
-        would need a context flush first; then also (rows, k) if a k was chosen for them (one choice per step)."""
+        flight may emit: a step wasted on a finished request costs more than waiting for the read). Drafting after
+        a plain flight first flushes the stashed context rows, the position flight stashes included."""
         if not self.overlap:
-            return None, None
+            return None
         rows = {id(r): b for b, r in enumerate(flight.reqs)}
         room = {id(r): r.params.max_tokens - len(r.output_ids) for r in decode}
         reqs = [r for r in decode if id(r) not in rows or room[id(r)] > 1]
         if all(id(r) in rows and room[id(r)] <= flight.k + 1 for r in reqs):
-            return None, None
+            return None
         k = self._choose_k(reqs, flight.k + 1)
-        if k > 0 and flight.k == 0 and any(id(r) in rows for r in reqs):  # stashed context rows to flush first
-            return None, (reqs, k)
-        return self._launch(reqs, k, flight, [rows.get(id(r), -1) for r in reqs]), None
+        if k > 0 and flight.k == 0:
+            self._flush_context(reqs, {id(r) for r in reqs if id(r) in rows})
+        return self._launch(reqs, k, flight, [rows.get(id(r), -1) for r in reqs])
 
     def _launch(self, reqs: list[Request], k: int, chain: InFlight | None = None, src: list[int] | None = None
                 ) -> InFlight:
@@ -348,19 +351,26 @@ class Engine:
             flight, self.in_flight = self.in_flight, None
             self._resolved += self._read(flight)
 
-    def _flush_context(self, reqs: list[Request]) -> None:
-        """Before a drafting step: the drafter's context rows of the positions plain steps only stashed."""
-        lag = [r for r in reqs if r.num_context < r.num_computed]
+    def _flush_context(self, reqs: list[Request], in_flight: set[int] = frozenset()) -> None:
+        """Before a drafting step: the drafter's context rows of the positions plain steps only stashed. in_flight:
+        ids of the rows a plain step in flight continues (queued behind it, the flush also covers the one position it
+        stashes; their blocks were reserved at its launch)."""
+        end = {id(r): r.num_computed + (id(r) in in_flight) for r in reqs}
+        lag = [r for r in reqs if r.num_context < end[id(r)]]
         if not lag:
             return
         _, tables, slots = self.cache.step_rows([r.id for r in lag], 0)
         t0 = time.perf_counter()
         with traced("engine.flush_context"):
-            self.runner.flush_context([r.num_context for r in lag], [r.num_computed - r.num_context for r in lag],
+            self.runner.flush_context([r.num_context for r in lag], [end[id(r)] - r.num_context for r in lag],
                                       tables, slots)
         for r in lag:
-            r.num_context = r.num_computed
-        self.policy.flushed(1e3 * (time.perf_counter() - t0))
+            r.num_context = end[id(r)]
+        dt, c = time.perf_counter() - t0, self.counters
+        c["context_flushes"] += 1
+        c["context_flush_s"] += dt
+        c["context_flushes_queued"] += bool(in_flight)
+        self.policy.flushed(1e3 * dt)
         self.policy.step_chain_broken()  # an eager forward ran: the gap to the next step is not a step's host work
 
     @torch.no_grad()  # what the forwards run under (the MoE's inference paths; no autograd on the cache)

@@ -3,7 +3,7 @@
 A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
 position j given all before it, greedy and sampled rows apart, over the recent row-steps). Its cost is what steps of
 its kind (batch bucket, k, sampling mode) took from one start to the next when they ran back to back (with async
-scheduling: the next step queued behind it; a switch to drafting waits for the read and flushes first): the median of
+scheduling: the next step queued behind it; a switch to drafting flushes the stashed context first): the median of
 the kind's last CYCLE_WINDOW such cycles, once it has MIN_CYCLES (a median: a first step's one-off costs, or a
 pause inside a step, would otherwise stick to a kind that runs rarely). A kind not timed that often borrows from
 the measured kinds of its k and mode at other batch buckets: its replay plus their median excess of cycle over
@@ -194,9 +194,9 @@ class KPolicy:
         """At a decode step's start (waited_ms: the host's running total of waits for the device, ms; chained: it
         was queued behind the last step, or there is no overlap): the last step's host work (the time since it
         began less the waits in between) into the samples of all steps, that time into its kind's cycles and, with
-        its replay, into its k's cycle counters. An unchained start under overlap (a switch to drafting, which
-        reads the step in flight and flushes its context first) leaves the last step unsampled: that gap is the
-        switch's cost, which the flush term charges to drafting, not a plain step's."""
+        its replay, into its k's cycle counters. An unchained start under overlap (the step in flight was read
+        first) leaves the last step unsampled: that gap holds a wait the next step's kind, not the last one's,
+        caused."""
         now, last = time.perf_counter(), self.last_step
         if last is not None and last[3] is not None and (chained or not self.overlap):
             cycle = (now - last[0]) * 1e3

@@ -357,9 +357,12 @@ class ModelRunner:
     @torch.no_grad()
     def flush_context(self, starts: list[int], counts: list[int], tables: list[list[int]], slots: list[int]) -> None:
         """The drafter's context rows of positions starts[b] .. starts[b] + counts[b] - 1 from their stashed ctx
-        (one eager forward of the context write; tables: each row's blocks, unpadded)."""
+        (one eager forward of the context write; tables: each row's blocks, unpadded). Queued behind a step in
+        flight without waiting for it: the row ints go up from pinned memory."""
         T, bs = max(counts), self.cache.block_size
-        ints = self._row_ints(starts, counts, slots, tables, max(-(-(s + T) // bs) for s in starts)).to(self.device)
+        ints = self._row_ints(starts, counts, slots, tables, max(-(-(s + T) // bs) for s in starts))
+        pin = self.device.type == "cuda"
+        ints = (ints.pin_memory() if pin else ints).to(self.device, non_blocking=pin)
         view = self.cache.device_view(ints[:, 0], ints[:, 1], ints[:, PREFILL_COLS:], ints[:, 2], T, False)
         self.drafts.flush_context(view)
 

@@ -134,6 +134,12 @@ def metrics_text(runner: EngineRunner | EngineClient, model: str) -> str:
            [(f'{lab},k="{k}"', v) for k, v in enumerate(c["decode_steps_per_k"])])
     metric("dspark:overlapped_steps_total", "counter", "Decode steps queued while the one before was in flight "
            "(async scheduling).", [(lab, c.get("overlapped_steps", 0))])
+    metric("dspark:context_flushes_total", "counter", "Flushes of stashed drafter context before drafting after "
+           "plain steps.", [(lab, c.get("context_flushes", 0))])
+    metric("dspark:context_flushes_queued_total", "counter", "Of those, flushes queued behind a plain step in "
+           "flight.", [(lab, c.get("context_flushes_queued", 0))])
+    metric("dspark:context_flush_seconds_total", "counter", "The flushes' host seconds.",
+           [(lab, c.get("context_flush_s", 0.0))])
     metric("dspark:step_host_ms", "gauge", "The host's own work per decode step, its waits for the device left out "
            "(median over the last steps).", [(lab, c.get("host_ms", 0.0))])
     for key, name, help_ in [

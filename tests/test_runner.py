@@ -351,10 +351,10 @@ def test_k_policy_costs_an_untimed_bucket_by_its_ks_measured_excess(targets, mon
 
 
 def test_k_policy_charges_a_switch_to_drafting_not_to_the_plain_step_before_it(targets, monkeypatch):
-    """Under async scheduling a switch from plain to drafting steps is not queued behind the plain step in flight:
-    it reads that step and flushes the stashed context first. That gap is the switch's cost (the flush term), not a
-    plain step's: were it sampled, a plain kind sampled mostly next to switches would look dearer than drafting at
-    an acceptance where drafting loses, and the policy would keep drafting. Without overlap every gap counts."""
+    """Under async scheduling a drafting step that is not queued behind the plain step in flight (it read that step
+    first) leaves the gap unsampled: it is the switch's cost, not a plain step's. Were it sampled, a plain kind
+    sampled mostly next to switches would look dearer than drafting at an acceptance where drafting loses, and the
+    policy would keep drafting. Without overlap every gap counts."""
     target = targets["qwen3"]
     acc, reach = [40, 16, 6, 2], [100, 40, 16, 6]  # 0.4 per position: 1.6 tokens per step at k = 4
     for overlap in (True, False):
@@ -380,22 +380,30 @@ def test_k_policy_charges_a_switch_to_drafting_not_to_the_plain_step_before_it(t
             assert p.best(1, 100, "sampled", acc, reach) == 4  # 1.6 / 0.9 against 1.1 / 3.0 tokens per ms
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("pair", list(PAIRS))
-def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts, pair, monkeypatch):
+def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts, pair, overlap, monkeypatch):
     """A plain step writes only the drafter's ctx per position; before the request drafts again the stashed
     positions become context rows. Under a k schedule of plain runs and drafting steps, after every drafting step
     the drafter's rows of every committed position equal those of one plain forward over the sequence, and the
-    output is the target's greedy."""
+    output is the target's greedy. With overlap a switch to drafting is queued behind the plain step in flight:
+    its flush runs before that step is read and covers the position the step stashes."""
     kind, make = PAIRS[pair]
     target = targets[kind]
     drafter = make(target)
-    engine = Engine(target, drafter, max_batch_size=2, prefill_chunk=8)
+    engine = Engine(target, drafter, max_batch_size=2, prefill_chunk=8, overlap=overlap)
     k = engine.k
     schedule = iter([0, 0, 0, k, 0, k, k, 0, 0, 0, 0, 1] * 10)
     monkeypatch.setattr(engine.policy, "choose", lambda *a: next(schedule))
-    flushed = []
+    flushed, behind = [], []  # per flush: the counts; and (its end, the flight's row's position) when queued behind one
     flush = engine.runner.flush_context
-    monkeypatch.setattr(engine.runner, "flush_context", lambda s, n, *a: (flushed.append(n), flush(s, n, *a)))
+
+    def spy(starts, counts, *a):
+        flushed.append(counts)
+        if engine.in_flight is not None:
+            behind.append((starts[0] + counts[0], req.num_computed))
+        return flush(starts, counts, *a)
+    monkeypatch.setattr(engine.runner, "flush_context", spy)
     req = engine.add_request(prompts[2], SamplingParams(max_tokens=N_NEW, ignore_eos=True))
     checked = 0
     while engine.has_work():
@@ -416,6 +424,8 @@ def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts,
     assert req.output().token_ids == reference_greedy(target, prompts[2], N_NEW)
     assert checked >= 3 and flushed and all(max(n) >= 1 for n in flushed)
     assert engine.metrics()["decode_steps_per_k"][0] > 0
+    # with overlap every switch is queued behind the plain step in flight, its flush through that step's position
+    assert (len(behind) == len(flushed) and all(end == pos + 1 for end, pos in behind)) if overlap else not behind
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
