@@ -376,7 +376,8 @@ class Engine:
     @torch.no_grad()  # what the forwards run under (the MoE's inference paths; no autograd on the cache)
     def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",), progress: bool = False) -> int:
         """Capture now every graph a run up to max_len tokens per request (default max_model_len) may use: the
-        prefill of each chunk width and context bucket, and the decode step of each batch bucket, each k the engine
+        prefill of each chunk width and context bucket, the context flush of each such width from FLUSH_MIN (with a
+        drafter), and the decode step of each batch bucket, each k the engine
         may pick, each context bucket, each sampling mode listed. A server calls it before it takes requests, so no
         request pays for a capture. Returns the number of graphs; 0 without graphs."""
         if not self.runner.graphs:
@@ -387,6 +388,8 @@ class Engine:
         try:
             prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
                         if self.runner.prefill_graph(key) is not None]
+            if self.drafts is not None:  # drafting after plain steps flushes their stashed context rows
+                prefills += [key for key in self.runner.flush_keys(max_len) if self.runner.flush_graph(key) is not None]
             self._warm_prefill()
             ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.policy.choices
             keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks

@@ -75,6 +75,7 @@ PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
 COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one
 MIN_CONTEXT = 128  # the smallest context bucket (positions a step sees)
 PREFILL_MIN = 64  # the narrowest prefill graph (prefill widths are powers of two from here)
+FLUSH_MIN = 16  # the narrowest context-flush graph (its widths are powers of two from here)
 # a step's prefills replay one graph per request up to this many requests (a server's burst of arrivals), else run
 # batched (a regeneration's waves of hundreds): an eager forward's first shape may autotune kernels for seconds
 PREFILL_GRAPH_ROWS = 64
@@ -116,6 +117,8 @@ class ModelRunner:
         self.steps: dict[StepKey, StepBuffers] = {}
         self.prefills: dict[PrefillKey, PrefillBuffers] = {}
         self.prefill_failed: set[PrefillKey] = set()
+        self.flushes: dict[PrefillKey, PrefillBuffers] = {}  # context flushes, keyed like prefills
+        self.flush_failed: set[PrefillKey] = set()
         self.pool = None  # one memory pool for every graph (they never run concurrently)
         # MoE forwards up to the largest step's size take the gathered, graph-safe expert path; the setting lives on
         # the model, so an engine never lowers what another engine on the same target needs
@@ -244,9 +247,14 @@ class ModelRunner:
         ids = torch.zeros(len(chunks), pf.key.T, dtype=torch.long)
         for b, c in enumerate(chunks):
             ids[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-        ints = self._row_ints(num_cached, [len(c) for c in chunks], slots, tables, pf.key.width)
         pin = self.device.type == "cuda"
         pf.ids.copy_(ids.pin_memory() if pin else ids, non_blocking=pin)
+        self._fill_ints(pf, num_cached, [len(c) for c in chunks], slots, tables)
+
+    def _fill_ints(self, pf: PrefillBuffers, num_cached, num_new, slots, tables) -> None:
+        """The rows' ints -> pf.ints, from pinned memory on CUDA (queued: no wait for the device)."""
+        ints = self._row_ints(num_cached, num_new, slots, tables, pf.key.width)
+        pin = self.device.type == "cuda"
         pf.ints.copy_(ints.pin_memory() if pin else ints, non_blocking=pin)
 
     def _prefill_fn(self, pf: PrefillBuffers) -> torch.Tensor:
@@ -272,24 +280,33 @@ class ModelRunner:
             T *= 2
         return [k for k in keys if self.prefill_graph_safe(k)]
 
-    @torch.no_grad()
     def prefill_graph(self, key: PrefillKey) -> PrefillBuffers | None:
         """The captured prefill of one request for this key (captured at its first use; Engine.warmup captures the
         usual ones before a server takes requests). A capture that fails leaves the key to the eager forward (None),
         with a warning."""
-        pf = self.prefills.get(key)
-        if pf is None:
+        return self._row_graph(self.prefills, self.prefill_failed, key, self._prefill_fn, "prefill")
+
+    def flush_graph(self, key: PrefillKey) -> PrefillBuffers | None:
+        """The captured context flush of one request for this key (flush_key), as prefill_graph."""
+        return self._row_graph(self.flushes, self.flush_failed, key, self._flush_fn, "context flush")
+
+    @torch.no_grad()
+    def _row_graph(self, store: dict, failed: set, key: PrefillKey, fn, what: str) -> PrefillBuffers | None:
+        """One request's graph of fn over a PrefillBuffers of this key, from store or captured now (the capture waits
+        for the device); None where it failed to capture (then, with a warning, that shape runs eagerly)."""
+        pf = store.get(key)
+        if pf is None and key not in failed:
             pf = PrefillBuffers(1, key, self.device)
             pf.ints.fill_(self.cache.scratch_block)
             pf.ints[:, :PREFILL_COLS] = torch.tensor([0, 1, self.cache.scratch_slot])
             try:
-                pf.out = self._capture_fn(lambda: self._prefill_fn(pf), pf, warmup=1)
+                pf.out = self._capture_fn(lambda: fn(pf), pf, warmup=1)
             except Exception as err:  # noqa: BLE001 - a kernel that cannot be captured: the eager forward serves
-                warnings.warn(f"prefill graph {key} failed to capture ({type(err).__name__}: {err}); prefills of "
-                              "this shape run eagerly", RuntimeWarning, stacklevel=2)
-                self.prefill_failed.add(key)
+                warnings.warn(f"{what} graph {key} failed to capture ({type(err).__name__}: {err}); that shape runs "
+                              "eagerly", RuntimeWarning, stacklevel=3)
+                failed.add(key)
                 return None
-            self.prefills[key] = pf
+            store[key] = pf
         return pf
 
     @staticmethod
@@ -354,16 +371,47 @@ class ModelRunner:
         view.commit(a + 1)
         return pack_step(drafts, a, nxt, n)
 
+    def flush_key(self, count: int, start: int) -> PrefillKey:
+        """The graph key of a flush of count stashed positions from position start (as prefill_key)."""
+        T = pow2_at_least(count, FLUSH_MIN)
+        return PrefillKey(T, pow2_at_least(start + T, max(MIN_CONTEXT, self.cache.block_size)) // self.cache.block_size)
+
+    def flush_keys(self, max_len: int) -> list[PrefillKey]:
+        """The flush keys of requests up to max_len tokens."""
+        bs, top, keys = self.cache.block_size, pow2_at_least(max_len, max(MIN_CONTEXT, self.cache.block_size)), []
+        T = FLUSH_MIN
+        while T <= top:
+            keys += [PrefillKey(T, L // bs) for L in (pow2_at_least(T, max(MIN_CONTEXT, bs)) << i for i in range(8))
+                     if L <= top]
+            T *= 2
+        return keys
+
     @torch.no_grad()
     def flush_context(self, starts: list[int], counts: list[int], tables: list[list[int]], slots: list[int]) -> None:
         """The drafter's context rows of positions starts[b] .. starts[b] + counts[b] - 1 from their stashed ctx
-        (one eager forward of the context write; tables: each row's blocks, unpadded). Queued behind a step in
+        (tables: each row's blocks, unpadded). With graphs each row replays its key's captured flush; else, and for a
+        key that failed to capture, one eager forward of the context write over those rows. Queued behind a step in
         flight without waiting for it: the row ints go up from pinned memory."""
+        eager = []
+        for b, (start, count) in enumerate(zip(starts, counts)):
+            fl = self.flush_graph(self.flush_key(count, start)) if self.graphs else None
+            if fl is None:
+                eager.append(b)
+                continue
+            self._fill_ints(fl, [start], [count], [slots[b]], [tables[b]])
+            fl.graph.replay()
+        if not eager:
+            return
+        starts, counts = [starts[b] for b in eager], [counts[b] for b in eager]
         T, bs = max(counts), self.cache.block_size
-        ints = self._row_ints(starts, counts, slots, tables, max(-(-(s + T) // bs) for s in starts))
-        pin = self.device.type == "cuda"
-        ints = (ints.pin_memory() if pin else ints).to(self.device, non_blocking=pin)
-        view = self.cache.device_view(ints[:, 0], ints[:, 1], ints[:, PREFILL_COLS:], ints[:, 2], T, False)
+        fl = PrefillBuffers(len(eager), PrefillKey(T, max(-(-(s + T) // bs) for s in starts)), self.device)
+        self._fill_ints(fl, starts, counts, [slots[b] for b in eager], [tables[b] for b in eager])
+        self._flush_fn(fl)
+
+    def _flush_fn(self, fl: PrefillBuffers) -> None:
+        """The context flush of fl's rows (device ops only)."""
+        ints = fl.ints
+        view = self.cache.device_view(ints[:, 0], ints[:, 1], ints[:, PREFILL_COLS:], ints[:, 2], fl.key.T, False)
         self.drafts.flush_context(view)
 
     # ------------------------------------------------------------------ host side

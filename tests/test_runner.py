@@ -426,6 +426,7 @@ def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts,
     assert engine.metrics()["decode_steps_per_k"][0] > 0
     # with overlap every switch is queued behind the plain step in flight, its flush through that step's position
     assert (len(behind) == len(flushed) and all(end == pos + 1 for end, pos in behind)) if overlap else not behind
+    assert bool(engine.runner.flushes) == engine.runner.graphs  # on CUDA each row's flush replays a captured graph
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
