@@ -12,8 +12,10 @@ of those it is modelled: its graph's replay time and the host's own work per ste
 for the device, the median over the last steps of every kind), with async scheduling the larger of the two (they
 overlap), else their sum. Measured cycles hold what the model leaves out, such as a step whose host work and device
 time fail to overlap.
-Drafting after plain steps also pays the eager flush of their stashed context rows, spread over the REPICK_EVERY
-steps a choice lasts.
+Drafting after plain steps also pays the flush of their stashed context rows, spread over the REPICK_EVERY steps a
+choice lasts. Plain decoding is measured before drafting is weighed against it: modelled with the host work of the
+drafting steps that ran first, plain steps would look dearer than they are, and a choice never made is never
+measured.
 The policy picks the k with the most expected tokens per millisecond, so speculation runs plainly where drafting
 does not pay; drafting must beat plain decoding by DRAFT_GAIN (a prompt's drafter context is still outside these
 costs, and a marginal estimate is as likely to lose as to win). On CPU (no graphs, no step times) it drafts the
@@ -145,9 +147,17 @@ class KPolicy:
 
     def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
         """The candidate with the most expected tokens per millisecond (estimates); without graphs the whole
-        block."""
+        block. Once steps have run, plain decoding is measured before drafting is weighed against it: until plain
+        steps of this mode have run back to back (at any batch bucket) it decodes plainly, since modelling them
+        with the drafting steps' host work would price them too high, and a choice never tried is never
+        measured."""
         est = self.estimates(num_rows, longest, mode, acc, reach)
-        return self.k if est is None else max(est, key=lambda k: (est[k]["rate"], -k))
+        if est is None:
+            return self.k
+        if self.host_all and not any(kind[1:] == (0, mode) and len(c) >= MIN_CYCLES
+                                     for kind, c in self.cycle_by_kind.items()):
+            return 0
+        return max(est, key=lambda k: (est[k]["rate"], -k))
 
     def estimates(self, num_rows: int, longest: int, mode: str, acc: list[int] | None = None,
                   reach: list[int] | None = None) -> dict[int, dict] | None:

@@ -184,6 +184,37 @@ def test_k_policy_drafts_only_for_a_clear_gain(targets):
     assert 1.5 / 1.4 < DRAFT_GAIN < 1.5 / 1.25
 
 
+def test_k_policy_measures_plain_decoding_before_weighing_drafting_against_it(targets, monkeypatch):
+    """After its first drafting steps the policy has measured only drafting; modelled with their host work (0.42 ms
+    a step, more than a plain step's 0.2) plain steps would look dearer than 2 drafts at an acceptance of 0.35, and
+    it would draft for good (a choice never made is never measured). So it decodes plainly until plain steps have
+    run back to back, and with their measured cost it stays plain."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p, key = engine.policy, engine.runner.key_for
+    replay = {0: 0.23, 1: 0.48, 2: 0.5, 4: 0.55}
+    engine.runner.step_ms = lambda key: replay[key.k]
+    acc, reach = [35, 12, 4, 1], [100, 35, 12, 4]
+    now, waited = [0.0], [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+
+    def steps(k: int, n: int, cycle: float, host: float) -> None:  # back-to-back steps of k drafts
+        for _ in range(n):
+            p.step_started(waited[0])
+            p.step_replayed(replay[k], key(1, k, 100, "sample"))
+            now[0] += cycle / 1e3
+            waited[0] += cycle - host
+
+    steps(4, 8, 0.58, 0.42)
+    p.step_started(waited[0])
+    est = p.estimates(1, 100, "sample", acc, reach)
+    assert not est[0]["measured"] and est[2]["rate"] > est[0]["rate"]  # the model alone would draft
+    assert p.best(1, 100, "sample", acc, reach) == 0
+    steps(0, 16, 0.25, 0.2)
+    p.step_started(waited[0])
+    assert p.estimates(1, 100, "sample", acc, reach)[0]["measured"] and p.best(1, 100, "sample", acc, reach) == 0
+
+
 def test_k_policy_acceptance_follows_recent_traffic(targets):
     """The acceptance estimate is windowed (counts halved every ACCEPT_WINDOW row-steps): after 4000 row-steps that
     accept every draft, 600 that reject them all bring the first position's estimate below 0.3 (over the server's
@@ -232,6 +263,10 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     assert p.cycles == [0, 0, 0, 0, 1] and p.cycle_ms[4] == pytest.approx(15.2) and p.replay_ms[4] == 0.2
     m = engine.metrics()
     assert (m["step_cycles_per_k"], m["step_replay_ms_per_k"][4]) == ([0, 0, 0, 0, 1], 0.2)
+    # no plain step has run back to back yet: it decodes plainly until one has; with plain measured at its replay
+    # plus the same 10.2 ms of host work, drafting wins
+    assert engine.policy.best(1, 100, "greedy", acc, reach) == 0
+    p.cycle_by_kind[1, 0, "greedy"] = deque([10.4] * 3)
     assert engine.policy.best(1, 100, "greedy", acc, reach) == 4
 
 
@@ -317,7 +352,9 @@ def test_k_policy_costs_a_kind_by_its_measured_cycles(targets, monkeypatch):
     assert p.host_ms == pytest.approx(1.0)
     assert p.step_cost(key(1, 4, 100, "greedy"), 1.4) == pytest.approx(4.0)
     assert p.best(1, 100, "greedy", acc, reach) == 0  # at most 3.4 / 4.0 against 1.1 x 1 / 1.0 tokens per ms
-    p.cycle_by_kind.clear()  # the model alone: max(1.4, 1.0) = 1.4 ms, and drafting wins
+    p.cycle_by_kind.clear()  # no plain step measured: plain decoding first, to measure it
+    assert p.best(1, 100, "greedy", acc, reach) == 0
+    p.cycle_by_kind[1, 0, "greedy"] = deque([1.0] * 3)  # plain measured; drafting on the model: max(1.4, 1.0) wins
     assert p.best(1, 100, "greedy", acc, reach) == 4
 
 
@@ -346,8 +383,10 @@ def test_k_policy_costs_an_untimed_bucket_by_its_ks_measured_excess(targets, mon
     two = key(2, 2, 100, "sample")
     assert p.measured_cycles(two) is None and p.step_cost(two, 0.7) == pytest.approx(1.1)
     assert p.best(2, 100, "sample", acc, reach) == 0  # k = 2: 1.96 tokens per 1.1 ms against 1.1 x 1 / 0.5
-    est = p.estimates(2, 100, "greedy", acc, reach)  # greedy kinds: none measured, the model drafts
-    assert est[2]["cost_ms"] == pytest.approx(0.7) and p.best(2, 100, "greedy", acc, reach) > 0
+    est = p.estimates(2, 100, "greedy", acc, reach)  # greedy kinds: none measured, the model
+    assert est[2]["cost_ms"] == pytest.approx(0.7) and p.best(2, 100, "greedy", acc, reach) == 0  # plain first
+    p.cycle_by_kind[1, 0, "greedy"] = deque([0.5] * 3)  # greedy plain measured at one row: the model drafts
+    assert p.best(2, 100, "greedy", acc, reach) > 0
 
 
 def test_k_policy_charges_a_switch_to_drafting_not_to_the_plain_step_before_it(targets, monkeypatch):
