@@ -11,6 +11,7 @@ import asyncio
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
@@ -126,29 +127,36 @@ def in_processes(url: str, a, prompts: list[str], temperature: float, conc: int,
     timed from the moment all are ready -> (wall s, the busiest process's CPU fraction, cut, the requests as the
     processes filled them, in order)."""
     shares = [(conc // procs + (g < conc % procs), reqs[g::procs]) for g in range(procs)]
+    errs = [tempfile.TemporaryFile("w+") for _ in shares]  # a file, not a pipe: a pipe nobody reads can fill
     workers = [subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True) for _ in shares]
+                                stderr=e, text=True) for e in errs]
+
+    def stderr(g: int) -> str:
+        errs[g].seek(0)
+        return errs[g].read()[-2000:]
     try:
         for w, (n, share) in zip(workers, shares):
             w.stdin.write(_job(url, a, prompts, temperature, n, share, limit))
             w.stdin.flush()
-        for w in workers:
+        for g, w in enumerate(workers):
             if w.stdout.readline().strip() != "ready":
-                raise ClientError(f"a client process did not start: {w.communicate(timeout=30)[1][-2000:]}")
+                w.kill()
+                raise ClientError(f"a client process did not start: {stderr(g)}")
         t0 = time.perf_counter()
         for w in workers:
             w.stdin.write("go\n")
             w.stdin.flush()
         got = []
-        for w in workers:
-            out, err = w.communicate(timeout=limit + a.request_timeout + 60)
+        for g, w in enumerate(workers):
+            out = w.communicate(timeout=limit + a.request_timeout + 60)[0]
             if w.returncode != 0 or not out.strip():
-                raise ClientError(f"a client process failed (exit status {w.returncode}): {err[-2000:]}")
+                raise ClientError(f"a client process failed (exit status {w.returncode}): {stderr(g)}")
             got.append(json.loads(out))
     finally:
-        for w in workers:
+        for w, e in zip(workers, errs):
             if w.poll() is None:
                 w.kill()
+            e.close()
     wall = max(g["end"] for g in got) - t0
     done = {r["index"]: Req(**r) for g in got for r in g["reqs"]}
     return wall, max(g["cpu"] for g in got) / wall, any(g["cut"] for g in got), [done[r.index] for r in reqs]
