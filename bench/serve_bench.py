@@ -485,7 +485,7 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                     f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
                     f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})} "
                     f"({int(lv.get('overlapped_steps', 0))} overlapped), context flushes "
-                    f"{ {k: round(v, 4) for k, v in lv['context_flushes'].items()} }, "
+                    f"{ {k: round(v, 4) for k, v in lv.get('context_flushes', {}).items()} }, "
                     f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay / device) "
                     f"{step_ms}, engine thread ms per step {host}, "
                     f"server first-token ms "
