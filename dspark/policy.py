@@ -72,6 +72,7 @@ class KPolicy:
         # the step in progress: (perf_counter at its start, the host's total wait for the device then (ms), its key,
         # its replay ms); key None until it is launched as a graph step
         self.last_step: tuple[float, float, StepKey | None, float | None] | None = None
+        self.before: tuple[int, int, str] | None = None  # the kind of the step before the one in progress
         # per k, over back-to-back graph steps: the steps, their whole time from one step's start to the next (ms)
         # and their replay time (ms): what a step of k drafts costs, against what the choice above assumes
         self.cycles, self.cycle_ms, self.replay_ms = [0] * (self.k + 1), [0.0] * (self.k + 1), [0.0] * (self.k + 1)
@@ -206,21 +207,25 @@ class KPolicy:
         began less the waits in between) into the samples of all steps, that time into its kind's cycles and, with
         its replay, into its k's cycle counters. An unchained start under overlap (the step in flight was read
         first) leaves the last step unsampled: that gap holds a wait the next step's kind, not the last one's,
-        caused."""
+        caused. Under overlap a step's cycle also holds the read of the step before it, so it counts for its kind
+        only after a step of the same kind (the first plain step after drafting ones would carry their device
+        time)."""
         now, last = time.perf_counter(), self.last_step
+        kind = None if last is None or last[2] is None else (last[2].rows, last[2].k, last[2].mode)
         if last is not None and last[3] is not None and (chained or not self.overlap):
             cycle = (now - last[0]) * 1e3
             if cycle < HOST_PAUSE_MS:
-                key = last[2]
                 self.host_all.append(max(0.0, cycle - (waited_ms - last[1])))
-                kind = (key.rows, key.k, key.mode)
+            if cycle < HOST_PAUSE_MS and (self.before == kind or not self.overlap):
                 if kind not in self.cycle_by_kind:
                     self.cycle_by_kind[kind] = deque(maxlen=CYCLE_WINDOW)
                 self.cycle_by_kind[kind].append(cycle)
                 self.replay_by_kind[kind] = last[3]
-                self.cycles[key.k] += 1
-                self.cycle_ms[key.k] += cycle
-                self.replay_ms[key.k] += last[3]
+                k = last[2].k
+                self.cycles[k] += 1
+                self.cycle_ms[k] += cycle
+                self.replay_ms[k] += last[3]
+        self.before = kind
         self.last_step = (now, waited_ms, None, None)
 
     def step_replayed(self, ms: float | None, key: StepKey) -> None:

@@ -213,6 +213,7 @@ def test_k_policy_measures_plain_decoding_before_weighing_drafting_against_it(ta
     steps(0, 16, 0.25, 0.2)
     p.step_started(waited[0])
     assert p.estimates(1, 100, "sample", acc, reach)[0]["measured"] and p.best(1, 100, "sample", acc, reach) == 0
+    assert len(p.cycle_by_kind[1, 0, "sample"]) == 15  # the first plain step, read behind a drafting one, left out
 
 
 def test_k_policy_acceptance_follows_recent_traffic(targets):
@@ -299,10 +300,11 @@ def test_k_policy_weighs_each_kinds_measured_time_with_async_scheduling(targets)
 
 
 def test_k_policy_host_work_is_a_median_a_first_outlier_does_not_stick(targets, monkeypatch):
-    """A kind of step's cost is the median of its last cycles: a first drafting step that paid one-off costs (40 ms)
-    stops counting after two ordinary ones, where a moving average would keep drafting looking host-bound for as many
+    """A kind of step's cost is the median of its last cycles: a drafting step that paid one-off costs (40 ms) stops
+    counting after two ordinary ones, where a moving average would keep drafting looking host-bound for as many
     probes as it takes to decay; a kind with fewer than three cycles is modelled with the host's median work over all
-    steps."""
+    steps. Under overlap the first step after a break, or after a step of another kind, counts for no kind: its cycle
+    holds the read of the step before it."""
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target), overlap=True)
     p, key = engine.policy, engine.runner.key_for
@@ -317,10 +319,11 @@ def test_k_policy_host_work_is_a_median_a_first_outlier_does_not_stick(targets, 
         p.step_started(0.0)
         p.step_chain_broken()
 
-    steps(0, [0.5] * 5)
+    steps(0, [0.5] * 9)
     steps(4, [40.0])
-    assert p.step_cost(key(1, 4, 100, "greedy"), 0.2) == pytest.approx(0.5)  # one cycle: the model, host_ms 0.5
-    steps(4, [0.6, 0.7])
+    assert list(p.measured_cycles(key(1, 0, 100, "greedy"))) == pytest.approx([0.5] * 8)  # the first left out
+    assert p.step_cost(key(1, 4, 100, "greedy"), 0.2) == pytest.approx(0.5)  # no cycle: the model, host_ms 0.5
+    steps(4, [0.6, 40.0, 0.6, 0.7])
     assert p.step_cost(key(1, 4, 100, "greedy"), 0.2) == pytest.approx(0.7)  # median of 40, 0.6, 0.7
     assert p.step_cost(key(1, 0, 100, "greedy"), 0.2) == pytest.approx(0.5) and p.host_ms == pytest.approx(0.5)
     engine.runner.step_ms = lambda key: 0.25 + 0.1 * key.k
@@ -342,7 +345,7 @@ def test_k_policy_costs_a_kind_by_its_measured_cycles(targets, monkeypatch):
     now, waited = [0.0], [0.0]
     monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
     for k in (1, 2, 4):  # drafting steps 4 ms apart, 3 ms of each waiting for the device: 1 ms of host work
-        for _ in range(3):
+        for _ in range(4):  # (the first of each k follows another kind: it counts for none)
             p.step_started(waited[0])
             p.step_replayed(1.0 + 0.1 * k, key(1, k, 100, "greedy"))
             now[0] += 4e-3
@@ -372,7 +375,7 @@ def test_k_policy_costs_an_untimed_bucket_by_its_ks_measured_excess(targets, mon
     now, waited = [0.0], [0.0]
     monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
     for k, cycle in ((0, 0.5), (1, 0.95), (2, 1.0), (4, 1.1)):  # one row, back to back: replay + 0.4 when drafting
-        for _ in range(3):
+        for _ in range(4):  # (the first of each k follows another kind: it counts for none)
             p.step_started(waited[0])
             p.step_replayed(0.5 + 0.05 * k, key(1, k, 100, "sample"))
             now[0] += cycle / 1e3
