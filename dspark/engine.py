@@ -371,7 +371,7 @@ class Engine:
         c["context_flush_s"] += dt
         c["context_flushes_queued"] += bool(in_flight)
         self.policy.flushed(1e3 * dt)
-        self.policy.step_chain_broken()  # an eager forward ran: the gap to the next step is not a step's host work
+        self.policy.step_chain_broken()  # a flush ran: the gap to the next step is not a step's host work
 
     @torch.no_grad()  # what the forwards run under (the MoE's inference paths; no autograd on the cache)
     def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",), progress: bool = False) -> int:

@@ -67,7 +67,7 @@ class KPolicy:
         self.host_all: deque[float] = deque(maxlen=4 * CYCLE_WINDOW)
         self.cycle_by_kind: dict[tuple[int, int, str], deque[float]] = {}
         self.replay_by_kind: dict[tuple[int, int, str], float] = {}  # each timed kind's replay at capture (ms)
-        self.flush_ms: float | None = None  # an eager context flush's host time (ms), moving average
+        self.flush_ms: float | None = None  # a context flush's host time (ms), moving average
         self.last_k = 0  # the k of the last choice (a k > 0 after plain steps flushes their context first)
         # the step in progress: (perf_counter at its start, the host's total wait for the device then (ms), its key,
         # its replay ms); key None until it is launched as a graph step
@@ -235,7 +235,7 @@ class KPolicy:
             self.last_step = (*self.last_step[:2], key, ms)
 
     def flushed(self, ms: float) -> None:
-        """An eager context flush took ms of host time (drafting after plain steps pays it)."""
+        """A context flush took ms of host time (drafting after plain steps pays it)."""
         self.flush_ms = ms if self.flush_ms is None else self.flush_ms + FLUSH_EMA * (ms - self.flush_ms)
 
     def step_chain_broken(self) -> None:
