@@ -130,7 +130,7 @@ class Engine:
                          "decode_steps_per_k": [0] * (self.k + 1),  # device steps by the drafts they verified
                          "tokens_per_k": [0] * (self.k + 1),  # tokens those steps committed (accepted drafts + 1)
                          "overlapped_steps": 0,  # decode steps queued while the one before was still in flight
-                         # drafting after plain steps: the eager flushes of their stashed context rows, their host
+                         # drafting after plain steps: the flushes of their stashed context rows, their host
                          # seconds, and of them the ones queued behind a plain step in flight
                          "context_flushes": 0, "context_flush_s": 0.0, "context_flushes_queued": 0,
                          # graph steps by k: how many were timed on the device (events around the replay) and

@@ -128,11 +128,15 @@ class KPolicy:
         cycles = self.cycle_by_kind.get((key.rows, key.k, key.mode))
         return cycles if cycles and len(cycles) >= MIN_CYCLES else None
 
+    def measured_kinds(self, k: int, mode: str) -> list[tuple[tuple[int, int, str], deque[float]]]:
+        """The kinds of k drafts in this mode (every batch bucket) with MIN_CYCLES cycles, and their cycles."""
+        return [(kind, c) for kind, c in self.cycle_by_kind.items() if kind[1:] == (k, mode) and len(c) >= MIN_CYCLES]
+
     def excess_ms(self, k: int, mode: str) -> float | None:
         """The median, over the measured kinds of k drafts and this mode (every batch bucket), of their median cycle
         less their replay (ms); None when no such kind is measured."""
-        excess = [statistics.median(c) - self.replay_by_kind[kind] for kind, c in self.cycle_by_kind.items()
-                  if kind[1:] == (k, mode) and len(c) >= MIN_CYCLES and kind in self.replay_by_kind]
+        excess = [statistics.median(c) - self.replay_by_kind[kind] for kind, c in self.measured_kinds(k, mode)
+                  if kind in self.replay_by_kind]
         return statistics.median(excess) if excess else None
 
     def step_cost(self, key: StepKey, replay_ms: float) -> float:
@@ -155,8 +159,7 @@ class KPolicy:
         est = self.estimates(num_rows, longest, mode, acc, reach)
         if est is None:
             return self.k
-        if self.host_all and not any(kind[1:] == (0, mode) and len(c) >= MIN_CYCLES
-                                     for kind, c in self.cycle_by_kind.items()):
+        if self.host_all and not self.measured_kinds(0, mode):
             return 0
         return max(est, key=lambda k: (est[k]["rate"], -k))
 
@@ -216,15 +219,13 @@ class KPolicy:
             cycle = (now - last[0]) * 1e3
             if cycle < HOST_PAUSE_MS:
                 self.host_all.append(max(0.0, cycle - (waited_ms - last[1])))
-            if cycle < HOST_PAUSE_MS and (self.before == kind or not self.overlap):
-                if kind not in self.cycle_by_kind:
-                    self.cycle_by_kind[kind] = deque(maxlen=CYCLE_WINDOW)
-                self.cycle_by_kind[kind].append(cycle)
-                self.replay_by_kind[kind] = last[3]
-                k = last[2].k
-                self.cycles[k] += 1
-                self.cycle_ms[k] += cycle
-                self.replay_ms[k] += last[3]
+                if self.before == kind or not self.overlap:
+                    self.cycle_by_kind.setdefault(kind, deque(maxlen=CYCLE_WINDOW)).append(cycle)
+                    self.replay_by_kind[kind] = last[3]
+                    k = last[2].k
+                    self.cycles[k] += 1
+                    self.cycle_ms[k] += cycle
+                    self.replay_ms[k] += last[3]
         self.before = kind
         self.last_step = (now, waited_ms, None, None)
 

@@ -179,12 +179,27 @@ class ModelRunner:
     def prefill_key(self, num_tokens: int, num_cached: int, align: int = 1) -> PrefillKey:
         """The key of a chunk of num_tokens tokens after num_cached cached ones: with graphs a power-of-two width and
         context; else the width rounded up to `align`, the exact context."""
-        bs = self.cache.block_size
         if self.graphs:
-            T = pow2_at_least(num_tokens, PREFILL_MIN)
-            return PrefillKey(T, pow2_at_least(num_cached + T, max(MIN_CONTEXT, bs)) // bs)
+            return self._graph_key(num_tokens, num_cached, PREFILL_MIN)
         T = -(-num_tokens // align) * align
-        return PrefillKey(T, -(-(num_cached + T) // bs))
+        return PrefillKey(T, -(-(num_cached + T) // self.cache.block_size))
+
+    def _graph_key(self, num_tokens: int, num_cached: int, t_min: int) -> PrefillKey:
+        """A one-request graph's key (a prefill's, a flush's): a power-of-two width from t_min and context."""
+        bs, T = self.cache.block_size, pow2_at_least(num_tokens, t_min)
+        return PrefillKey(T, pow2_at_least(num_cached + T, max(MIN_CONTEXT, bs)) // bs)
+
+    def _graph_keys(self, t_min: int, max_tokens: int, max_len: int) -> list[PrefillKey]:
+        """Every such key of up to max_tokens new tokens in requests up to max_len tokens."""
+        bs, keys = self.cache.block_size, []
+        T = t_min
+        while T <= pow2_at_least(max_tokens, t_min):
+            L = pow2_at_least(T, max(MIN_CONTEXT, bs))
+            while L <= pow2_at_least(max_len, max(MIN_CONTEXT, bs)):
+                keys.append(PrefillKey(T, L // bs))
+                L *= 2
+            T *= 2
+        return keys
 
     def prefill_graph_safe(self, key: PrefillKey) -> bool:
         return self.graphs and key not in self.prefill_failed and moe_graph_safe(self.target, key.T)
@@ -257,28 +272,23 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         pf.ints.copy_(ints.pin_memory() if pin else ints, non_blocking=pin)
 
+    def _row_view(self, ints: torch.Tensor, T: int):
+        """The DeviceView of rows [num_cached, num_new, slot | block table] (a prefill's or a flush's)."""
+        num_cached, num_new, slots = (ints[:, i].contiguous() for i in range(PREFILL_COLS))
+        return self.cache.device_view(num_cached, num_new, ints[:, PREFILL_COLS:], slots, T, False)
+
     def _prefill_fn(self, pf: PrefillBuffers) -> torch.Tensor:
         """The prefill forward (device ops only) -> each row's logits at its last valid token [rows, V]. Without
         cuDNN's attention: it builds an execution graph for every new shape."""
-        ints = pf.ints
-        num_cached, num_new, slots = (ints[:, i].contiguous() for i in range(PREFILL_COLS))
-        view = self.cache.device_view(num_cached, num_new, ints[:, PREFILL_COLS:], slots, pf.key.T, False)
+        view = self._row_view(pf.ints, pf.key.T)
         with sdpa_kernel(PREFILL_ATTENTION):
             logits = self.forward(pf.ids, view)  # [rows, T, V]
-        last = (num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, logits.shape[-1])
+        last = (view.num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, logits.shape[-1])
         return logits.gather(1, last)[:, 0]
 
     def prefill_keys(self, max_chunk: int, max_len: int) -> list[PrefillKey]:
         """The graph-safe prefill keys of chunks up to max_chunk tokens in requests up to max_len tokens."""
-        bs, keys = self.cache.block_size, []
-        T = PREFILL_MIN
-        while T <= pow2_at_least(max_chunk, PREFILL_MIN):
-            L = pow2_at_least(T, max(MIN_CONTEXT, bs))
-            while L <= pow2_at_least(max_len, max(MIN_CONTEXT, bs)):
-                keys.append(PrefillKey(T, L // bs))
-                L *= 2
-            T *= 2
-        return [k for k in keys if self.prefill_graph_safe(k)]
+        return [k for k in self._graph_keys(PREFILL_MIN, max_chunk, max_len) if self.prefill_graph_safe(k)]
 
     def prefill_graph(self, key: PrefillKey) -> PrefillBuffers | None:
         """The captured prefill of one request for this key (captured at its first use; Engine.warmup captures the
@@ -287,7 +297,7 @@ class ModelRunner:
         return self._row_graph(self.prefills, self.prefill_failed, key, self._prefill_fn, "prefill")
 
     def flush_graph(self, key: PrefillKey) -> PrefillBuffers | None:
-        """The captured context flush of one request for this key (flush_key), as prefill_graph."""
+        """The captured context flush of one request for this key (flush_keys), as prefill_graph."""
         return self._row_graph(self.flushes, self.flush_failed, key, self._flush_fn, "context flush")
 
     @torch.no_grad()
@@ -371,20 +381,9 @@ class ModelRunner:
         view.commit(a + 1)
         return pack_step(drafts, a, nxt, n)
 
-    def flush_key(self, count: int, start: int) -> PrefillKey:
-        """The graph key of a flush of count stashed positions from position start (as prefill_key)."""
-        T = pow2_at_least(count, FLUSH_MIN)
-        return PrefillKey(T, pow2_at_least(start + T, max(MIN_CONTEXT, self.cache.block_size)) // self.cache.block_size)
-
     def flush_keys(self, max_len: int) -> list[PrefillKey]:
         """The flush keys of requests up to max_len tokens."""
-        bs, top, keys = self.cache.block_size, pow2_at_least(max_len, max(MIN_CONTEXT, self.cache.block_size)), []
-        T = FLUSH_MIN
-        while T <= top:
-            keys += [PrefillKey(T, L // bs) for L in (pow2_at_least(T, max(MIN_CONTEXT, bs)) << i for i in range(8))
-                     if L <= top]
-            T *= 2
-        return keys
+        return self._graph_keys(FLUSH_MIN, max_len, max_len)
 
     @torch.no_grad()
     def flush_context(self, starts: list[int], counts: list[int], tables: list[list[int]], slots: list[int]) -> None:
@@ -394,7 +393,7 @@ class ModelRunner:
         flight without waiting for it: the row ints go up from pinned memory."""
         eager = []
         for b, (start, count) in enumerate(zip(starts, counts)):
-            fl = self.flush_graph(self.flush_key(count, start)) if self.graphs else None
+            fl = self.flush_graph(self._graph_key(count, start, FLUSH_MIN)) if self.graphs else None
             if fl is None:
                 eager.append(b)
                 continue
@@ -404,15 +403,14 @@ class ModelRunner:
             return
         starts, counts = [starts[b] for b in eager], [counts[b] for b in eager]
         T, bs = max(counts), self.cache.block_size
-        fl = PrefillBuffers(len(eager), PrefillKey(T, max(-(-(s + T) // bs) for s in starts)), self.device)
-        self._fill_ints(fl, starts, counts, [slots[b] for b in eager], [tables[b] for b in eager])
-        self._flush_fn(fl)
+        ints = self._row_ints(starts, counts, [slots[b] for b in eager], [tables[b] for b in eager],
+                              max(-(-(s + T) // bs) for s in starts))
+        pin = self.device.type == "cuda"
+        self.drafts.flush_context(self._row_view((ints.pin_memory() if pin else ints).to(self.device, non_blocking=pin), T))
 
     def _flush_fn(self, fl: PrefillBuffers) -> None:
-        """The context flush of fl's rows (device ops only)."""
-        ints = fl.ints
-        view = self.cache.device_view(ints[:, 0], ints[:, 1], ints[:, PREFILL_COLS:], ints[:, 2], fl.key.T, False)
-        self.drafts.flush_context(view)
+        """The context flush of fl's rows (device ops only: what its graph captures)."""
+        self.drafts.flush_context(self._row_view(fl.ints, fl.key.T))
 
     # ------------------------------------------------------------------ host side
     def key_for(self, num_rows: int, k: int, max_len: int, mode: str) -> StepKey:
