@@ -133,7 +133,7 @@ class Engine:
                          # drafting after plain steps: the flushes of their stashed context rows, their host
                          # seconds, and of them the ones queued behind a plain step in flight
                          "context_flushes": 0, "context_flush_s": 0.0, "context_flushes_queued": 0,
-                         # graph steps by k: how many were timed on the device (events around the replay) and
+                         # graph steps by k: how many were timed on the device (events around every 8th replay) and
                          # their time there (ms), against the replay time measured at capture that the policy uses
                          "device_steps_per_k": [0] * (self.k + 1), "device_ms_per_k": [0.0] * (self.k + 1),
                          "step_s": 0.0,  # host seconds inside step() (its waits for the device included)

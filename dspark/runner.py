@@ -80,6 +80,7 @@ FLUSH_MIN = 16  # the narrowest context-flush graph (its widths are powers of tw
 # batched (a regeneration's waves of hundreds): an eager forward's first shape may autotune kernels for seconds
 PREFILL_GRAPH_ROWS = 64
 PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
+TIME_EVERY = 8  # launches per graph replay timed on the device (events around it: host time on every step)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
 
 
@@ -115,6 +116,7 @@ class ModelRunner:
         self.rejection, self.draft_sample, self.adaptive = rejection, draft_sample, adaptive
         self.aux_ids = list(drafts.drafter.config.target_layer_ids) if drafts is not None else None
         self.steps: dict[StepKey, StepBuffers] = {}
+        self._keys: dict[tuple[int, int, str], tuple[int, int, StepKey]] = {}  # key_for's last key per rows, k, mode
         self.prefills: dict[PrefillKey, PrefillBuffers] = {}
         self.prefill_failed: set[PrefillKey] = set()
         self.flushes: dict[PrefillKey, PrefillBuffers] = {}  # context flushes, keyed like prefills
@@ -132,6 +134,10 @@ class ModelRunner:
         # turns (launch)
         self._outs: list[tuple | None] = [None, None]
         self._flip = 0
+        self._launches = 0  # graph replays are timed on the device every TIME_EVERY launches
+        self._last: StepBuffers | None = None  # the buffers of the last launched step
+        self.inputs_kept = 0  # launches whose inputs were already on the device (no staging, no copy)
+        self.cuda = self.device.type == "cuda"
         # host seconds spent waiting for the device: in decode steps' reads, and before refilling a step's staging
         self.wait_s, self.launch_wait_s = 0.0, 0.0
 
@@ -414,14 +420,25 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ host side
     def key_for(self, num_rows: int, k: int, max_len: int, mode: str) -> StepKey:
-        """The step key of num_rows rows whose longest sees max_len positions (cached + k + 1)."""
+        """The step key of num_rows rows whose longest sees max_len positions (cached + k + 1). Each (rows, k, mode)
+        keeps its last key and the range of max_len it covers: a step at a time, the key rarely changes."""
+        hit = self._keys.get((num_rows, k, mode))
+        if hit is not None and hit[0] < max_len <= hit[1]:
+            return hit[2]
         rows = next((b for b in self.buckets if b >= num_rows), None)
         if rows is None:
             raise ValueError(f"decode: {num_rows} rows exceed max_batch_size={self.buckets[-1]}")
         bs = self.cache.block_size
         if self.graphs:  # few context buckets: each is a graph to capture
-            max_len = pow2_at_least(max_len, max(MIN_CONTEXT, bs))
-        return StepKey(rows, k, -(-max_len // bs), mode)
+            least = max(MIN_CONTEXT, bs)
+            hi = pow2_at_least(max_len, least)
+            lo = hi // 2 if hi > least else 0
+        else:
+            hi = -(-max_len // bs) * bs
+            lo = hi - bs
+        key = StepKey(rows, k, -(-hi // bs), mode)
+        self._keys[(num_rows, k, mode)] = (lo, hi, key)
+        return key
 
     def _get(self, key: StepKey) -> StepBuffers:
         st = self.steps.get(key)
@@ -491,7 +508,51 @@ class ModelRunner:
         key.width); on CPU it runs now. Rows with a src continue that row of the step launched before this one
         (chain_inputs), which may still be in flight. read() returns its result."""
         st = self._get(key)
-        B, W, ints, flo = len(rows), key.width, st.ints_np, st.floats_np
+        if self._continues(st, rows, tables):
+            self.inputs_kept += 1
+        else:
+            self._stage(st, rows, tables, num_cached, slots)
+        self._last = st
+        B = len(rows)
+        if not self.cuda:
+            return Launched(self._run(st), None, B, st.ms)
+        # the copy the host reads goes to one of two pinned buffers (a step's read while the next one's fills)
+        self._flip ^= 1
+        if self._outs[self._flip] is None:
+            self._outs[self._flip] = (torch.empty(self.buckets[-1] * (self.max_k + 3), dtype=torch.long,
+                                                  pin_memory=True), torch.cuda.Event(),
+                                      (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        buf, done, timing = self._outs[self._flip]
+        self._launches += 1
+        if st.graph is None:
+            out, timing = self._run(st), None
+            host = pinned_rows(buf, B, out.shape[1])
+            host.copy_(out[:B], non_blocking=True)
+        else:
+            timing = timing if self._launches % TIME_EVERY == 0 else None
+            if timing is not None:
+                timing[0].record()
+            st.graph.replay()
+            if timing is not None:
+                timing[1].record()
+            host = st.hosts[self._flip]
+            if host is None:  # the whole bucket's rows: one copy into a view made once
+                host = st.hosts[self._flip] = pinned_rows(buf, *st.out.shape)
+            host.copy_(st.out, non_blocking=True)
+        done.record()
+        return Launched(host, done, B, st.ms, timing)
+
+    def _continues(self, st: StepBuffers, rows: list[RowInput], tables: list[list[int]]) -> bool:
+        """Whether the step's device inputs are already in place: it runs the buffers of the step launched just
+        before it, each row continuing the same row of that step (chain_inputs completes them on the device), as
+        staged, with the same blocks. An eager compiled step is left out: its retry restores the staged inputs."""
+        return (st is self._last and st.chained and st.live == len(rows) and st.tables == tables
+                and (st.graph is not None or not self.compiled) and all(r.src == b for b, r in enumerate(rows)))
+
+    def _stage(self, st: StepBuffers, rows: list[RowInput], tables: list[list[int]], num_cached: list[int],
+               slots: list[int]) -> None:
+        """The rows' host values into st's staging buffers, and their copy to the device queued."""
+        B, W, ints, flo = len(rows), st.key.width, st.ints_np, st.floats_np
         if st.staged is not None:  # the last copy out of this staging buffer has run (with a step in flight it may not)
             t0 = time.perf_counter()
             st.staged.synchronize()
@@ -505,35 +566,15 @@ class ModelRunner:
             ints[b, NI:NI + n] = t[:n]
         flo[:B] = [(r.temperature, r.top_p) for r in rows]
         if st.live > B:  # rows the last step used and this one does not: back to padding
-            ints[B:st.live] = self._pad_row(key.width)
+            ints[B:st.live] = self._pad_row(W)
             flo[B:st.live] = (0.0, 1.0)
-        st.live = B
-        cuda = self.device.type == "cuda"
+        st.live, st.tables = B, tables
+        st.chained = all(r.src == b for b, r in enumerate(rows))
         st.ints.copy_(st.ints_host, non_blocking=True)
         st.floats.copy_(st.floats_host, non_blocking=True)
-        done, timing = None, None
-        if cuda:  # the copy the host reads goes to one of two pinned buffers (a step's read while the next one's fills)
+        if self.cuda:
             st.staged = st.staged or torch.cuda.Event()
             st.staged.record()
-            self._flip ^= 1
-            if self._outs[self._flip] is None:
-                self._outs[self._flip] = (torch.empty(self.buckets[-1], self.max_k + 3, dtype=torch.long,
-                                                      pin_memory=True), torch.cuda.Event(),
-                                          (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-            buf, done, timing = self._outs[self._flip]
-        if st.graph is not None:
-            timing[0].record()
-            st.graph.replay()
-            timing[1].record()
-            out = st.out
-        else:
-            out, timing = self._run(st), None
-        host = out[:B]
-        if cuda:
-            host = pinned_rows(buf, B, out.shape[1])
-            host.copy_(out[:B], non_blocking=True)
-            done.record()
-        return Launched(host, done, B, st.ms, timing)
 
     def read(self, step: Launched) -> list[list[int]]:
         """Wait for a launched step -> per row [a, n, t_0 .. t_k]: a accepted drafts, n verified, then the emitted
@@ -544,4 +585,5 @@ class ModelRunner:
         self.wait_s += time.perf_counter() - t0
         if step.timing is not None:
             step.device_ms = step.timing[0].elapsed_time(step.timing[1])
-        return step.host.tolist()
+        host = step.host if step.live == step.host.shape[0] else step.host[:step.live]
+        return host.tolist()

@@ -4,6 +4,7 @@ device). dspark/runner.py runs the steps."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,16 +28,14 @@ def pow2_at_least(n: int, lo: int) -> int:
     return max(lo, 1 << max(0, (n - 1).bit_length()))
 
 
-@dataclass(frozen=True)
-class StepKey:
+class StepKey(NamedTuple):  # a tuple: hashed in C on every step's lookups
     rows: int  # batch bucket
     k: int  # drafts per row (0: plain decoding)
     width: int  # block-table width: the step sees width * block_size positions
     mode: str  # one of MODES
 
 
-@dataclass(frozen=True)
-class PrefillKey:
+class PrefillKey(NamedTuple):
     T: int  # new tokens per row (the chunk, right-padded)
     width: int  # block-table width: the forward sees width * block_size positions
 
@@ -103,6 +102,9 @@ class StepBuffers:
         self.floats_host = torch.zeros(self.floats.shape, dtype=torch.float32, pin_memory=pin)
         self.ints_np, self.floats_np = self.ints_host.numpy(), self.floats_host.numpy()
         self.live = 0  # rows filled by the last step: rows past it hold padding
+        self.tables: list[list[int]] | None = None  # the rows' blocks as last staged
+        self.chained = False  # every row as last staged continues the same row of the step before
+        self.hosts: list[torch.Tensor | None] = [None, None]  # the output's pinned copies for the host, per turn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: torch.Tensor | None = None
         self.ms: float | None = None  # replay time, measured at capture

@@ -146,7 +146,7 @@ class EngineRunner:
         self.engine = engine
         self.info, self.tokenizer = EngineInfo.of(engine), engine.tokenizer
         self.profiler = EngineProfile(profile_dir) if profile_dir else None
-        self._cmds: queue.Queue = queue.Queue()
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._exited = threading.Event()  # set when _run ends, before it answers what is still queued
@@ -215,18 +215,13 @@ class EngineRunner:
         torch.set_grad_enabled(False)  # this thread's grad mode: the engine's steps then skip entering no_grad
         try:
             while not self._stop.is_set():
-                try:  # block only when idle; between steps take whatever arrived
-                    cmd = self._cmds.get_nowait() if self.engine.has_work() else self._cmds.get()
-                except queue.Empty:
-                    cmd = ...
+                # block only when idle; between steps take whatever arrived (one consumer: empty() then get())
+                cmd = self._cmds.get() if not self.engine.has_work() or not self._cmds.empty() else ...
                 while cmd is not ...:
                     if cmd is None:
                         return  # (finally: flushes what _handle pushed)
                     self._handle(cmd)
-                    try:
-                        cmd = self._cmds.get_nowait()
-                    except queue.Empty:
-                        cmd = ...
+                    cmd = ... if self._cmds.empty() else self._cmds.get()
                 t0 = time.perf_counter()
                 if self.engine.has_work():
                     self._step()  # with the engine's overlap its next step is queued: the delivery overlaps it
@@ -311,9 +306,11 @@ class EngineRunner:
                 self._finish(req.id, req.finish_reason or "stop", toks=toks)
             else:
                 self._push(s, Event(list(toks), self._delta(s, final=False)))
-        for rid, s in list(self._streams.items()):  # finished without emitting (defensive)
-            if s.req.status.value == "finished":
-                self._finish(rid, s.req.finish_reason or "stop")
+        sched = self.engine.scheduler
+        if len(self._streams) > len(sched.running) + len(sched.waiting):  # some finished without emitting (defensive)
+            for rid, s in list(self._streams.items()):
+                if s.req.status.value == "finished":
+                    self._finish(rid, s.req.finish_reason or "stop")
 
     def _delta(self, s: _Stream, final: bool) -> str:
         return "" if s.text is None else s.text.delta(s.req.text, final)

@@ -55,8 +55,8 @@ def same(a, b):
 
 
 def test_chain_inputs_continue_the_rows_of_the_step_in_flight():
-    """Rows with a src take t_a of that row as their pending token, grow by a + 1 and cap their drafts by the room
-    left; rows without one and padding rows keep the host's values."""
+    """Rows with a src take t_a of that row as their pending token, grow by a + 1, cap their drafts by the room
+    left and keep that room; rows without one and padding rows keep the host's values."""
     prev = torch.tensor([[2, 3, 11, 12, 13, -1], [0, 3, 21, -1, -1, -1], [3, 3, 31, 32, 33, 34]])  # [a, n, t0..t3]
     ints = torch.zeros(4, NI + 2, dtype=torch.long)
     cols = ("pending", "num_cached", "num_new", "room", "src")
@@ -70,6 +70,7 @@ def test_chain_inputs_continue_the_rows_of_the_step_in_flight():
     # row 0 continues row 2 (a = 3): t_3, 10 + 4, room 50 - 4 leaves its 3 drafts; row 1 continues row 0 (a = 2):
     # t_2, 20 + 3, room 3 - 3 = 0 leaves no draft; row 2 has no src; row 3 is padding
     assert got == [[34, 14, 4], [13, 23, 1], [7, 30, 2], [0, 0, 1]]
+    assert ints[:, INT_COLS["room"]].tolist() == [46, 0, 9, 1]
     seed = INT_COLS["seed"]
     assert torch.equal(ints[:, seed], before[:, seed]) and torch.equal(ints[:, NI:], before[:, NI:])
 
@@ -99,6 +100,25 @@ def test_overlap_gives_the_tokens_of_reading_every_step(pair, prompts, spec):
     assert c["overlapped_steps"] >= sum(c["decode_steps_per_k"]) // 2
     if d is not None:
         assert c["num_accepted_tokens"] > 0  # the drafts do get accepted (a live Markov head on a random drafter)
+
+
+@pytest.mark.parametrize("spec", ["ar", "pinned"])
+def test_steps_continuing_the_same_rows_keep_their_inputs_on_the_device(pair, prompts, spec):
+    """Two rows decoding 40 tokens with overlap: a step whose rows continue the same rows of the step before it, in
+    the same buffers and blocks, stages and copies nothing (its inputs are the ones chain_inputs completed on the
+    device); a row's new block, a batch that shrinks or a changed step kind stages anew. The tokens and accepted
+    counts stay those of reading every step."""
+    target, drafter = pair
+    d, k = (None, None) if spec == "ar" else (drafter, 3)
+    params = [SamplingParams(max_tokens=40, ignore_eos=True), SamplingParams(max_tokens=31, ignore_eos=True)]
+    want = run(Engine(target, d, k, max_batch_size=2, overlap=False), prompts[:2], params, arrive_at=(0, 0))
+    engine = Engine(target, d, k, max_batch_size=2, overlap=True)
+    got = run(engine, prompts[:2], params, arrive_at=(0, 0))
+    same(got, want)
+    assert [o.accepted_per_step for o in got] == [o.accepted_per_step for o in want]
+    steps = sum(engine.metrics()["decode_steps_per_k"])
+    blocks = sum(-(-(len(p) + n.max_tokens + 4) // 16) for p, n in zip(prompts, params))  # new blocks, at most
+    assert steps - blocks - 4 <= engine.runner.inputs_kept < steps
 
 
 def test_overlap_across_plain_and_drafting_steps(pair, prompts, monkeypatch):

@@ -163,6 +163,8 @@ class PagedCache:
         """Blocks for num_tokens[b] tokens per request (all-or-nothing: OutOfBlocks changes nothing)."""
         reqs = [self.reqs[rid] for rid in rids]
         need = [r.table.blocks_needed(n) for r, n in zip(reqs, num_tokens)]
+        if not any(need):  # the common step: every row's blocks already hold it
+            return reqs
         fresh = self.pool.allocate(sum(need))
         for r, k in zip(reqs, need):
             if k:

@@ -5,7 +5,9 @@ Shapes: ints [R, C] int64, one row per batch row, with columns pending, num_cach
 indices given); prev [R', P] int64, the step before's output rows [a, n, t_0 .. t_k, ...].
 For each row with src >= 0 (it continues row src of prev), with a = prev[src, 0] and d = a + 1:
     pending = prev[src, 2 + a]    num_cached += d    num_new = clamp(min(num_new - 1, room - d - 1), 0) + 1
-Rows with src < 0 keep their values. One launch instead of some twenty small torch ops: inside a captured step it is
+    room -= d
+Rows with src < 0 keep their values. The updated row is what its next step continues from, so a step whose rows
+continue the same rows of the same buffers needs no new inputs from the host (runner.launch). One launch instead of some twenty small torch ops: inside a captured step it is
 device time on every step.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ def chain_inputs_ref(ints: torch.Tensor, prev: torch.Tensor, pending: int, num_c
     ints[:, pending] = torch.where(has, tok, ints[:, pending])
     drafts = torch.minimum(ints[:, num_new] - 1, ints[:, room] - d - 1).clamp(min=0)
     ints[:, num_new] = torch.where(has, drafts + 1, ints[:, num_new])
+    ints[:, room] -= d
 
 
 @triton.jit
@@ -43,8 +46,10 @@ def _chain_inputs_kernel(ints, prev, R, stride_i, stride_p, P, PENDING: tl.const
     d = a + 1
     tl.store(row + NUM_CACHED, tl.load(row + NUM_CACHED, mask=m, other=0) + d, mask=m)
     tl.store(row + PENDING, tok, mask=m)
-    drafts = tl.minimum(tl.load(row + NUM_NEW, mask=m, other=1) - 1, tl.load(row + ROOM, mask=m, other=0) - d - 1)
+    room = tl.load(row + ROOM, mask=m, other=0)
+    drafts = tl.minimum(tl.load(row + NUM_NEW, mask=m, other=1) - 1, room - d - 1)
     tl.store(row + NUM_NEW, tl.maximum(drafts, 0) + 1, mask=m)
+    tl.store(row + ROOM, room - d, mask=m)
 
 
 def chain_inputs_triton(ints: torch.Tensor, prev: torch.Tensor, pending: int, num_cached: int, num_new: int,
