@@ -84,7 +84,8 @@ class KPolicy:
         the statistics keep coming (a probe costs a drafting step that does not pay and the context rows of every
         position since the last one, so while probes leave the choice at 0 their interval doubles, up to PROBE_MAX,
         and a choice of k > 0 resets it); a choice is reused for REPICK_EVERY steps of the same batch size, context
-        bucket and mode."""
+        bucket and mode, one on a modelled cost only for the MIN_CYCLES + 1 steps that measure it (a capture's
+        replay time and another bucket's host work can make a kind look cheaper than it runs)."""
         if self.k == 0:
             return 0
         if self.pinned:
@@ -99,7 +100,10 @@ class KPolicy:
         memo = (num_rows, longest.bit_length(), mode)
         hit = self.memo.get(memo)
         if hit is None or hit[1] <= 0:
-            hit = self.memo[memo] = [self.best(num_rows, longest, mode, acc, reach), REPICK_EVERY]
+            k = self.best(num_rows, longest, mode, acc, reach)
+            key = self.runner.key_for(num_rows, k, longest + k + 1, mode)
+            # a choice on a modelled cost lasts until its kind is measured (then its cost is known), not REPICK_EVERY
+            hit = self.memo[memo] = [k, REPICK_EVERY if self.measured_cycles(key) is not None else MIN_CYCLES + 1]
             if hit[0] > 0:  # drafting pays (again)
                 self.probe_every[group] = PROBE_EVERY
             elif self.probed[group]:  # a probe, and still plain

@@ -17,7 +17,7 @@ from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
-from dspark.policy import ACCEPT_WINDOW, DRAFT_GAIN, PROBE_EVERY, PROBE_MAX
+from dspark.policy import ACCEPT_WINDOW, DRAFT_GAIN, MIN_CYCLES, PROBE_EVERY, PROBE_MAX, REPICK_EVERY
 from dspark.request import SamplingParams
 from dspark.runner import MODES, PrefillBuffers
 from tests.targets import make_target
@@ -166,6 +166,28 @@ def test_k_policy_probes_less_often_while_probes_confirm_plain_decoding(targets)
     engine.runner.step_ms = lambda key: 0.2 + 0.01 * key.k
     picks = [p.choose(1, 100, "sample") for _ in range(40)]
     assert p.probe_every["sampled"] == PROBE_EVERY and all(x > 0 for x in picks[-20:])
+
+
+def test_k_policy_keeps_a_choice_on_a_modelled_cost_only_until_it_is_measured(targets):
+    """A choice is reused for REPICK_EVERY steps of the same batch, context bucket and mode once its kind's cost is
+    measured; one made on a modelled cost (a capture's replay, another bucket's host work) only for the
+    MIN_CYCLES + 1 steps that measure it, so a kind that runs dearer than modelled is not kept for long."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p = engine.policy
+    p.accepted["sampled"], p.reached["sampled"] = [50] * engine.k, [100] * engine.k  # past the first statistics
+    calls = []
+    p.best = lambda *a: calls.append(len(calls)) or 2
+
+    def picks(n: int) -> int:  # best's calls over n steps
+        before = len(calls)
+        assert all(p.choose(1, 100, "sample") == 2 for _ in range(n))
+        return len(calls) - before
+
+    assert picks(4 * (MIN_CYCLES + 1)) == 4  # modelled: chosen anew every MIN_CYCLES + 1 steps
+    p.cycle_by_kind[1, 2, "sample"] = deque([0.5] * MIN_CYCLES)
+    p.memo.clear()
+    assert picks(4 * REPICK_EVERY) == 4  # measured: every REPICK_EVERY steps
 
 
 def test_k_policy_drafts_only_for_a_clear_gain(targets):

@@ -11,6 +11,7 @@ import openai
 import pytest
 import torch
 
+from dspark.runner import TIME_EVERY
 from serve import ServerThread, free_port, load_server
 from serve.__main__ import main as serve_main
 from serve.__main__ import step_times
@@ -198,10 +199,14 @@ def test_metrics_agree_with_requests(server, client):
     cycles = [d[f"dspark:step_cycles_total[{k}]"] for k in range(eng.k + 1)]
     assert sum(cycles) <= sum(steps) and (sum(cycles) > 0) == eng.runner.graphs
     assert all((d[f"dspark:step_cycle_ms_total[{k}]"] > 0) == (n > 0) for k, n in enumerate(cycles))
-    # graph steps timed on the device: every one read (none on CPU); the engine thread's time holds its step()'s,
-    # which holds its waits for the device
+    # graph steps timed on the device: every TIME_EVERY-th launch (none on CPU); the engine thread's time holds its
+    # step()'s, which holds its waits for the device
     timed = [d[f"dspark:step_device_timed_total[{k}]"] for k in range(eng.k + 1)]
-    assert (timed == steps) if eng.runner.graphs else sum(timed) == 0
+    if eng.runner.graphs:
+        assert all(t <= n for t, n in zip(timed, steps))
+        assert sum(steps) // TIME_EVERY <= sum(timed) <= -(-sum(steps) // TIME_EVERY)
+    else:
+        assert sum(timed) == 0
     assert all((d[f"dspark:step_device_ms_total[{k}]"] > 0) == (n > 0) for k, n in enumerate(timed))
     loop, step = d["dspark:engine_loop_seconds_total"], d["dspark:engine_step_seconds_total"]
     waits = d["dspark:step_read_wait_seconds_total"] + d["dspark:step_launch_wait_seconds_total"]
