@@ -1,6 +1,6 @@
 """Host time per decode step of dspark.Engine at large batches: the engine's Python around the device step.
 
-    python bench/host_step.py [--rows 512] [--prompts 4096] [--new-tokens 16] [--repeats 3]
+    python bench/host_step.py [--rows 512] [--prompts 4096] [--new-tokens 16] [--repeats 3] [--no-forward]
 
 A tiny random Qwen3 target (the model costs little, so the host's share shows) continues --prompts prompts of 32-199
 tokens through one Engine.generate call, AR, --rows at a time (continuous batching; the regeneration of a drafter's
@@ -8,6 +8,8 @@ training data is this call with 32768 prompts and 512 rows). Host time per decod
 generate call minus the runner's forwards (its step function and its prefill forward; on a GPU these are graph
 replays), over the decode steps: admission, the step's inputs, the read-back's unpacking, stop handling and emitting,
 which Python does for every row. Reported: the median over --repeats runs, and the generate call's wall time.
+--no-forward replaces the runner's step with a fixed output ([a=0, n=0, token 5] per row), so nothing but the engine's
+Python runs and the host time is the generate call's wall time over its decode steps.
 """
 from __future__ import annotations
 
@@ -41,7 +43,19 @@ def timed(obj, name: str, total: list[float]):
     setattr(obj, name, wrapper)
 
 
-def run(rows: int, num_prompts: int, new_tokens: int, seed: int) -> tuple[float, float, int]:
+def fixed_step(outs: dict):
+    """A runner step that returns [a=0, n=0, token 5] per row (one tensor per step key) and computes nothing."""
+    def step(st):
+        out = outs.get(st.key)
+        if out is None:
+            out = outs[st.key] = torch.full((st.key.rows, st.key.k + 3), 5, dtype=torch.long)
+            out[:, :2] = 0
+        return out
+    return step
+
+
+def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True
+        ) -> tuple[float, float, int]:
     """-> (host ms per decode step, the generate call's wall seconds, decode steps)."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -51,6 +65,8 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int) -> tuple[float,
     lens = torch.randint(32, 200, (num_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
     engine = Engine(target, None, max_batch_size=rows, max_model_len=512, prefill_chunk=512)
+    if not forward:
+        engine.runner._run = fixed_step({})
     engine.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))  # first-call costs
     forwards = [0.0]
     timed(engine.runner, "_run", forwards)
@@ -70,11 +86,12 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-forward", action="store_true", help="a fixed output for every step: the engine's Python alone")
     a = p.parse_args(argv)
     if a.rows < 1 or a.prompts < a.rows or a.new_tokens < 2 or a.repeats < 1:
         p.error("--rows >= 1, --prompts >= --rows, --new-tokens >= 2 and --repeats >= 1 expected")
     torch.set_num_threads(a.threads)
-    res = [run(a.rows, a.prompts, a.new_tokens, seed) for seed in range(a.repeats)]
+    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward) for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "
           f"host {host:.3f} ms per step (median), generate {wall:.1f} s")

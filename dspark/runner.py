@@ -7,10 +7,11 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
     uniforms) -> KDA commit of a + 1 tokens -> packed [a, n, emitted tokens]
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
 eagerly. Its first op completes the inputs of rows that continue a row of the step before (chain_inputs, from that
-step's output kept in `carry`), so a step can be queued while the one before is still in flight. k = 0 is plain
-decoding: of the drafter's context it writes only ctx = context(aux) per position (one GEMM, a norm and a copy, where
-the full context write is some 30 kernels: a plain step then costs about what an AR step does); flush_context turns
-the stashed positions into context rows, eagerly, before a request drafts again.
+step's output kept in `carry`), so a step can be queued while the one before is still in flight; a step whose rows
+all continue the same rows of the step just launched, in the same buffers and blocks, finds its inputs on the device
+already and stages nothing. k = 0 is plain decoding: of the drafter's context it writes only ctx = context(aux) per
+position (one GEMM, a norm and a copy, where the full context write is some 30 kernels); flush_context turns the
+stashed positions into context rows (a captured graph per row) before a request drafts again.
 
 A prefill chunk goes through the same DeviceView: on CUDA each request's chunk is one graph replay, keyed by its
 padded width (a power of two >= PREFILL_MIN) and the context it sees, while the forward is graph-safe (no MoE host

@@ -152,7 +152,7 @@ def metrics_text(runner: EngineRunner | EngineClient, model: str) -> str:
         metric(name, "counter", help_, [(lab, c.get(key, 0.0))])
     for key, name, kind, help_ in [
             ("device_steps_per_k", "dspark:step_device_timed_total", "counter",
-             "Graph decode steps timed on the device (events around the replay), by k."),
+             "Graph decode steps timed on the device (events around every 8th replay), by k."),
             ("device_ms_per_k", "dspark:step_device_ms_total", "counter",
              "Their replays' time on the device (ms), by k."),
             ("step_cycles_per_k", "dspark:step_cycles_total", "counter",
