@@ -104,8 +104,9 @@ class ModelRunner:
                  graphs: bool | None = None, compile: bool = False):
         self.target, self.drafts, self.cache = target, drafts, cache
         self.device = cache.device
-        self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        if self.graphs and self.device.type != "cuda":
+        self.cuda = self.device.type == "cuda"
+        self.graphs = self.cuda if graphs is None else graphs
+        if self.graphs and not self.cuda:
             raise ValueError("graphs: CUDA graphs need the model on a CUDA device")
         self.compiled = False
         # the step's compiled target forward (None: self.forward). Not a stored bound method when uncompiled: that
@@ -138,7 +139,6 @@ class ModelRunner:
         self._launches = 0  # graph replays are timed on the device every TIME_EVERY launches
         self._last: StepBuffers | None = None  # the buffers of the last launched step
         self.inputs_kept = 0  # launches whose inputs were already on the device (no staging, no copy)
-        self.cuda = self.device.type == "cuda"
         # host seconds spent waiting for the device: in decode steps' reads, and before refilling a step's staging
         self.wait_s, self.launch_wait_s = 0.0, 0.0
 
@@ -412,8 +412,8 @@ class ModelRunner:
         T, bs = max(counts), self.cache.block_size
         ints = self._row_ints(starts, counts, [slots[b] for b in eager], [tables[b] for b in eager],
                               max(-(-(s + T) // bs) for s in starts))
-        pin = self.device.type == "cuda"
-        self.drafts.flush_context(self._row_view((ints.pin_memory() if pin else ints).to(self.device, non_blocking=pin), T))
+        ints = (ints.pin_memory() if self.cuda else ints).to(self.device, non_blocking=self.cuda)
+        self.drafts.flush_context(self._row_view(ints, T))
 
     def _flush_fn(self, fl: PrefillBuffers) -> None:
         """The context flush of fl's rows (device ops only: what its graph captures)."""

@@ -7,8 +7,8 @@ For each row with src >= 0 (it continues row src of prev), with a = prev[src, 0]
     pending = prev[src, 2 + a]    num_cached += d    num_new = clamp(min(num_new - 1, room - d - 1), 0) + 1
     room -= d
 Rows with src < 0 keep their values. The updated row is what its next step continues from, so a step whose rows
-continue the same rows of the same buffers needs no new inputs from the host (runner.launch). One launch instead of some twenty small torch ops: inside a captured step it is
-device time on every step.
+continue the same rows of the same buffers needs no new inputs from the host (runner.launch). One launch instead of
+some twenty small torch ops: inside a captured step it is device time on every step.
 """
 from __future__ import annotations
 
