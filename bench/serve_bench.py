@@ -256,17 +256,24 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         # our server's counters by the k it chose (absent on vLLM): decode steps, and the back-to-back graph steps
         # it timed with their whole time and replay time
         per_k: dict[str, dict[int, float]] = {name: {} for name in PER_K}
+        # what our server's k policy weighs now: each measured kind's cost ("rows/k/mode": ms), the acceptance
+        # estimates per group and draft position
+        policy: dict[str, dict] = {"step_cost_ms": {}, "acceptance": {}}
         for name, labels, v in parse_prometheus(text):
             vals[name] = vals.get(name, 0.0) + v
             if name in per_k and "k" in labels:
                 per_k[name][int(labels["k"])] = per_k[name].get(int(labels["k"]), 0.0) + v
+            elif name == "dspark:policy_step_cost_ms":
+                policy["step_cost_ms"][f"{labels['rows']}/{labels['k']}/{labels['mode']}"] = round(v, 3)
+            elif name == "dspark:policy_acceptance":
+                policy["acceptance"].setdefault(labels["group"], {})[int(labels["position"])] = round(v, 3)
         busy = vals.get("vllm:num_requests_running", 0) + vals.get("vllm:num_requests_waiting", 0)
         if not busy or time.monotonic() - t0 > timeout:
             return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
                     "overlapped_steps": vals.get("dspark:overlapped_steps_total", 0.0),
                     "flushes": {key: vals.get(name, 0.0) for key, name in FLUSH.items()},
                     **{key: per_k[name] for name, key in PER_K.items()},
-                    "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy,
+                    "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy, "policy": policy,
                     "host_s": {key: vals.get(name, 0.0) for key, name in HOST.items()},
                     "first_token": {key: (vals.get(f"{name}_sum", 0.0), vals.get(f"{name}_count", 0.0))
                                     for key, name in FIRST_TOKEN.items()}}
@@ -346,6 +353,7 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "tokens_per_event": toks / max(sum(r.events for r in ok), 1), "tau": spec["tau"], "spec_decode": spec,
         "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
         "steps_per_k": per_k_delta(c0, c1, "steps_per_k"), "step_host_ms": c1["step_host_ms"],
+        "policy": c1["policy"],  # at the level's end: each measured kind's cost and the acceptance estimates
         "overlapped_steps": c1["overlapped_steps"] - c0["overlapped_steps"],
         "context_flushes": {key: c1["flushes"][key] - c0["flushes"][key] for key in FLUSH},
         "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
@@ -490,6 +498,9 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                     f"{step_ms}, engine thread ms per step {host}, "
                     f"server first-token ms "
                     f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")
+                if lv.get("policy", {}).get("step_cost_ms"):
+                    log(f"[serve_bench] {where}: policy step cost ms (rows/k/mode) {lv['policy']['step_cost_ms']}, "
+                        f"acceptance {lv['policy']['acceptance']}")
                 if lv["profile_files"]:
                     log(f"[serve_bench] {where}: engine profile in {lv['profile_files'][0]}")
                 if lv["cut_by_time_limit"]:

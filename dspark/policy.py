@@ -180,10 +180,7 @@ class KPolicy:
         acc = self.accepted[group] if acc is None else acc
         reach = self.reached[group] if reach is None else reach
         flush = (self.flush_ms or 0.0) / REPICK_EVERY if self.last_k == 0 else 0.0
-        alpha, last = [], 0.5
-        for j in range(self.k):
-            last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
-            alpha.append(last)
+        alpha = self.acceptance(acc, reach)
         out = {}
         for k, ms in times.items():
             expected, surv = 1.0, 1.0
@@ -196,6 +193,23 @@ class KPolicy:
                       "measured": self.measured_cycles(key) is not None,
                       "rate": expected / cost * (DRAFT_GAIN if k == 0 else 1.0)}
         return out
+
+    def acceptance(self, acc: list[int], reach: list[int]) -> list[float]:
+        """Per draft position the estimated acceptance given all before it accepted: (accepted + 1) / (reached + 2);
+        a position reached fewer than 8 times takes the one before it."""
+        alpha, last = [], 0.5
+        for j in range(self.k):
+            last = (acc[j] + 1) / (reach[j] + 2) if reach[j] >= 8 or j == 0 else last
+            alpha.append(last)
+        return alpha
+
+    def view(self) -> dict:
+        """What the choice weighs now, for /metrics: each measured kind's cost (its batch bucket, k, sampling mode and
+        the median of its last cycles, ms), the acceptance estimates per group and the flush's host ms."""
+        return {"step_cost_ms": [{"rows": r, "k": k, "mode": m, "ms": statistics.median(c)}
+                                 for (r, k, m), c in sorted(self.cycle_by_kind.items()) if len(c) >= MIN_CYCLES],
+                "acceptance": {g: self.acceptance(self.accepted[g], self.reached[g]) for g in GROUPS},
+                "flush_ms": self.flush_ms or 0.0}
 
     # ------------------------------------------------------------------ what it learns from
     def record(self, n: int, a: int, group: str) -> None:

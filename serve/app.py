@@ -162,6 +162,17 @@ def metrics_text(runner: EngineRunner | EngineClient, model: str) -> str:
             ("step_replay_ms_per_k", "dspark:step_replay_ms_total", "counter",
              "Their graphs' replay time as measured at capture (ms), by k.")]:
         metric(name, kind, help_, [(f'{lab},k="{k}"', v) for k, v in enumerate(c.get(key, []))])
+    policy = c.get("policy")
+    if policy is not None:  # a server with a drafter: what its k policy weighs now
+        metric("dspark:policy_step_cost_ms", "gauge", "The k policy's cost of a kind of decode step: the median of its "
+               "last back-to-back cycles (ms), by batch bucket, drafts per row and sampling mode.",
+               [(f'{lab},rows="{e["rows"]}",k="{e["k"]}",mode="{e["mode"]}"', e["ms"]) for e in policy["step_cost_ms"]])
+        metric("dspark:policy_acceptance", "gauge", "The k policy's acceptance estimate per draft position (given "
+               "all before it accepted; recent row-steps), greedy and sampled rows apart.",
+               [(f'{lab},group="{g}",position="{j}"', a) for g, al in policy["acceptance"].items()
+                for j, a in enumerate(al)])
+        metric("dspark:policy_flush_ms", "gauge", "The k policy's estimate of a context flush's host time (ms).",
+               [(lab, policy["flush_ms"])])
     n, queue, prefill = c.get("first_tokens", 0), c.get("queue_s", 0.0), c.get("prefill_s", 0.0)
     for total, name, help_ in [(queue + prefill, "vllm:time_to_first_token_seconds", "Time to first token: added to "
                                 "the engine -> first token sampled."),

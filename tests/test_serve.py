@@ -190,6 +190,13 @@ def test_metrics_agree_with_requests(server, client):
     assert d["vllm:prompt_tokens_total"] == sum(len(o.prompt_token_ids) for o in outs)
     eng = server.app.state.runner.engine
     assert after["dspark:cache_blocks_free"] == eng.cache.pool.num_blocks
+    # what the k policy weighs: its acceptance estimates per group and position, as the engine's policy holds them
+    text, p = httpx.get(server.url + "/metrics").text, eng.policy
+    for g in ("greedy", "sampled"):
+        shown = [float(re.search(rf'dspark:policy_acceptance{{[^}}]*group="{g}",position="{j}"}} (\S+)', text)[1])
+                 for j in range(eng.k)]
+        assert shown == pytest.approx(p.acceptance(p.accepted[g], p.reached[g]))
+    assert p.reached["greedy"][0] > 0
     # one row per step here; on CPU (no step times, so no k policy) each drafts the whole block
     steps = [d[f"dspark:decode_steps_total[{k}]"] for k in range(eng.k + 1)]
     assert sum(steps) == sum(len(o.num_drafts_per_step) for o in outs)

@@ -60,9 +60,15 @@ def test_serve_bench_end_to_end(models, tmp_path):
         if mode == "dspark":
             assert lv["tau"] >= 1 and lv["spec_decode"]["num_steps"] > 0
             assert steps[max(steps)] == sum(steps.values()) > 0  # CPU: the whole block every step
+            # the policy's view at the level's end: its acceptance estimates per position (a probability each);
+            # no kind timed (CPU: no graph replays)
+            acc = lv["policy"]["acceptance"]
+            assert set(acc) == {"greedy", "sampled"} and all(0 < x < 1 for g in acc.values() for x in g.values())
+            assert lv["policy"]["step_cost_ms"] == {}
         else:
             assert lv["tau"] is None and lv["spec_decode"]["num_steps"] == 0
             assert set(steps) == {0} and steps[0] > 0
+            assert lv["policy"] == {"step_cost_ms": {}, "acceptance": {}}  # no drafter, no policy
         assert lv["step_ms_per_k"] == {}  # CPU: eager steps, none timed against a replay
         # --profile: that level only, each server's engine thread, its named phases in the table
         profiled = (lv["task"], lv["temperature"], lv["concurrency"]) == ("creative", 0.7, 2)
