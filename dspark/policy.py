@@ -132,9 +132,12 @@ class KPolicy:
         cycles = self.cycle_by_kind.get((key.rows, key.k, key.mode))
         return cycles if cycles and len(cycles) >= MIN_CYCLES else None
 
-    def measured_kinds(self, k: int, mode: str) -> list[tuple[tuple[int, int, str], deque[float]]]:
-        """The kinds of k drafts in this mode (every batch bucket) with MIN_CYCLES cycles, and their cycles."""
-        return [(kind, c) for kind, c in self.cycle_by_kind.items() if kind[1:] == (k, mode) and len(c) >= MIN_CYCLES]
+    def measured_kinds(self, k: int | None = None, mode: str | None = None
+                       ) -> list[tuple[tuple[int, int, str], deque[float]]]:
+        """The kinds (batch bucket, k, mode) with MIN_CYCLES cycles, and their cycles; only those of k drafts in this
+        mode when given."""
+        return [(kind, c) for kind, c in sorted(self.cycle_by_kind.items())
+                if len(c) >= MIN_CYCLES and (k is None or kind[1:] == (k, mode))]
 
     def excess_ms(self, k: int, mode: str) -> float | None:
         """The median, over the measured kinds of k drafts and this mode (every batch bucket), of their median cycle
@@ -207,7 +210,7 @@ class KPolicy:
         """What the choice weighs now, for /metrics: each measured kind's cost (its batch bucket, k, sampling mode and
         the median of its last cycles, ms), the acceptance estimates per group and the flush's host ms."""
         return {"step_cost_ms": [{"rows": r, "k": k, "mode": m, "ms": statistics.median(c)}
-                                 for (r, k, m), c in sorted(self.cycle_by_kind.items()) if len(c) >= MIN_CYCLES],
+                                 for (r, k, m), c in self.measured_kinds()],
                 "acceptance": {g: self.acceptance(self.accepted[g], self.reached[g]) for g in GROUPS},
                 "flush_ms": self.flush_ms or 0.0}
 

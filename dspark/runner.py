@@ -509,10 +509,11 @@ class ModelRunner:
         key.width); on CPU it runs now. Rows with a src continue that row of the step launched before this one
         (chain_inputs), which may still be in flight. read() returns its result."""
         st = self._get(key)
-        if self._continues(st, rows, tables):
+        chained = all(r.src == b for b, r in enumerate(rows))  # each row continues the same row of the last step
+        if self._continues(st, rows, tables, chained):
             self.inputs_kept += 1
         else:
-            self._stage(st, rows, tables, num_cached, slots)
+            self._stage(st, rows, tables, num_cached, slots, chained)
         self._last = st
         B = len(rows)
         if not self.cuda:
@@ -527,8 +528,6 @@ class ModelRunner:
         self._launches += 1
         if st.graph is None:
             out, timing = self._run(st), None
-            host = pinned_rows(buf, B, out.shape[1])
-            host.copy_(out[:B], non_blocking=True)
         else:
             timing = timing if self._launches % TIME_EVERY == 0 else None
             if timing is not None:
@@ -536,22 +535,24 @@ class ModelRunner:
             st.graph.replay()
             if timing is not None:
                 timing[1].record()
-            host = st.hosts[self._flip]
-            if host is None:  # the whole bucket's rows: one copy into a view made once
-                host = st.hosts[self._flip] = pinned_rows(buf, *st.out.shape)
-            host.copy_(st.out, non_blocking=True)
+            out = st.out
+        host = st.hosts[self._flip]
+        if host is None:  # the whole bucket's rows [rows, k + 3]: one copy into a view made once
+            host = st.hosts[self._flip] = pinned_rows(buf, *out.shape)
+        host.copy_(out, non_blocking=True)
         done.record()
         return Launched(host, done, B, st.ms, timing)
 
-    def _continues(self, st: StepBuffers, rows: list[RowInput], tables: list[list[int]]) -> bool:
+    def _continues(self, st: StepBuffers, rows: list[RowInput], tables: list[list[int]], chained: bool) -> bool:
         """Whether the step's device inputs are already in place: it runs the buffers of the step launched just
-        before it, each row continuing the same row of that step (chain_inputs completes them on the device), as
-        staged, with the same blocks. An eager compiled step is left out: its retry restores the staged inputs."""
-        return (st is self._last and st.chained and st.live == len(rows) and st.tables == tables
-                and (st.graph is not None or not self.compiled) and all(r.src == b for b, r in enumerate(rows)))
+        before it, each row continuing the same row of that step (chained; chain_inputs completes them on the
+        device), as staged, with the same blocks. An eager compiled step is left out: its retry restores the staged
+        inputs."""
+        return (chained and st is self._last and st.chained and st.live == len(rows) and st.tables == tables
+                and (st.graph is not None or not self.compiled))
 
     def _stage(self, st: StepBuffers, rows: list[RowInput], tables: list[list[int]], num_cached: list[int],
-               slots: list[int]) -> None:
+               slots: list[int], chained: bool) -> None:
         """The rows' host values into st's staging buffers, and their copy to the device queued."""
         B, W, ints, flo = len(rows), st.key.width, st.ints_np, st.floats_np
         if st.staged is not None:  # the last copy out of this staging buffer has run (with a step in flight it may not)
@@ -570,7 +571,7 @@ class ModelRunner:
             ints[B:st.live] = self._pad_row(W)
             flo[B:st.live] = (0.0, 1.0)
         st.live, st.tables = B, tables
-        st.chained = all(r.src == b for b, r in enumerate(rows))
+        st.chained = chained
         st.ints.copy_(st.ints_host, non_blocking=True)
         st.floats.copy_(st.floats_host, non_blocking=True)
         if self.cuda:
