@@ -1,6 +1,7 @@
 """dspark.kernels on one GPU: each Triton kernel against its torch reference at K3 shapes.
 
-Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov,moe,sample] [--iters 50] [--graph]
+Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov,moe,sample,sampled_step] [--iters 50]
+               [--graph]
 One row per case: max abs error vs the reference (the fp32 reference where the kernel's inputs are bf16), median
 CUDA-event times (after warm-up) of the torch reference and the kernel, the bytes-moved floor (bytes / 4.8 TB/s)
 and the fraction of it the kernel reaches (floor / kernel time). --graph times the kernel as 20 calls captured in
@@ -10,7 +11,8 @@ picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as co
 (as the model passes them since the KDA input GEMMs were fused).
 `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
 against the loop path, N tokens. `sample`: a sampled token's temperature softmax and inverse-CDF draw against their
-torch definitions. Prints only; bench/RESULTS.md keeps the figures with their commands.
+torch definitions. `sampled_step`: a sampled step's rejection verification kernel against the torch path. Prints
+only; bench/RESULTS.md keeps the figures with their commands.
 Exits with code 2 and a message without CUDA or triton.
 """
 from __future__ import annotations
@@ -200,9 +202,37 @@ def bench_sample(iters):
                  R * V * 4 * 2, iters, ref_graph=True)
 
 
+def bench_sampled_step(iters):
+    """A sampled step's rejection verification, one kernel, against the torch path it replaced (both graph-timed
+    under --graph): process_logits, verify_rejection, and verify_greedy for greedy rows. The quickstart's vocabulary
+    (block 4) and k3-mini's (block 8), 1, 16 and 64 rows at T = 0.7, bf16 logits, sampled drafts."""
+    from dspark.kernels.rejection_verify import rejection_verify_triton
+    from dspark.kernels.temperature_softmax import temperature_softmax_triton
+    from dspark.spec.sampling import process_logits
+    from dspark.spec.verify import verify_greedy, verify_rejection
+
+    def torch_verify(x, t, d, n, q, u):
+        a, nxt = verify_greedy(d, x, n)
+        a_s, nxt_s = verify_rejection(d, q, process_logits(x, t), n, u)
+        return torch.where(t == 0, a, a_s), torch.where(t == 0, nxt, nxt_s)
+
+    for V, K in ((4096, 4), (8192, 8)):
+        for B in (1, 16, 64):
+            t = torch.full((B,), 0.7, device="cuda")
+            q = temperature_softmax_triton(torch.randn(B, K, V, device="cuda") * 3, t[:, None].expand(B, K))
+            d = torch.multinomial(q.view(-1, V), 1).view(B, K)
+            x = (torch.randn(B, K + 1, V, device="cuda") * 3).bfloat16()
+            n, uv = torch.full((B,), K, device="cuda"), torch.rand(B, K + 1, device="cuda")
+            a, nxt = rejection_verify_triton(x, t, d, n, q, uv)
+            ar, nr = torch_verify(x, t, d, n, q, uv)
+            _row(f"rejection_verify B={B} K={K} V={V}", float((a != ar).sum() + (nxt != nr).sum()),
+                 partial(torch_verify, x, t, d, n, q, uv), partial(rejection_verify_triton, x, t, d, n, q, uv),
+                 B * (K + 1) * V * 2 * 2 + B * K * V * 4, iters, ref_graph=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="kda,attnres,mxfp4,markov,moe,sample")
+    ap.add_argument("--only", default="kda,attnres,mxfp4,markov,moe,sample,sampled_step")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graph", action="store_true", help="kernel times inside a CUDA graph (no launch cost)")
     args = ap.parse_args()
@@ -220,7 +250,7 @@ def main() -> int:
     print(f"{'case':<44} {'max_err':>9} {'ref_us':>10} {'ker_us':>9} {'speedup':>8} {'MB':>9} {'floor_us':>8} "
           f"{'of_floor':>6}")
     benches = dict(kda=bench_kda, kda_sweep=bench_kda_sweep, attnres=bench_attnres, mxfp4=bench_mxfp4,
-                   markov=bench_markov, moe=bench_moe, sample=bench_sample)
+                   markov=bench_markov, moe=bench_moe, sample=bench_sample, sampled_step=bench_sampled_step)
     for name in args.only.split(","):
         benches[name.strip()](args.iters)
     return 0

@@ -43,7 +43,7 @@ from dspark.kernels.greedy_verify import greedy_step, pack_step
 from dspark.models.k3.moe import LatentMoE, moe_graph_safe, set_static_moe
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
-from dspark.spec.verify import choose_verify_lengths_device, verify_block, verify_greedy, verify_rejection
+from dspark.spec.verify import choose_verify_lengths_device, verify_sampled
 from dspark.step_buffers import (
     INT_COLS,
     NI,
@@ -379,12 +379,8 @@ class ModelRunner:
             out = greedy_step(drafts, logits.argmax(-1), n)  # [B, k+3] = [a, n, t_0 .. t_k]
             view.commit(out[:, 0] + 1)
             return out
-        a, nxt = verify_greedy(drafts, logits, n)
-        p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        verify = verify_block if self.rejection == "block" else verify_rejection
-        a_s, nxt_s = verify(drafts, prop.draft_probs, p, n, torch.cat([u[:, k + 1:], u[:, :1]], 1))
-        greedy = sampling.temperature == 0
-        a, nxt = torch.where(greedy, a, a_s), torch.where(greedy, nxt, nxt_s)
+        a, nxt = verify_sampled(drafts, prop.draft_probs, logits, sampling, n, torch.cat([u[:, k + 1:], u[:, :1]], 1),
+                                self.rejection)
         view.commit(a + 1)
         return pack_step(drafts, a, nxt, n)
 

@@ -20,12 +20,14 @@ models import kernels, kernels never import models. Modules:
   moe_route      LatentMoE routing (scores, biased top-k, weights) per token; also the router's torch definition
   moe_combine    LatentMoE's weighted sum of its experts' outputs (every expert's, or one per token and slot)
   inverse_cdf    one sampled index per row from unnormalised weights (the sampled tokens, drafts and resamples)
+  counter_uniform  the counter-based uniforms of dspark.spec.sampling (splitmix64), one launch; also their definition
+  rejection_verify  Leviathan rejection verification of a sampled step, one launch (rows under a temperature alone)
   rms_norm       torch definitions several kernels fuse (no kernel of its own)
 Where they run, on CUDA without autograd: the K3 layers dispatch kda_decode (cached steps of <= 17 tokens), attn_res
 (inference), moe_route, moe_combine and the MoE's grouped_gemv (decode_gemv.py); the Qwen3 target and drafter
 layers norm_rope, MLA with RoPE (the K3 drafter) rope_interleaved; every gated MLP glu; the engine's draft step runs
-markov_sample for greedy drafts, its greedy steps greedy_verify, every sampled draw (dspark.spec.sampling.sample_from)
-inverse_cdf.
+markov_sample for greedy drafts, its greedy steps greedy_verify and its sampled steps counter_uniform and
+rejection_verify, every other sampled draw (dspark.spec.sampling.sample_from) inverse_cdf.
 decode_gemv's Qwen3 matvecs are not used by the engine's paged step; they are tested against their references and
 timed by bench/gpu_kernels.py. DSPARK_KERNELS=0 turns all of them off (the torch modules run instead).
 

@@ -15,46 +15,27 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.kernels.counter_uniform import counter_uniform as uniform_kernel
+from dspark.kernels.counter_uniform import int64_bits
 from dspark.kernels.inverse_cdf import inverse_cdf
 from dspark.kernels.temperature_softmax import TEMPERATURE_FLOOR, temperature_softmax
-
-_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
-_M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # splitmix64's finaliser multipliers
-
-
-def _i64(c: int) -> int:
-    """An unsigned 64-bit constant as the int64 with the same bits."""
-    return c - (1 << 64) if c >= 1 << 63 else c
-
-
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 bits; int64 products wrap mod 2^64 on CPU and CUDA alike."""
-    z = (z ^ _shr(z, 30)) * _i64(_M1)
-    z = (z ^ _shr(z, 27)) * _i64(_M2)
-    return z ^ _shr(z, 31)
 
 
 def request_seed(seed: int | None) -> int:
     """A request's seed as an int64 (host side, once at admission): any Python int folds mod 2^64; None draws one."""
-    return _i64(secrets.randbits(64) if seed is None else seed % (1 << 64))
+    return int64_bits(secrets.randbits(64) if seed is None else seed % (1 << 64))
 
 
 def counter_uniform(seed: torch.Tensor, counter: torch.Tensor | int, n: int) -> torch.Tensor:
     """seed [B] int64, counter [B] int64 (or an int) -> uniforms [B, n] fp32 in [0, 1) on a 2^-24 grid.
     Element [b, j] is splitmix64 keyed by mix(seed[b]) at stream position counter[b] + j: a pure function of that
-    pair, bit-identical on every device and independent of the batch it is drawn in."""
+    pair, bit-identical on every device and independent of the batch it is drawn in (one launch on CUDA:
+    dspark/kernels/counter_uniform.py)."""
     if seed.dtype != torch.int64 or seed.ndim != 1:
         raise TypeError(f"counter_uniform: seed must be int64 [B], got {seed.dtype} {list(seed.shape)}")
     if torch.is_tensor(counter) and counter.dtype != torch.int64:
         raise TypeError(f"counter_uniform: counter must be int64, got {counter.dtype}")
-    pos = torch.arange(n, device=seed.device) + (counter.reshape(-1, 1) if torch.is_tensor(counter) else counter)
-    z = _mix64(_mix64(seed)[:, None] + pos * _i64(_GOLDEN))
-    return _shr(z, 40).float() * 2.0 ** -24  # the top 24 bits: exact in fp32
+    return uniform_kernel(seed, counter, n)
 
 
 def _per_row(x, logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -130,3 +111,9 @@ class RowSampling:
     temperature: torch.Tensor
     top_k: torch.Tensor | int = 0
     top_p: torch.Tensor | float = 1.0
+
+    @property
+    def temperature_only(self) -> bool:
+        """No row filters (top-k and top-p are numbers that are off): the fused sampled kernels apply."""
+        return (not torch.is_tensor(self.top_k) and self.top_k <= 0 and not torch.is_tensor(self.top_p)
+                and self.top_p >= 1.0)

@@ -15,10 +15,11 @@ from collections.abc import Callable
 import torch
 
 from dspark.kernels.greedy_verify import accept_greedy, effective_drafts
-from dspark.spec.sampling import process_logits, sample_from
+from dspark.kernels.rejection_verify import fused_verify_fits, rejection_verify
+from dspark.spec.sampling import RowSampling, process_logits, sample_from
 
 __all__ = ["PLACEHOLDER", "choose_verify_lengths", "choose_verify_lengths_device", "process_logits", "verify_block",
-           "verify_greedy", "verify_rejection"]
+           "verify_greedy", "verify_rejection", "verify_sampled"]
 
 PLACEHOLDER = -1
 
@@ -112,6 +113,22 @@ def verify_block(draft_ids, draft_probs, target_probs, num_drafts, u: torch.Tens
     p_t = p[rows, tau]  # [B, V]
     run_t = runs[rows, tau]  # [B]
     return tau, _sample((run_t[:, None] * p_t - _q_at(q, tau, n)).clamp(min=0), p_t, u[:, k])
+
+
+def verify_sampled(draft_ids, draft_probs, logits: torch.Tensor, sampling: RowSampling, num_drafts, u: torch.Tensor,
+                   rejection: str = "standard"):
+    """A batch of sampled rows (greedy ones among them) against the target's logits [B, k+1, V]: the rows' sampling
+    rule (process_logits), then `rejection` ("standard": verify_rejection, "block": verify_block) on the sampled
+    rows and verify_greedy on the greedy ones. Standard rejection under a temperature alone runs as one kernel
+    (dspark/kernels/rejection_verify.py: the same rule, greedy rows included) where it fits."""
+    if rejection == "standard" and sampling.temperature_only and fused_verify_fits(logits):
+        return rejection_verify(logits, sampling.temperature, draft_ids, num_drafts, draft_probs, u)
+    a, nxt = verify_greedy(draft_ids, logits, num_drafts)
+    p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    verify = verify_block if rejection == "block" else verify_rejection
+    a_s, nxt_s = verify(draft_ids, draft_probs, p, num_drafts, u)
+    greedy = sampling.temperature == 0
+    return torch.where(greedy, a, a_s), torch.where(greedy, nxt, nxt_s)
 
 
 def choose_verify_lengths(
