@@ -9,7 +9,9 @@ generate call minus the runner's forwards (its step function and its prefill for
 replays), over the decode steps: admission, the step's inputs, the read-back's unpacking, stop handling and emitting,
 which Python does for every row. Reported: the median over --repeats runs, and the generate call's wall time.
 --no-forward replaces the runner's step with a fixed output ([a=0, n=0, token 5] per row), so nothing but the engine's
-Python runs and the host time is the generate call's wall time over its decode steps.
+Python runs and the host time is the generate call's wall time over its decode steps. --plain-drafter adds a tiny
+DSpark drafter whose k policy decodes plainly on every step (what a GPU server does where drafting does not pay, as
+at T = 0.7), so its host time per step compares with AR's.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.engine import Engine  # noqa: E402
+from dspark.models.drafter import DrafterConfig, DSparkDrafter  # noqa: E402
 from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config  # noqa: E402
 from dspark.request import SamplingParams  # noqa: E402
 
@@ -54,9 +57,20 @@ def fixed_step(outs: dict):
     return step
 
 
-def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True
+def plain_drafter(target: Qwen3ForCausalLM) -> DSparkDrafter:
+    """A tiny DSpark drafter (block 4, Markov rank 8) on the target's embedding and LM head."""
+    c = target.config
+    cfg = DrafterConfig(vocab_size=VOCAB, hidden_size=c.hidden_size, target_hidden_size=c.hidden_size,
+                        target_layer_ids=[0, c.num_hidden_layers - 1], num_target_layers=c.num_hidden_layers,
+                        mask_token_id=1, block_size=4, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, intermediate_size=96, markov_rank=8)
+    return DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight).eval()
+
+
+def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafter: bool = False
         ) -> tuple[float, float, int]:
-    """-> (host ms per decode step, the generate call's wall seconds, decode steps)."""
+    """-> (host ms per decode step, the generate call's wall seconds, decode steps). drafter: with a drafter whose
+    policy always decodes plainly."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_position_embeddings=512)
@@ -64,7 +78,10 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(32, 200, (num_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
-    engine = Engine(target, None, max_batch_size=rows, max_model_len=512, prefill_chunk=512)
+    engine = Engine(target, plain_drafter(target) if drafter else None, max_batch_size=rows, max_model_len=512,
+                    prefill_chunk=512)
+    if drafter:
+        engine.policy.choose = lambda *a, **k: 0
     if not forward:
         engine.runner._run = fixed_step({})
     engine.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))  # first-call costs
@@ -87,11 +104,12 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-forward", action="store_true", help="a fixed output for every step: the engine's Python alone")
+    p.add_argument("--plain-drafter", action="store_true", help="a drafter whose k policy always decodes plainly")
     a = p.parse_args(argv)
     if a.rows < 1 or a.prompts < a.rows or a.new_tokens < 2 or a.repeats < 1:
         p.error("--rows >= 1, --prompts >= --rows, --new-tokens >= 2 and --repeats >= 1 expected")
     torch.set_num_threads(a.threads)
-    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward) for seed in range(a.repeats)]
+    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.plain_drafter) for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "
           f"host {host:.3f} ms per step (median), generate {wall:.1f} s")
