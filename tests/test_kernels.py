@@ -6,16 +6,13 @@ CPU: the Triton kernels run under TRITON_INTERPRET=1 at small shapes. triton 3.9
 (= the reference) and reference-vs-model checks run in-process. CUDA (skipped without a GPU): compiled kernels at
 K3 shapes in bf16. Whole file: ~15-25 s on 2 CPU cores.
 """
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.interp import interpreter_checks
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -381,11 +378,7 @@ def _engine_pair(kind, target, drafter, calls: dict) -> dict:
 @pytest.fixture(scope="module")
 def interp():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    code = "import json, tests.test_kernels as t; print('RESULT' + json.dumps(t._interp_checks()))"
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.split("RESULT", 1)[1])
+    return interpreter_checks("tests.test_kernels")
 
 
 INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9", "kda_t17_softplus",

@@ -5,11 +5,7 @@ form, a step's output distribution against the target's (chi-square), and the en
 CPU: the kernels run under TRITON_INTERPRET=1 in a subprocess (triton reads the variable when a kernel is decorated,
 as in tests/test_kernels.py). CUDA (skipped without a GPU): the k3-mini / quickstart vocabularies in bf16.
 """
-import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -21,8 +17,8 @@ from dspark.kernels.temperature_softmax import temperature_softmax_ref
 from dspark.spec.draft import sample_markov
 from dspark.spec.sampling import RowSampling
 from dspark.spec.verify import verify_sampled
+from tests.interp import interpreter_checks
 
-ROOT = Path(__file__).resolve().parents[1]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CHI2_5DOF_P1E4 = 25.7  # chi-square with 5 degrees of freedom: p = 1e-4
 
@@ -144,11 +140,7 @@ def _engine_checks() -> dict:
 @pytest.fixture(scope="module")
 def interp():
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    code = "import json, tests.test_sampled_kernels as t; print('RESULT' + json.dumps(t._interp_checks()))"
-    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads(p.stdout.split("RESULT", 1)[1])
+    return interpreter_checks("tests.test_sampled_kernels")
 
 
 INTERP_CASES = ["counter_uniform", "verify_q", "verify_onehot", "verify_bf16", "verify_k1", "pair_first_token_chi2",

@@ -57,6 +57,21 @@ def rejection_verify_ref(logits: torch.Tensor, t: torch.Tensor, drafts: torch.Te
 
 
 @triton.jit
+def _residual(row, qrow, cols, V, q_lim, d_a, arg_a, m_a, s_a, div, greedy, HAS_Q: tl.constexpr):
+    """Columns `cols` of the target's p at position a (its max m_a, sum s_a, argmax arg_a; one-hot where greedy) and
+    of the residual max(p - q_a, 0) (q_a counted below q_lim: a draft was verified there)."""
+    cm = cols < V
+    x = tl.load(row + cols, mask=cm, other=-float("inf")).to(tl.float32)
+    p = tl.where(greedy, (cols == arg_a).to(tl.float32), tl.exp((x - m_a) / div) / s_a)
+    p = tl.where(cm, p, 0.0)
+    if HAS_Q:
+        qv = tl.load(qrow + cols, mask=cols < q_lim, other=0.0)
+    else:
+        qv = ((cols == d_a) & (cols < q_lim)).to(tl.float32)
+    return p, tl.maximum(p - qv, 0.0)
+
+
+@triton.jit
 def _verify_kernel(x_ptr, t_ptr, d_ptr, n_ptr, q_ptr, u_ptr, a_ptr, nxt_ptr, K, V,
                    KP: tl.constexpr, BLOCK: tl.constexpr, HAS_Q: tl.constexpr, FLOOR: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -123,15 +138,7 @@ def _verify_kernel(x_ptr, t_ptr, d_ptr, n_ptr, q_ptr, u_ptr, a_ptr, nxt_ptr, K, 
     last_p = tl.full([], -1, tl.int32)
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
-        cm = cols < V
-        x = tl.load(row + cols, mask=cm, other=-float("inf")).to(tl.float32)
-        p = tl.where(greedy, (cols == arg_a).to(tl.float32), tl.exp((x - m_a) / div) / s_a)
-        p = tl.where(cm, p, 0.0)
-        if HAS_Q:
-            qv = tl.load(qrow + cols, mask=cols < q_lim, other=0.0)
-        else:
-            qv = ((cols == d_a) & (cols < q_lim)).to(tl.float32)
-        w = tl.maximum(p - qv, 0.0)
+        p, w = _residual(row, qrow, cols, V, q_lim, d_a, arg_a, m_a, s_a, div, greedy, HAS_Q)
         tot_w += tl.sum(w, 0)
         tot_p += tl.sum(p, 0)
         last_w = tl.maximum(last_w, tl.max(tl.where(w > 0, cols, -1), 0))
@@ -142,17 +149,10 @@ def _verify_kernel(x_ptr, t_ptr, d_ptr, n_ptr, q_ptr, u_ptr, a_ptr, nxt_ptr, K, 
     pick = tl.full([], V, tl.int32)
     for v0 in range(0, V, BLOCK):
         cols = v0 + tl.arange(0, BLOCK)
-        cm = cols < V
-        x = tl.load(row + cols, mask=cm, other=-float("inf")).to(tl.float32)
-        p = tl.where(greedy, (cols == arg_a).to(tl.float32), tl.exp((x - m_a) / div) / s_a)
-        p = tl.where(cm, p, 0.0)
-        if HAS_Q:
-            qv = tl.load(qrow + cols, mask=cols < q_lim, other=0.0)
-        else:
-            qv = ((cols == d_a) & (cols < q_lim)).to(tl.float32)
-        w = tl.where(use_p, p, tl.maximum(p - qv, 0.0))
+        p, w = _residual(row, qrow, cols, V, q_lim, d_a, arg_a, m_a, s_a, div, greedy, HAS_Q)
+        w = tl.where(use_p, p, w)
         c = run + tl.cumsum(w, 0)
-        pick = tl.minimum(pick, tl.min(tl.where((c > target) & (w > 0) & cm, cols, V), 0))
+        pick = tl.minimum(pick, tl.min(tl.where((c > target) & (w > 0) & (cols < V), cols, V), 0))
         run += tl.sum(w, 0)
     last = tl.where(use_p, last_p, last_w)
     tl.store(a_ptr + b, a)
