@@ -9,9 +9,9 @@ so on CUDA each key is one CUDA graph, captured at its first use and replayed af
 eagerly. Its first op completes the inputs of rows that continue a row of the step before (chain_inputs, from that
 step's output kept in `carry`), so a step can be queued while the one before is still in flight; a step whose rows
 all continue the same rows of the step just launched, in the same buffers and blocks, finds its inputs on the device
-already and stages nothing. k = 0 is plain decoding: of the drafter's context it writes only ctx = context(aux) per
-position (one GEMM, a norm and a copy, where the full context write is some 30 kernels); flush_context turns the
-stashed positions into context rows (a captured graph per row) before a request drafts again.
+already and stages nothing. k = 0 is plain decoding: of the drafter's context it writes only the projection of aux
+per position (one GEMM and a copy, where the full context write is some 30 kernels); flush_context turns the stashed
+positions into context rows (a captured graph per row) before a request drafts again.
 
 A prefill chunk goes through the same DeviceView: on CUDA each request's chunk is one graph replay, keyed by its
 padded width (a power of two >= PREFILL_MIN) and the context it sees, while the forward is graph-safe (no MoE host

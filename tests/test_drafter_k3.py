@@ -93,7 +93,7 @@ def test_block_sparse_training_pass_equals_inference_pass(target, opts):
         assert h_train.shape == (1, 3, 4, 64)
         for i, a in enumerate(anchors[0].tolist()):
             runner, prop = propose_after_prefix(d, aux, x, a, layer_offset=10)  # the Markov kernel on CUDA
-            # kv_lora 32 + rope 8 per token and layer; then the stash of plain steps' ctx (hidden 64)
+            # kv_lora 32 + rope 8 per token and layer; then the stash of plain steps' projected context (hidden 64)
             assert runner.cache_layout() == {10: 40, 11: 40, 12: 64}
             ref = sample_markov(d, h_train[:, i], x[0, a:a + 1])
             assert torch.allclose(seen[-1], h_train[:, i], rtol=1e-4, atol=1e-5)  # (the 0.3-std weights: |h| ~ 10s)

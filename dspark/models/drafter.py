@@ -58,7 +58,8 @@ class DSparkDrafter(nn.Module):
     `DSparkDrafter(cfg, embed, lm_head)` builds the subclass of `cfg.backbone` (BACKBONES: this class with a
     drafter_backbones mixin), which registers its modules under the vLLM names and implements the interface:
       row_width: int                                  per-token context row width in the paged cache
-      context(aux [B, L, n*Ht]) -> ctx [B, L, H]
+      project(aux [B, L, n*Ht]) -> [B, L, H]          the context projection (fc / context_proj)
+      context_of(projected [B, L, H]) -> ctx [B, L, H]  its norm (hidden_norm / context_norm)
       context_rows(ctx [B, L, H], positions [B, L] | [L]) -> per draft layer [B, L, row_width]
       decode(x [B, Q, H] embedded block, positions [B, Q], ctx_rows, mask [B, 1, Q, L+Q]) -> post-norm [B, Q, H]
     """
@@ -103,6 +104,10 @@ class DSparkDrafter(nn.Module):
         return next(self.parameters()).dtype
 
     # ---------------------------------------------------------------- pieces
+    def context(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, L, n*target_hidden] -> ctx [B, L, H], what the context rows are made from."""
+        return self.context_of(self.project(aux))
+
     def backbone(self, tokens, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
         """tokens/positions: [B, Q]; returns the post-norm draft hidden states [B, Q, H]."""
         x = F.embedding(tokens, self.embed_weight).to(self.param_dtype)

@@ -76,9 +76,12 @@ class Qwen3Backbone:
     def row_width(self) -> int:
         return 2 * self.config.num_key_value_heads * self.config.head_dim
 
-    def context(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux: [B, L, n*target_hidden] -> ctx [B, L, H]."""
-        return self.hidden_norm(self.fc(aux.to(self.fc.weight.dtype)))
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, L, n*target_hidden] -> fc(aux) [B, L, H] (ctx before its norm)."""
+        return self.fc(aux.to(self.fc.weight.dtype))
+
+    def context_of(self, projected: torch.Tensor) -> torch.Tensor:
+        return self.hidden_norm(projected)
 
     def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per draft layer, the K/V rows of the context tokens at `positions` ([B, L] or [L])."""
@@ -130,9 +133,12 @@ class K3Backbone:
     def row_width(self) -> int:
         return self.config.kv_lora_rank + self.config.qk_rope_head_dim
 
-    def context(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux: [B, L, n*target_hidden] -> ctx [B, L, H]."""
-        return self.context_norm(self.context_proj(aux.to(self.context_proj.weight.dtype)))
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, L, n*target_hidden] -> context_proj(aux) [B, L, H] (ctx before its norm)."""
+        return self.context_proj(aux.to(self.context_proj.weight.dtype))
+
+    def context_of(self, projected: torch.Tensor) -> torch.Tensor:
+        return self.context_norm(projected)
 
     def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per draft layer, the latent rows [B, L, kv_lora+rope] of the context tokens at `positions`."""

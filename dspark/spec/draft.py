@@ -2,7 +2,7 @@
 
 Per request the drafter keeps the rows of its context (one row per target position and draft layer: [k | v] for the
 qwen3 backbone, the MLA latent [kv_c | k_pe] for k3) in the target's paged cache, written right after each target
-forward from its aux features; after a plain step only ctx = context(aux) goes to a stash layer, and the rows follow
+forward from its aux features; after a plain step only the projection of aux goes to a stash layer, and the rows follow
 in one flush before the request drafts again. A draft step runs the block [anchor, mask x (N-1)] at positions p0..
 (p0 = the target cache length) against them, then samples left to right:
 logits_j = U_j + markov(prev), prev_0 = anchor, prev_j = draft_{j-1}.
@@ -105,15 +105,17 @@ class DraftRunner:
             batch.cache.attn_write(layer, r)
 
     def stash_context(self, batch, aux: torch.Tensor) -> None:
-        """After a plain (k = 0) step's target forward: only ctx = context(aux) [B, T, H], one row per position in
-        the stash layer. The per-layer rows (projections, norms, RoPE: most of the context write's kernels) wait
-        for flush_context, which runs once before the request drafts again."""
-        batch.cache.attn_write(self.stash_layer, self.drafter.context(aux))
+        """After a plain (k = 0) step's target forward: only the projection of aux [B, T, H] (ctx before its
+        norm), one row per position in the stash layer. The norm and the per-layer rows (projections, norms, RoPE:
+        most of the context write's kernels) wait for flush_context, which runs once before the request drafts
+        again; the stash holds the projection in the drafter's dtype, so the flushed rows equal written ones."""
+        batch.cache.attn_write(self.stash_layer, self.drafter.project(aux))
 
     def flush_context(self, view) -> None:
         """The context rows of the stashed positions a view covers (view.num_cached = the first stashed position,
         num_new = how many; positions past them are written too and lie past the committed length)."""
-        self._write_rows(view, view.attn_read(self.stash_layer).to(self.drafter.param_dtype))
+        d = self.drafter
+        self._write_rows(view, d.context_of(view.attn_read(self.stash_layer).to(d.param_dtype)))
 
     @torch.no_grad()
     def propose(self, view, anchors: torch.Tensor, k: int, sampling: RowSampling | None = None,
