@@ -7,7 +7,7 @@
 #                  every Triton kernel against its torch reference (bench/gpu_kernels.py, graph-timed), the KDA
 #                  verify under every autotune config (kda_sweep), fla's KDA kernels against ours (gpu_k3_kernels.py)
 #   tests-cuda     the test suite on the GPU: DSPARK_TEST_DEVICE=cuda python3 -m pytest tests/ (ARGS naming tests/...
-#                  run those instead)
+#                  run those instead); each failure's report also goes to $OUT/test-failures.txt as it happens
 #   train-quickstart  the quickstart pair (recipes/targets/qwen3-tiny.yaml, recipes/quickstart.yaml) on one GPU ->
 #                  runs/quickstart/{target,drafter}/final (carry .cache/corpus-stdlib/card.json and
 #                  .cache/tokenizer-stdlib-4096 from `make data-sources` + one CPU target run: the packed tokens)
@@ -187,7 +187,9 @@ case "$target" in
     # ARGS that name tests (tests/...) replace the whole suite
     paths=(tests/); for a in "$@"; do [[ $a == tests/* ]] && paths=(); done
     # a module that fails to import (a wheel not carried) is reported as an error; the others still run
-    DSPARK_TEST_DEVICE=cuda log tests-cuda python3 -m pytest "${paths[@]}" -vv -rfE --tb=line -p no:cacheprovider \
+    # each failure's report goes to $OUT/test-failures.txt as it happens (tests/conftest.py): a side run stopped
+    # before pytest's summary still says why a test failed
+    DSPARK_TEST_DEVICE=cuda DSPARK_FAILURE_LOG="$OUT/test-failures.txt" log tests-cuda python3 -m pytest "${paths[@]}" -vv -rfE --tb=line -p no:cacheprovider \
       -p no:warnings -m "not sources" --continue-on-collection-errors "$@" || rc=$?
     ;;
   train-quickstart)
@@ -329,6 +331,7 @@ case "$target" in
     tar -czf "$OUT/results.tgz" -C "$run_out" --exclude="*.tgz" --exclude="*.safetensors" --exclude="*.pt" \
       --exclude="*.arrow" --exclude="*.bin" . && ls -la "$run_out"
     tail -n 4 "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt "$run_out"/peer.txt 2>/dev/null
+    head -n 60 "$run_out"/test-failures.txt 2>/dev/null
     cat "$run_out"/peer/peer.md "$run_out"/ablate/ablation.md 2>/dev/null
     grep -h "^|" "$run_out"/serve.txt "$run_out"/pair.txt "$run_out"/timeline.txt 2>/dev/null | tail -n 80
     cat "$run_out/DONE" 2>/dev/null || echo "not done yet"

@@ -13,6 +13,16 @@ if os.environ.get("DSPARK_TEST_DEVICE", "cpu").startswith("cuda"):
 
 from tests.targets import write_tiny_pair, write_tiny_target_and_data
 
+FAILURE_LOG = os.environ.get("DSPARK_FAILURE_LOG")  # where each failure's report goes the moment it happens
+
+
+def pytest_runtest_logreport(report):
+    """With DSPARK_FAILURE_LOG set, append each failed test's id and report to that file as it fails (under xdist in
+    the controller, which receives every worker's reports): a run stopped before pytest's summary still says why."""
+    if FAILURE_LOG and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(FAILURE_LOG, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
