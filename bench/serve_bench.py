@@ -257,8 +257,8 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         # it timed with their whole time and replay time
         per_k: dict[str, dict[int, float]] = {name: {} for name in PER_K}
         # what our server's k policy weighs now: each measured kind's cost ("rows/k/mode": ms), the acceptance
-        # estimates per group and draft position
-        policy: dict[str, dict] = {"step_cost_ms": {}, "acceptance": {}}
+        # estimates per group and draft position; and the choices it made since it started ("rows/k/mode/basis")
+        policy: dict[str, dict] = {"step_cost_ms": {}, "acceptance": {}, "choices": {}}
         for name, labels, v in parse_prometheus(text):
             vals[name] = vals.get(name, 0.0) + v
             if name in per_k and "k" in labels:
@@ -267,6 +267,8 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
                 policy["step_cost_ms"][f"{labels['rows']}/{labels['k']}/{labels['mode']}"] = round(v, 3)
             elif name == "dspark:policy_acceptance":
                 policy["acceptance"].setdefault(labels["group"], {})[int(labels["position"])] = round(v, 3)
+            elif name == "dspark:policy_choices_total":
+                policy["choices"]["/".join(labels[x] for x in ("rows", "k", "mode", "basis"))] = v
         busy = vals.get("vllm:num_requests_running", 0) + vals.get("vllm:num_requests_waiting", 0)
         if not busy or time.monotonic() - t0 > timeout:
             return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
@@ -353,7 +355,10 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "tokens_per_event": toks / max(sum(r.events for r in ok), 1), "tau": spec["tau"], "spec_decode": spec,
         "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
         "steps_per_k": per_k_delta(c0, c1, "steps_per_k"), "step_host_ms": c1["step_host_ms"],
-        "policy": c1["policy"],  # at the level's end: each measured kind's cost and the acceptance estimates
+        # at the level's end: each measured kind's cost and the acceptance estimates; the level's choices
+        "policy": {**c1["policy"], "choices": {key: n - c0["policy"]["choices"].get(key, 0.0)
+                                               for key, n in c1["policy"]["choices"].items()
+                                               if n > c0["policy"]["choices"].get(key, 0.0)}},
         "overlapped_steps": c1["overlapped_steps"] - c0["overlapped_steps"],
         "context_flushes": {key: c1["flushes"][key] - c0["flushes"][key] for key in FLUSH},
         "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
@@ -500,7 +505,8 @@ def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -
                     f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")
                 if lv.get("policy", {}).get("step_cost_ms"):
                     log(f"[serve_bench] {where}: policy step cost ms (rows/k/mode) {lv['policy']['step_cost_ms']}, "
-                        f"acceptance {lv['policy']['acceptance']}")
+                        f"acceptance {lv['policy']['acceptance']}, choices (rows/k/mode/basis) "
+                        f"{lv['policy'].get('choices')}")
                 if lv["profile_files"]:
                     log(f"[serve_bench] {where}: engine profile in {lv['profile_files'][0]}")
                 if lv["cut_by_time_limit"]:

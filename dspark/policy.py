@@ -61,6 +61,9 @@ class KPolicy:
         self.probe_every = {g: PROBE_EVERY for g in GROUPS}
         self.probed = {g: False for g in GROUPS}  # a probe ran and the next choice has not judged it yet
         self.memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
+        # the choices made (each reused up to REPICK_EVERY steps): (rows, k, mode, basis) -> how many, basis "measured"
+        # or "modelled" (the chosen kind's cost), or "probe" (the whole block, for the acceptance statistics)
+        self.choices_made: dict[tuple[int, int, str, str], int] = {}
         # over back-to-back graph steps: the host's own work per decode step (ms: scheduling, the launch, reading, the
         # server's loop; its waits for the device left out), the last samples of every kind; and per kind (batch
         # bucket, k, sampling mode) the last times from one step's start to the next (ms)
@@ -96,6 +99,7 @@ class KPolicy:
             self.probed[group] = reach[0] >= 8
             self.plain_steps[group] = 0
             self.last_k = self.k
+            self._made(num_rows, self.k, mode, "probe")
             return self.k
         memo = (num_rows, longest.bit_length(), mode)
         hit = self.memo.get(memo)
@@ -103,7 +107,9 @@ class KPolicy:
             k = self.best(num_rows, longest, mode, acc, reach)
             key = self.runner.key_for(num_rows, k, longest + k + 1, mode)
             # a choice on a modelled cost lasts until its kind is measured (then its cost is known), not REPICK_EVERY
-            hit = self.memo[memo] = [k, REPICK_EVERY if self.measured_cycles(key) is not None else MIN_CYCLES + 1]
+            measured = self.measured_cycles(key) is not None
+            hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1]
+            self._made(num_rows, k, mode, "measured" if measured else "modelled")
             if hit[0] > 0:  # drafting pays (again)
                 self.probe_every[group] = PROBE_EVERY
             elif self.probed[group]:  # a probe, and still plain
@@ -113,6 +119,10 @@ class KPolicy:
         self.plain_steps[group] = self.plain_steps[group] + 1 if hit[0] == 0 else 0
         self.last_k = hit[0]
         return hit[0]
+
+    def _made(self, num_rows: int, k: int, mode: str, basis: str) -> None:
+        key = (num_rows, k, mode, basis)
+        self.choices_made[key] = self.choices_made.get(key, 0) + 1
 
     def step_times(self, num_rows: int, longest: int, mode: str) -> dict[int, float] | None:
         """Each candidate k's graph replay time (ms) for num_rows rows whose longest has `longest` positions cached
@@ -208,11 +218,14 @@ class KPolicy:
 
     def view(self) -> dict:
         """What the choice weighs now, for /metrics: each measured kind's cost (its batch bucket, k, sampling mode and
-        the median of its last cycles, ms), the acceptance estimates per group and the flush's host ms."""
+        the median of its last cycles, ms), the acceptance estimates per group, the flush's host ms, and the choices
+        made so far (rows, k, mode, basis: see choices_made; n)."""
         return {"step_cost_ms": [{"rows": r, "k": k, "mode": m, "ms": statistics.median(c)}
                                  for (r, k, m), c in self.measured_kinds()],
                 "acceptance": {g: self.acceptance(self.accepted[g], self.reached[g]) for g in GROUPS},
-                "flush_ms": self.flush_ms or 0.0}
+                "flush_ms": self.flush_ms or 0.0,
+                "choices": [{"rows": r, "k": k, "mode": m, "basis": b, "n": n}
+                            for (r, k, m, b), n in sorted(self.choices_made.items())]}
 
     # ------------------------------------------------------------------ what it learns from
     def record(self, n: int, a: int, group: str) -> None:

@@ -186,11 +186,14 @@ def test_k_policy_keeps_a_choice_on_a_modelled_cost_only_until_it_is_measured(ta
 
     assert picks(4 * (MIN_CYCLES + 1)) == 4  # modelled: chosen anew every MIN_CYCLES + 1 steps
     assert p.view()["step_cost_ms"] == []
+    assert p.choices_made == {(1, 2, "sample", "modelled"): 4}  # counted by the basis of the chosen kind's cost
     p.cycle_by_kind[1, 2, "sample"] = deque([0.5] * MIN_CYCLES)
     p.cycle_by_kind[1, 4, "sample"] = deque([0.9] * (MIN_CYCLES - 1))  # too few cycles to be a measured cost
     p.memo.clear()
     assert picks(4 * REPICK_EVERY) == 4  # measured: every REPICK_EVERY steps
     assert p.view()["step_cost_ms"] == [{"rows": 1, "k": 2, "mode": "sample", "ms": 0.5}]
+    assert p.choices_made == {(1, 2, "sample", "modelled"): 4, (1, 2, "sample", "measured"): 4}
+    assert {"rows": 1, "k": 2, "mode": "sample", "basis": "measured", "n": 4} in p.view()["choices"]
 
 
 def test_k_policy_drafts_only_for_a_clear_gain(targets):

@@ -178,7 +178,7 @@ def test_metrics_agree_with_requests(server, client):
     after = wait_idle(server)
     outs = [o for o in server.app.state.runner.recent if o.request_id in ids]
     assert len(outs) == 3
-    d = {k: after[k] - before[k] for k in after}
+    d = {k: after[k] - before.get(k, 0.0) for k in after}  # a counter with new labels starts at 0
     # a step that verified 0 drafts (the max_tokens budget ran out) is not a draft, as in vLLM
     assert d["vllm:spec_decode_num_drafts_total"] == sum(sum(n > 0 for n in o.num_drafts_per_step) for o in outs) > 0
     assert d["vllm:spec_decode_num_draft_tokens_total"] == sum(sum(o.num_drafts_per_step) for o in outs)
@@ -197,6 +197,10 @@ def test_metrics_agree_with_requests(server, client):
                  for j in range(eng.k)]
         assert shown == pytest.approx(p.acceptance(p.accepted[g], p.reached[g]))
     assert p.reached["greedy"][0] > 0
+    # and the choices it made: the counter per (rows, k, mode, basis) as the engine's policy counts them
+    shown = {m.groups()[:4]: float(m[5]) for m in re.finditer(
+        r'dspark:policy_choices_total{[^}]*rows="(\d+)",k="(\d+)",mode="(\w+)",basis="(\w+)"} (\S+)', text)}
+    assert shown and shown == {(str(r), str(k), m, b): n for (r, k, m, b), n in p.choices_made.items()}
     # one row per step here; on CPU (no step times, so no k policy) each drafts the whole block
     steps = [d[f"dspark:decode_steps_total[{k}]"] for k in range(eng.k + 1)]
     assert sum(steps) == sum(len(o.num_drafts_per_step) for o in outs)

@@ -47,6 +47,7 @@ def test_serve_bench_end_to_end(models, tmp_path):
 
     levels = {(lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]): lv for lv in rep["levels"]}
     assert len(levels) == len(rep["levels"]) == 2 * 2 * 2 * 2
+    made = 0  # the DSpark server's k choices over its levels
     for (mode, _, _temp, _), lv in levels.items():
         assert lv["errors"] == 0 and lv["completed"] == 2, lv["error_messages"]
         assert lv["client_procs"] == lv["concurrency"]  # --client-procs 2, at most one process per client
@@ -65,10 +66,16 @@ def test_serve_bench_end_to_end(models, tmp_path):
             acc = lv["policy"]["acceptance"]
             assert set(acc) == {"greedy", "sampled"} and all(0 < x < 1 for g in acc.values() for x in g.values())
             assert lv["policy"]["step_cost_ms"] == {}
+            # the level's choices ("rows/k/mode/basis": how many; a choice lasts up to 16 steps, so a level may
+            # make none): the whole block, as probes for the first statistics, then on no measured cost (CPU)
+            choices = lv["policy"]["choices"]
+            assert all(key.split("/")[1] == str(max(steps)) and key.split("/")[3] in ("probe", "modelled")
+                       for key in choices) and all(n >= 1 for n in choices.values())
+            made += sum(choices.values())
         else:
             assert lv["tau"] is None and lv["spec_decode"]["num_steps"] == 0
             assert set(steps) == {0} and steps[0] > 0
-            assert lv["policy"] == {"step_cost_ms": {}, "acceptance": {}}  # no drafter, no policy
+            assert lv["policy"] == {"step_cost_ms": {}, "acceptance": {}, "choices": {}}  # no drafter, no policy
         assert lv["step_ms_per_k"] == {}  # CPU: eager steps, none timed against a replay
         # --profile: that level only, each server's engine thread, its named phases in the table
         profiled = (lv["task"], lv["temperature"], lv["concurrency"]) == ("creative", 0.7, 2)
@@ -82,6 +89,7 @@ def test_serve_bench_end_to_end(models, tmp_path):
         assert 0 < first["queue"] < first["ttft"] and 0 < first["prefill"] < first["ttft"]
         assert abs(first["queue"] + first["prefill"] - first["ttft"]) < 1e-6 * first["ttft"]
         assert first["ttft"] < lv["ttft_ms"]["mean"]
+    assert made > 0
 
     rows = {(r["task"], r["temperature"], r["concurrency"]): r for r in rep["rows"]}
     assert set(rows) == {(t, T, c) for t in TASKS for T in TEMPS for c in CONC}
