@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dspark.policy import REPICK_EVERY
 from dspark.request import SamplingParams
 from serve.engine_proc import EngineClient
 from serve.protocol import (
@@ -173,7 +174,7 @@ def metrics_text(runner: EngineRunner | EngineClient, model: str) -> str:
                 for j, a in enumerate(al)])
         metric("dspark:policy_flush_ms", "gauge", "The k policy's estimate of a context flush's host time (ms).",
                [(lab, policy["flush_ms"])])
-        metric("dspark:policy_choices_total", "counter", "The k policy's choices (each reused for up to 16 steps), by "
+        metric("dspark:policy_choices_total", "counter", f"The k policy's choices (each reused for up to {REPICK_EVERY} steps), by "
                "batch size, drafts per row, sampling mode and basis: the chosen kind's cost measured or modelled, "
                "or a probe of the whole block for the acceptance statistics.",
                [(f'{lab},rows="{e["rows"]}",k="{e["k"]}",mode="{e["mode"]}",basis="{e["basis"]}"', e["n"])
