@@ -11,13 +11,20 @@ which Python does for every row. Reported: the median over --repeats runs, and t
 --no-forward replaces the runner's step with a fixed output ([a=0, n=0, token 5] per row), so nothing but the engine's
 Python runs and the host time is the generate call's wall time over its decode steps. --plain-drafter adds a tiny
 DSpark drafter whose k policy decodes plainly on every step (what a GPU server does where drafting does not pay, as
-at T = 0.7), so its host time per step compares with AR's.
+at T = 0.7), so its host time per step compares with AR's. --overlap runs the engine's async scheduling as on a GPU:
+each step is queued before the one before it is read, its inputs chained from that step's output (with a fixed
+output, the host path of a server's step at one row: no staging, no copy of the inputs). --server runs the same
+requests through the server's engine thread (serve.runner.EngineRunner) delivering each step's events to the pipe
+of an engine process (serve.engine_proc.PipeSink, read by a thread here), as `python -m serve` on a GPU does: its
+host time per step is the thread's busy time (EngineRunner.loop_s: steps and delivery) less the runner's forwards.
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +35,8 @@ from dspark.engine import Engine  # noqa: E402
 from dspark.models.drafter import DrafterConfig, DSparkDrafter  # noqa: E402
 from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config  # noqa: E402
 from dspark.request import SamplingParams  # noqa: E402
+from serve.engine_proc import PipeSink  # noqa: E402
+from serve.runner import EngineRunner  # noqa: E402
 
 VOCAB = 300
 
@@ -67,10 +76,44 @@ def plain_drafter(target: Qwen3ForCausalLM) -> DSparkDrafter:
     return DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight).eval()
 
 
-def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafter: bool = False
-        ) -> tuple[float, float, int]:
+def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> float:
+    """The prompts through an EngineRunner whose events go to a PipeSink (module doc), until every request has sent
+    its last event -> the engine thread's busy seconds (loop_s)."""
+    left, failed, done = [len(prompts)], [], threading.Event()
+    ours, theirs = mp.Pipe()
+
+    def read():  # the server process's side: every message, counting the requests that ended
+        while not done.is_set():
+            msg = ours.recv()
+            if msg[0] == "events":
+                ended = [ev for _, ev in msg[1] if ev.finish_reason is not None]
+                failed.extend(ev.error for ev in ended if ev.finish_reason == "error")
+                left[0] -= len(ended)
+                if left[0] <= 0:
+                    done.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    runner, sink = EngineRunner(engine).start(), PipeSink(theirs)
+    try:
+        for i, p in enumerate(prompts):
+            runner.enqueue(p, params, f"r{i}", sink)
+        while not done.wait(1.0):
+            if not runner.alive or not reader.is_alive():
+                raise RuntimeError(f"the engine thread or the pipe's reader stopped with {left[0]} requests open "
+                                   f"({runner.error or 'reader'})")
+    finally:
+        runner.stop()
+        sink.close()
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed in the engine thread: {failed[0]}")
+    return runner.loop_s
+
+
+def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafter: bool = False,
+        overlap: bool = False, server: bool = False) -> tuple[float, float, int]:
     """-> (host ms per decode step, the generate call's wall seconds, decode steps). drafter: with a drafter whose
-    policy always decodes plainly."""
+    policy always decodes plainly; server: through the server's engine thread (module doc)."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_position_embeddings=512)
@@ -79,7 +122,7 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     lens = torch.randint(32, 200, (num_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
     engine = Engine(target, plain_drafter(target) if drafter else None, max_batch_size=rows, max_model_len=512,
-                    prefill_chunk=512)
+                    prefill_chunk=512, overlap=overlap)
     if drafter:
         engine.policy.choose = lambda *a, **k: 0
     if not forward:
@@ -89,11 +132,14 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     timed(engine.runner, "_run", forwards)
     timed(engine.runner, "_prefill_fn", forwards)
     engine.counters["decode_steps_per_k"][0] = 0
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    busy = serve_all(engine, prompts, params) if server else None
+    if not server:
+        engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     n = engine.counters["decode_steps_per_k"][0]
-    return (wall - forwards[0]) / n * 1e3, wall, n
+    return ((wall if busy is None else busy) - forwards[0]) / n * 1e3, wall, n
 
 
 def main(argv=None) -> int:
@@ -105,11 +151,14 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-forward", action="store_true", help="a fixed output for every step: the engine's Python alone")
     p.add_argument("--plain-drafter", action="store_true", help="a drafter whose k policy always decodes plainly")
+    p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
+    p.add_argument("--server", action="store_true", help="through the server's engine thread and an engine pipe")
     a = p.parse_args(argv)
     if a.rows < 1 or a.prompts < a.rows or a.new_tokens < 2 or a.repeats < 1:
         p.error("--rows >= 1, --prompts >= --rows, --new-tokens >= 2 and --repeats >= 1 expected")
     torch.set_num_threads(a.threads)
-    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.plain_drafter) for seed in range(a.repeats)]
+    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.plain_drafter, a.overlap, a.server)
+           for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "
           f"host {host:.3f} ms per step (median), generate {wall:.1f} s")

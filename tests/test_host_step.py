@@ -1,0 +1,33 @@
+"""bench/host_step.py: the engine's host time per decode step, through generate (with and without async scheduling)
+and through the server's engine thread and an engine pipe; every mode decodes every request to its end."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import host_step  # noqa: E402
+
+
+@pytest.mark.parametrize("drafter", [False, True])
+def test_every_mode_runs_the_same_decode_steps(drafter):
+    runs = {mode: host_step.run(rows=2, num_prompts=6, new_tokens=9, seed=0, forward=False, drafter=drafter, **kw)
+            for mode, kw in {"generate": {}, "overlap": {"overlap": True},
+                             "server": {"overlap": True, "server": True}}.items()}
+    steps = {mode: r[2] for mode, r in runs.items()}
+    # 6 requests of 8 decoded tokens each (the first comes from the prefill), two rows a step
+    assert steps["generate"] == 6 * 8 // 2 and len(set(steps.values())) == 1, steps
+    assert all(r[0] > 0 and r[1] > 0 for r in runs.values()), runs
+
+
+def test_the_server_mode_raises_when_requests_fail(monkeypatch):
+    warm = host_step.Engine.generate
+
+    def generate_then_fail(self, *a, **kw):  # the warm-up call runs; the server's steps then fail
+        out = warm(self, *a, **kw)
+        monkeypatch.setattr(self, "_queue_step", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("step failed")))
+        return out
+
+    monkeypatch.setattr(host_step.Engine, "generate", generate_then_fail)
+    with pytest.raises(RuntimeError, match="2 requests failed in the engine thread: .*step failed"):
+        host_step.run(rows=2, num_prompts=2, new_tokens=4, seed=0, forward=False, overlap=True, server=True)
