@@ -134,12 +134,13 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     engine.counters["decode_steps_per_k"][0] = 0
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
-    busy = serve_all(engine, prompts, params) if server else None
-    if not server:
+    if server:
+        busy = serve_all(engine, prompts, params)
+    else:
         engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     n = engine.counters["decode_steps_per_k"][0]
-    return ((wall if busy is None else busy) - forwards[0]) / n * 1e3, wall, n
+    return ((busy if server else wall) - forwards[0]) / n * 1e3, wall, n
 
 
 def main(argv=None) -> int:
