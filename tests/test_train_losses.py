@@ -1,5 +1,9 @@
 """Drafter loss options: soft targets (loss.kl), the confidence head's target (loss.confidence_target) and gradient
 (loss.confidence_grad), the decayed terms' normalisation (loss.decay_norm)."""
+import os
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,6 +11,9 @@ import torch.nn.functional as F
 from tests.targets import make_target
 from tests.test_engine import make_drafter
 from train.losses import LossWeights, drafter_loss
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import loss_step  # noqa: E402
 
 B, A, D, H, V = 2, 3, 4, 64, 300
 
@@ -129,3 +136,57 @@ def test_recipe_loss_fields_are_validated():
     assert LossWeights.from_recipe(r.loss) == LossWeights(ce=0.0, distill=0.0, confidence=0.1, kl=1.0)
     with pytest.raises(RecipeError, match="loss.ce: expected > 0 when distill and kl are 0"):
         load_recipe("recipes/quickstart.yaml", ["loss.ce=0", "loss.kl=0"])
+
+
+def reference_loss(drafter, h, anchors, labels, tl, w: LossWeights) -> torch.Tensor:
+    """Every term from its own definition: F.cross_entropy, softmax / log-softmax per term, as written in the docs."""
+    logits = draft_logits(drafter, h, anchors, labels.clamp(min=0))
+    valid = labels >= 0
+    wgt = torch.exp(-torch.arange(D, device=h.device) / (w.decay_gamma or D)) * valid
+    denom = (wgt.sum() if w.decay_norm == "weights" else valid.sum()).clamp(min=1.0)
+    loss = w.ce * (F.cross_entropy(logits.flatten(0, 2), labels.flatten().clamp(min=0), reduction="none")
+                   .view(B, A, D) * wgt).sum() / denom
+    p, q = tl.softmax(-1), logits.softmax(-1)
+    tv = 0.5 * (q - p).abs().sum(-1)
+    loss = loss + w.distill * (tv * wgt).sum() / denom
+    kl = (p * (tl.log_softmax(-1) - logits.log_softmax(-1))).sum(-1)
+    loss = loss + w.kl * (kl * wgt).sum() / denom
+    correct = (logits.argmax(-1) == labels) & valid
+    m = drafter.markov(torch.cat([anchors[..., None], labels[..., :-1].clamp(min=0)], -1))[1]
+    conf = drafter.confidence(h, m) if w.confidence_grad else drafter.confidence(h.detach(), m.detach())
+    goal = 1 - tv.detach() if w.confidence_target == "tv" else correct.float()
+    bce = F.binary_cross_entropy_with_logits(conf, goal, reduction="none")
+    return loss + w.confidence * (bce * valid).sum() / valid.sum()
+
+
+@pytest.mark.parametrize("w", [LossWeights(), LossWeights(kl=1.0), LossWeights(ce=0.0, kl=1.0),
+                               LossWeights(kl=1.0, distill=0.5, confidence=1.0, confidence_target="tv",
+                                           confidence_grad=True),
+                               LossWeights(kl=0.5, decay_gamma=2.0, decay_norm="tokens")],
+                         ids=["ce", "ce+kl", "kl", "all+tv", "kl-tokens"])
+def test_the_loss_and_its_gradients_equal_each_terms_definition(drafter, w):
+    """One log-softmax shared by the CE and the KL, probabilities only for the terms that read them: the same loss and
+    the same gradients (draft hidden states and every drafter weight) as each term computed on its own."""
+    h, anchors, labels, tl = inputs(drafter, seed=3)
+    labels[1, 2, 1] = -100
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    grads = []
+    for fn in (lambda x: drafter_loss(drafter, x, anchors, labels, tl, w)[0],
+               lambda x: reference_loss(drafter, x, anchors, labels, tl, w)):
+        x = h.clone().requires_grad_(True)
+        loss = fn(x)
+        grads.append([loss.detach(), *torch.autograd.grad(loss, [x, *params], allow_unused=True)])
+    (got, *g_got), (want, *g_want) = grads
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    for a, b in zip(g_got, g_want):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_bench_loss_step_times_a_recipes_loss(capsys):
+    dev = os.environ.get("DSPARK_TEST_DEVICE", "cpu")
+    assert loss_step.main(["recipes/quickstart.yaml", "--vocab", "512", "--hidden", "32", "--rows", "2",
+                           "--iters", "1", "--device", dev]) == 0
+    out = capsys.readouterr().out
+    assert "2 rows x 32 blocks x 4 drafts, vocab 512: loss forward + backward" in out, out
