@@ -1,5 +1,6 @@
 """Drafter loss options: soft targets (loss.kl), the confidence head's target (loss.confidence_target) and gradient
-(loss.confidence_grad), the decayed terms' normalisation (loss.decay_norm)."""
+(loss.confidence_grad), the decayed terms' normalisation (loss.decay_norm); the whole loss and its gradients against
+each term's own definition; bench/loss_step.py."""
 import os
 import sys
 from pathlib import Path
