@@ -71,8 +71,8 @@ def plain_drafter(target: Qwen3ForCausalLM) -> DSparkDrafter:
     c = target.config
     cfg = DrafterConfig(vocab_size=VOCAB, hidden_size=c.hidden_size, target_hidden_size=c.hidden_size,
                         target_layer_ids=[0, c.num_hidden_layers - 1], num_target_layers=c.num_hidden_layers,
-                        mask_token_id=1, block_size=4, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                        head_dim=16, intermediate_size=96, markov_rank=8)
+                        mask_token_id=1, block_size=4, num_hidden_layers=1, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, intermediate_size=96, markov_rank=8)
     return DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight).eval()
 
 

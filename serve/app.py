@@ -174,9 +174,9 @@ def metrics_text(runner: EngineRunner | EngineClient, model: str) -> str:
                 for j, a in enumerate(al)])
         metric("dspark:policy_flush_ms", "gauge", "The k policy's estimate of a context flush's host time (ms).",
                [(lab, policy["flush_ms"])])
-        metric("dspark:policy_choices_total", "counter", f"The k policy's choices (each reused for up to {REPICK_EVERY} steps), by "
-               "batch size, drafts per row, sampling mode and basis: the chosen kind's cost measured or modelled, "
-               "or a probe of the whole block for the acceptance statistics.",
+        metric("dspark:policy_choices_total", "counter", f"The k policy's choices (each reused for up to "
+               f"{REPICK_EVERY} steps), by batch size, drafts per row, sampling mode and basis: the chosen kind's "
+               "cost measured or modelled, or a probe of the whole block for the acceptance statistics.",
                [(f'{lab},rows="{e["rows"]}",k="{e["k"]}",mode="{e["mode"]}",basis="{e["basis"]}"', e["n"])
                 for e in policy["choices"]])
     n, queue, prefill = c.get("first_tokens", 0), c.get("queue_s", 0.0), c.get("prefill_s", 0.0)

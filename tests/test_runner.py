@@ -456,8 +456,8 @@ def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts,
     """A plain step writes only the projection of the drafter's context input per position; before the request
     drafts again the stashed positions become context rows. Under a k schedule of plain runs and drafting steps,
     after every drafting step the drafter's rows of every committed position equal those of one plain forward over
-    the sequence, and the output is the target's greedy. With overlap a switch to drafting is queued behind the plain step in flight:
-    its flush runs before that step is read and covers the position the step stashes."""
+    the sequence, and the output is the target's greedy. With overlap a switch to drafting is queued behind the
+    plain step in flight: its flush runs before that step is read and covers the position the step stashes."""
     kind, make = PAIRS[pair]
     target = targets[kind]
     drafter = make(target)
