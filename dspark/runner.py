@@ -358,18 +358,19 @@ class ModelRunner:
             sampling = RowSampling(st.floats[:, 0], ints[:, INT_COLS["top_k"]] if filt else 0,
                                    st.floats[:, 1] if filt else 1.0)
         # a step's uniforms: [next token | k draft samples | k acceptances]; the next token's comes first, so a row
-        # that verifies no drafts draws exactly what a plain (k = 0) step draws
-        u = None if sampling is None else counter_uniform(ints[:, INT_COLS["seed"]], num_cached * COUNTER_STRIDE,
-                                                          2 * k + 1)
+        # that verifies no drafts draws exactly what a plain (k = 0) step draws. (A drafter with a Markov head draws
+        # its drafts from counters of their own: dspark.spec.draft.markov_drafts.)
+        seed = None if sampling is None else _dense(ints[:, INT_COLS["seed"]], own)
+        u = None if sampling is None else counter_uniform(seed, num_cached * COUNTER_STRIDE, 2 * k + 1)
         if k == 0:
             logits = forward(pending[:, None], view, True)  # [B, 1, V]
             if sampling is None:  # [0, n, t_0]; n = num_new - 1 = 0
                 return greedy_step(pending[:, None][:, :0], logits.argmax(-1), num_new - 1)
             nxt = sample_from(process_logits(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p),
                               u[:, 0])
-            return torch.stack([torch.zeros_like(nxt), torch.zeros_like(nxt), nxt], 1)
+            return greedy_step(pending[:, None][:, :0], nxt[:, None], num_new - 1)  # [0, 0, t_0]
         prop = self.drafts.propose(view, pending, k, sampling if self.draft_sample else None,
-                                   None if u is None else u[:, 1:k + 1], confidence=self.adaptive)
+                                   None if u is None else u[:, 1:k + 1], seed=seed, confidence=self.adaptive)
         n = num_new - 1  # drafts the host lets each row verify
         if self.adaptive:
             n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))

@@ -84,7 +84,7 @@ def test_block_sparse_training_pass_equals_inference_pass(target, opts):
         if name.endswith("proj.weight") or name.startswith("markov_head"):
             torch.nn.init.normal_(p, std=0.3)
     seen = []  # the inference pass's block hidden states
-    d.backbone = lambda *a, _bb=d.backbone: seen.append(_bb(*a)) or seen[-1]
+    d.decode = lambda *a, _dec=d.decode: seen.append(_dec(*a)) or seen[-1]
     x = torch.randint(2, V, (1, 40)).to(device_of(target))
     with torch.no_grad():
         _, aux = target(x, aux_layer_ids=LAYER_IDS)

@@ -55,7 +55,7 @@ class ScriptedDrafts:
     def flush_context(self, view):
         self.runner.flush_context(view)
 
-    def propose(self, view, anchors, k, sampling=None, u=None, confidence=False):
+    def propose(self, view, anchors, k, sampling=None, u=None, seed=None, confidence=False):
         rows = []
         for req in self.engine.step_requests:  # the rows of the step in flight, in order
             ref = self.refs[req.id]

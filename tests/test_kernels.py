@@ -78,10 +78,10 @@ def _interp_checks() -> dict:
     from dspark.kernels import interpreting
     from dspark.kernels.attn_res import attn_res_mix_ref, attn_res_mix_triton
     from dspark.kernels.chain_inputs import chain_inputs_triton
-    from dspark.kernels.greedy_verify import greedy_step_ref, greedy_step_triton
+    from dspark.kernels.greedy_verify import greedy_step_ref, greedy_step_triton, pack_step_ref, pack_step_triton
     from dspark.kernels.inverse_cdf import inverse_cdf_ref, inverse_cdf_triton
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
-    from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
+    from dspark.kernels.markov_sample import draft_noise_ref, markov_sample_ref, markov_sample_triton
     from dspark.kernels.mxfp4_matmul import (
         mxfp4_grouped_matmul_ref,
         mxfp4_grouped_matmul_triton,
@@ -153,12 +153,19 @@ def _interp_checks() -> dict:
     U, w1, w2 = torch.randn(B, D, V, generator=g), torch.randn(V, R, generator=g), torch.randn(V, R, generator=g) * .5
     anc = torch.randint(0, V, (B,), generator=g)
     temp, noise = torch.tensor([0.0, 1.0, 0.7]), torch.rand(B, D, V, generator=g).clamp(1e-6, 1 - 1e-6)
+    sd, pos = torch.tensor([5, -(2 ** 63), 2 ** 62 + 7]), torch.tensor([0, 17, 100000])  # int64 extremes
+    cn = draft_noise_ref(sd, pos, D, V)
     for name, kw, tkw in [("markov_greedy_1launch", {}, dict(one_launch=True, programs=1)),
                           ("markov_greedy_steps_3prog", {}, dict(one_launch=False, programs=3)),
                           ("markov_gumbel_steps_3prog", dict(temperature=temp, noise=noise),
-                           dict(one_launch=False, programs=3))]:
+                           dict(one_launch=False, programs=3)),
+                          # the counter-based uniforms drawn in the kernel, against their torch definition
+                          ("markov_counter_noise_1launch", dict(temperature=temp, noise=cn),
+                           dict(one_launch=True, programs=1, noise=None, seed=sd, position=pos)),
+                          ("markov_counter_noise_steps_3prog", dict(temperature=temp, noise=cn),
+                           dict(one_launch=False, programs=3, noise=None, seed=sd, position=pos))]:
         ri, rl = markov_sample_ref(U, w1, w2, anc, **kw)
-        ki, kl = markov_sample_triton(U, w1, w2, anc, block_v=64, **kw, **tkw)
+        ki, kl = markov_sample_triton(U, w1, w2, anc, block_v=64, **(kw | tkw))
         res[name] = [float((ri != ki).sum()), 0.0]
         res[name + "_logit"] = [_err(rl, kl), 1e-5]
     res.update(_decode_checks(g))
@@ -169,6 +176,8 @@ def _interp_checks() -> dict:
     res.update(_glu_route_checks(g))
     res["greedy_step"] = [float(sum(int((greedy_step_triton(*c) != greedy_step_ref(*c)).sum())
                                     for c in _greedy_cases("cpu", seed))), 0.0]
+    res["pack_step"] = [float(sum(int((pack_step_triton(*c) != pack_step_ref(*c)).sum())
+                                  for c in _pack_cases("cpu", seed))), 0.0]
     for name, x, t, kw in _softmax_cases(g):
         out, ref = temperature_softmax_triton(x, t, **kw), temperature_softmax_ref(x, t)
         res[f"temperature_softmax_{name}"] = [_err(out, ref) + float(out.shape != ref.shape), 1e-6]
@@ -221,7 +230,14 @@ def _glu_route_checks(g) -> dict:
 def _norm_rope_checks(g) -> dict:
     """norm_rope (fp32): q / k heads as strided views of a merged projection, positions per row [B, T] or shared [T],
     with and without the norm."""
-    from dspark.kernels.rope import Rope, apply_rope_interleaved, apply_rope_neox, norm_rope_ref, norm_rope_triton
+    from dspark.kernels.rope import (
+        Rope,
+        apply_rope_interleaved,
+        apply_rope_neox,
+        norm_rope_ref,
+        norm_rope_triton,
+        qk_norm_rope_,
+    )
 
     y = torch.randn(2, 5, 7 * 16, generator=g)  # [q: 4 heads | k: 2 | v: 1] of head dim 16
     q, k = y[..., :64].view(2, 5, 4, 16), y[..., 64:96].view(2, 5, 2, 16)
@@ -231,6 +247,18 @@ def _norm_rope_checks(g) -> dict:
         rope = Rope(pos, 16, 10000.0)
         res[f"norm_rope_{name}"] = [max(_err(norm_rope_ref(x, w, 1e-6, rope), norm_rope_triton(x, w, 1e-6, rope))
                                         for x in (q, k)), 1e-5]
+    # in place on the merged output: q (weight w) and k (weight wk) heads in one launch, the v head untouched; and
+    # the k heads alone of a [k | v] output (the drafter's context rows)
+    wk, pos = torch.rand(16, generator=g) + 0.5, torch.randint(0, 3000, (2, 5), generator=g)
+    rope = Rope(pos, 16, 10000.0)
+    yq = y.clone()
+    qk_norm_rope_(yq.view(2, 5, 7, 16)[:, :, :6], 4, w, wk, 1e-6, rope)
+    want = torch.cat([norm_rope_ref(q, w, 1e-6, rope).transpose(1, 2).flatten(2),
+                      norm_rope_ref(k, wk, 1e-6, rope).transpose(1, 2).flatten(2), y[..., 96:]], -1)
+    res["qk_norm_rope_inplace"] = [_err(yq, want), 1e-5]
+    kv = y[..., 64:].clone()
+    qk_norm_rope_(kv.view(2, 5, 3, 16)[:, :, :2], 0, None, wk, 1e-6, rope)
+    res["k_norm_rope_inplace"] = [_err(kv, want[..., 64:]), 1e-5]
     rope = Rope(torch.arange(5), 16, 1e6)
     res["rope_only"] = [_err(apply_rope_neox(q.transpose(1, 2), *rope.cos_sin(q.dtype)),
                              norm_rope_triton(q, None, 0.0, rope)), 1e-5]
@@ -252,6 +280,17 @@ def _greedy_cases(device, seed, shapes=((1, 4), (5, 3), (3, 0), (70, 7))):
         d[torch.rand(B, k, generator=gen) < 0.1] = -1
         top, n = torch.randint(0, 3, (B, k + 1), generator=gen), torch.randint(-1, k + 2, (B,), generator=gen)
         cases.append((d.to(device), top.to(device), n.to(device)))
+    return cases
+
+
+def _pack_cases(device, seed, shapes=((1, 4), (5, 3), (70, 7))):
+    """(drafts, a, next, n) cases: a sampled verifier's a in 0..k (and n from 0 to k + 1), next any token."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for B, k in shapes:
+        d, nxt = torch.randint(0, 50, (B, k), generator=gen), torch.randint(0, 50, (B,), generator=gen)
+        a, n = torch.randint(0, k + 1, (B,), generator=gen), torch.randint(0, k + 2, (B,), generator=gen)
+        cases.append(tuple(x.to(device) for x in (d, a, nxt, n)))
     return cases
 
 
@@ -329,7 +368,8 @@ def _engine_pair_checks() -> dict:
         setattr(mod, name, wrapper)
 
     for mod, name in ((kd, "kda_decode_triton"), (ar, "attn_res_mix_triton"), (ms, "markov_sample_triton"),
-                      (dg, "grouped_gemv_triton"), (rp, "norm_rope_triton"), (gv, "greedy_step_triton"),
+                      (dg, "grouped_gemv_triton"), (rp, "norm_rope_triton"), (rp, "qk_norm_rope_triton"),
+                      (gv, "greedy_step_triton"),
                       (gl, "glu_triton"), (mr, "moe_route_triton"), (mc, "moe_combine_triton")):
         counted(mod, name)
     res = {}
@@ -338,7 +378,7 @@ def _engine_pair_checks() -> dict:
     expect = {"k3": {"kda_decode_triton", "attn_res_mix_triton", "grouped_gemv_triton", "glu_triton",
                      "moe_route_triton", "moe_combine_triton",
                      "norm_rope_triton"},  # the K3 drafter's MLA RoPE
-              "qwen3": {"norm_rope_triton", "glu_triton"}}
+              "qwen3": {"qk_norm_rope_triton", "glu_triton"}}  # q and k of target and drafter in place
     for kind, make in (("k3", make_k3_drafter), ("qwen3", make_drafter)):
         target = make_target(kind)
         drafter = live_markov(make(target))
@@ -381,19 +421,21 @@ def interp():
     return interpreter_checks("tests.test_kernels")
 
 
-INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9", "kda_t17_softplus",
-                "kda_unmerged_verify_t9", "kda_strided_slices_t1", "kda_strided_slices_t9", "attnres_plain",
-                "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16", "mxfp4_grouped",
-                "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog", "gemv_plain",
-                "gemv_rmsnorm", "gemv_silu_mul_residual_inplace", "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv",
-                "k3_engine_pair_tokens", "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs",
-                "norm_rope_rows", "norm_rope_shared", "rope_only", "rope_interleaved", "greedy_step", "glu_silu", "glu_situ",
-                "glu_situ_no_up_clamp", "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax",
-                "moe_route_softmax_renorm", "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16",
-                "temperature_softmax_fp32", "temperature_softmax_small_slices", "temperature_softmax_bf16",
-                "temperature_softmax_bkv", "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16", "inverse_cdf_bkv", "inverse_cdf_sparse",
-                "qwen3_engine_pair_tokens",
-                "qwen3_engine_pair_accepted", "qwen3_engine_batch_tokens"]
+INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9",
+                "kda_t17_softplus", "kda_unmerged_verify_t9", "kda_strided_slices_t1", "kda_strided_slices_t9",
+                "attnres_plain", "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16",
+                "mxfp4_grouped", "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog",
+                "gemv_plain", "gemv_rmsnorm", "gemv_silu_mul_residual_inplace",
+                "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv", "k3_engine_pair_tokens",
+                "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs", "norm_rope_rows",
+                "norm_rope_shared", "qk_norm_rope_inplace", "k_norm_rope_inplace", "rope_only", "rope_interleaved",
+                "greedy_step", "pack_step", "glu_silu", "glu_situ", "glu_situ_no_up_clamp", "moe_route_sigmoid",
+                "moe_route_sigmoid_renorm", "moe_route_softmax", "moe_route_softmax_renorm", "moe_combine_dense",
+                "moe_combine_gathered", "moe_combine_gathered_bf16", "temperature_softmax_fp32",
+                "temperature_softmax_small_slices", "temperature_softmax_bf16", "temperature_softmax_bkv",
+                "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16", "inverse_cdf_bkv",
+                "inverse_cdf_sparse", "qwen3_engine_pair_tokens", "qwen3_engine_pair_accepted",
+                "qwen3_engine_batch_tokens"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU box tests the compiled kernels (test_cuda_*); the "
@@ -568,7 +610,7 @@ def test_cuda_mxfp4(M):
 @cuda
 @pytest.mark.parametrize("B", [1, 64])
 def test_cuda_markov(B):
-    from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
+    from dspark.kernels.markov_sample import draft_noise_ref, markov_sample_ref, markov_sample_triton
 
     V, D, R = 163840, 8, 64
     U = torch.randn(B, D, V, device="cuda") * 3
@@ -582,6 +624,11 @@ def test_cuda_markov(B):
     ri, _ = markov_sample_ref(U, w1, w2, anc, temp, noise)
     ki, _ = markov_sample_triton(U, w1, w2, anc, temp, noise)
     assert (ki == ri).float().mean() >= 0.99  # Gumbel scores: fp32 near-ties may flip a rare row
+    seed = torch.randint(-(2 ** 63), 2 ** 63 - 1, (B,), device="cuda")
+    pos = torch.randint(0, 1 << 20, (B,), device="cuda")
+    ri, _ = markov_sample_ref(U, w1, w2, anc, temp, draft_noise_ref(seed, pos, D, V))
+    ki, _ = markov_sample_triton(U, w1, w2, anc, temp, seed=seed, position=pos)  # the same uniforms, in the kernel
+    assert (ki == ri).float().mean() >= 0.99
 
 
 @cuda
@@ -685,11 +732,14 @@ def test_cuda_rope_interleaved(T):
 
 @cuda
 def test_cuda_greedy_step():
-    """The greedy verify + pack kernel at one row, a batch bucket and a regeneration's 512 rows equals its reference."""
-    from dspark.kernels.greedy_verify import greedy_step_ref, greedy_step_triton
+    """The greedy verify + pack kernel (and its pack of a sampled step) at one row, a batch bucket and a
+    regeneration's 512 rows equals its reference."""
+    from dspark.kernels.greedy_verify import greedy_step_ref, greedy_step_triton, pack_step_ref, pack_step_triton
 
     for d, top, n in _greedy_cases("cuda", 5, shapes=((1, 8), (64, 4), (512, 7), (32, 0))):
         assert torch.equal(greedy_step_triton(d, top, n), greedy_step_ref(d, top, n))
+    for c in _pack_cases("cuda", 5, shapes=((1, 8), (64, 4), (512, 7))):
+        assert torch.equal(pack_step_triton(*c), pack_step_ref(*c))
 
 
 @cuda

@@ -10,12 +10,15 @@ models import kernels, kernels never import models. Modules:
   attn_res       Attention-Residuals depth mix (+ optional output RMSNorm)
   mxfp4_matmul   y = x @ dequant(W)^T with MXFP4 weights dequantised in registers (single or grouped experts);
                  also the MXFP4 codec: quantize_mxfp4, dequantize_mxfp4
-  markov_sample  the sequential Markov-head draft sampling loop of one draft step, one launch
+  markov_sample  the sequential Markov-head drafting loop of one draft step (argmax, or Gumbel-max from counter-based
+                 uniforms), one launch
   decode_gemv    bs=1 decode matvec with the RMSNorm / silu*mul prologue and the residual add fused in (Qwen3)
-  rope           norm_rope: per-head RMSNorm + NeoX RoPE of Qwen3's q / k, angles from the positions; rope_interleaved:
-                 MLA's RoPE (GPT-J pairs), the same kernel; also the RoPE definitions (rope_cos_sin, apply_rope_neox,
-                 apply_rope_interleaved, Rope)
-  greedy_verify  greedy verification + the step's packed output [a, n, tokens] from the target's argmax
+  rope           norm_rope: per-head RMSNorm + NeoX RoPE of Qwen3's q / k, angles from the positions; qk_norm_rope_:
+                 the same for q and k at once, in place in their merged projection's output; rope_interleaved: MLA's
+                 RoPE (GPT-J pairs); one kernel for all three; also the RoPE definitions (rope_cos_sin,
+                 apply_rope_neox, apply_rope_interleaved, Rope)
+  greedy_verify  greedy verification + the step's packed output [a, n, tokens] from the target's argmax (or, for a
+                 sampled step, from its verifier's a and next token)
   glu            the gated MLP's activation (SwiGLU, K3's SiTU-GLU) in one pass; also its torch definition
   moe_route      LatentMoE routing (scores, biased top-k, weights) per token; also the router's torch definition
   moe_combine    LatentMoE's weighted sum of its experts' outputs (every expert's, or one per token and slot)
@@ -25,9 +28,10 @@ models import kernels, kernels never import models. Modules:
   rms_norm       torch definitions several kernels fuse (no kernel of its own)
 Where they run, on CUDA without autograd: the K3 layers dispatch kda_decode (cached steps of <= 17 tokens), attn_res
 (inference), moe_route, moe_combine and the MoE's grouped_gemv (decode_gemv.py); the Qwen3 target and drafter
-layers norm_rope, MLA with RoPE (the K3 drafter) rope_interleaved; every gated MLP glu; the engine's draft step runs
-markov_sample for greedy drafts, its greedy steps greedy_verify and its sampled steps counter_uniform and
-rejection_verify, every other sampled draw (dspark.spec.sampling.sample_from) inverse_cdf.
+layers qk_norm_rope_ on cached forwards (norm_rope elsewhere), MLA with RoPE (the K3 drafter) rope_interleaved; every
+gated MLP glu; the engine's draft step runs markov_sample for greedy drafts and for rows under a temperature alone,
+its greedy steps greedy_verify and its sampled steps counter_uniform, rejection_verify and greedy_verify's pack, every
+other sampled draw (dspark.spec.sampling.sample_from) inverse_cdf.
 decode_gemv's Qwen3 matvecs are not used by the engine's paged step; they are tested against their references and
 timed by bench/gpu_kernels.py. DSPARK_KERNELS=0 turns all of them off (the torch modules run instead).
 

@@ -1,5 +1,6 @@
 """Greedy verification and the step's packed output in one launch: what a greedy decode step does after the target's
-argmax (some twenty small torch ops otherwise, each a kernel of every captured step).
+argmax (some twenty small torch ops otherwise, each a kernel of every captured step). The same kernel packs a
+sampled step's output from its verifier's accepted counts and next tokens (pack_step: seven torch ops otherwise).
 
 Shapes: drafts [B, k] int64 (-1 = placeholder, always rejected), top [B, k+1] int64 (the target's argmax after t0,
 d1..di), n [B] int64 (drafts the row may verify). Row b accepts the longest prefix of drafts equal to top within its
@@ -33,8 +34,8 @@ def accept_greedy(draft_ids: torch.Tensor, top: torch.Tensor, num_drafts) -> tup
     return a, top.gather(1, a[:, None])[:, 0]
 
 
-def pack_step(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """[B, k+3] = [a, n, t_0 .. t_k] (module doc)."""
+def pack_step_ref(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """[B, k+3] = [a, n, t_0 .. t_k] (module doc) from a [B] accepted drafts and nxt [B] the token after them."""
     k = drafts.shape[1]
     slot = torch.arange(k + 1, device=a.device)[None]
     toks = torch.where(slot < a[:, None], torch.cat([drafts, nxt[:, None]], 1),  # (slot k is never < a)
@@ -45,22 +46,28 @@ def pack_step(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor, n: torch
 def greedy_step_ref(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     """Torch reference: the packed rows [B, k+3]."""
     a, nxt = accept_greedy(drafts, top, n)
-    return pack_step(drafts, a, nxt, n)
+    return pack_step_ref(drafts, a, nxt, n)
 
 
 @triton.jit
-def _greedy_step_kernel(DRAFTS, TOP, N, OUT, B, K, sd, st, so, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
+def _greedy_step_kernel(DRAFTS, TOP, N, A, NXT, OUT, B, K, sd, st, so, GIVEN: tl.constexpr, BLOCK_B: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
     b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)[:, None]  # [BB, 1]
     j = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]: draft slots 0..K-1, then the bonus slot K
     rows = b < B
     n = tl.load(N + b, mask=rows, other=0)  # [BB, 1]
     d = tl.load(DRAFTS + b * sd + j, mask=rows & (j < K), other=-1)
-    top = tl.load(TOP + b * st + j, mask=rows & (j <= K), other=-1)
-    # slot j is accepted when every slot up to it is a real draft within n that matches: a = the first failing slot
-    ok = (d >= 0) & (j < n) & (d == top) & (j < K)
-    a = tl.min(tl.where(ok, BLOCK_K, j), axis=1)[:, None]  # [BB, 1]; K when every draft matches
-    a = tl.minimum(a, K)
-    nxt = tl.sum(tl.where(j == a, top, 0), axis=1)[:, None]
+    if GIVEN:  # pack_step: a and next come from a sampled step's verifier
+        a = tl.load(A + b, mask=rows, other=0)
+        nxt = tl.load(NXT + b, mask=rows, other=0)
+    else:
+        top = tl.load(TOP + b * st + j, mask=rows & (j <= K), other=-1)
+        # slot j is accepted when every slot up to it is a real draft within n that matches: a = the first failing
+        # slot
+        ok = (d >= 0) & (j < n) & (d == top) & (j < K)
+        a = tl.min(tl.where(ok, BLOCK_K, j), axis=1)[:, None]  # [BB, 1]; K when every draft matches
+        a = tl.minimum(a, K)
+        nxt = tl.sum(tl.where(j == a, top, 0), axis=1)[:, None]
     toks = tl.where(j < a, d, tl.where(j == a, nxt, -1))
     out = OUT + b * so
     tl.store(out, a, mask=rows)
@@ -68,14 +75,27 @@ def _greedy_step_kernel(DRAFTS, TOP, N, OUT, B, K, sd, st, so, BLOCK_B: tl.const
     tl.store(out + 2 + j, toks, mask=rows & (j <= K))
 
 
-def greedy_step_triton(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+def _launch(drafts: torch.Tensor, top: torch.Tensor | None, n: torch.Tensor, a: torch.Tensor | None = None,
+            nxt: torch.Tensor | None = None) -> torch.Tensor:
     B, K = drafts.shape
-    out = torch.empty(B, K + 3, dtype=torch.long, device=top.device)
+    out = torch.empty(B, K + 3, dtype=torch.long, device=n.device)
     block_b = min(next_pow2(B), 64)
-    d = drafts if K else top  # k = 0: a dummy pointer, never read
-    _greedy_step_kernel[(triton.cdiv(B, block_b),)](d, top, n, out, B, K, d.stride(0), top.stride(0), out.stride(0),
-                                                    BLOCK_B=block_b, BLOCK_K=next_pow2(K + 1))
+    given = top is None
+    top = n if given else top  # a dummy pointer, never read
+    d = drafts if K else top  # k = 0: likewise
+    a, nxt = (a, nxt) if given else (n, n)
+    _greedy_step_kernel[(triton.cdiv(B, block_b),)](d, top, n, a, nxt, out, B, K, d.stride(0), top.stride(0),
+                                                    out.stride(0), GIVEN=given, BLOCK_B=block_b,
+                                                    BLOCK_K=next_pow2(K + 1))
     return out
+
+
+def greedy_step_triton(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return _launch(drafts, top, n)
+
+
+def pack_step_triton(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    return _launch(drafts, None, n, a, nxt)
 
 
 def greedy_step(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
@@ -84,3 +104,12 @@ def greedy_step(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor) -> tor
             and use_triton(drafts, top, n):
         return greedy_step_triton(drafts, top, n)
     return greedy_step_ref(drafts, top, n)
+
+
+def pack_step(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """A sampled step's packed rows [B, k+3] from its verifier's a and next [B]: Triton on CUDA (or under
+    TRITON_INTERPRET=1), else the reference."""
+    if drafts.shape[1] and drafts.stride(1) == 1 and all(x.stride(0) == 1 for x in (a, nxt, n)) \
+            and use_triton(drafts, a, nxt, n):
+        return pack_step_triton(drafts, a, nxt, n)
+    return pack_step_ref(drafts, a, nxt, n)

@@ -4,8 +4,12 @@ head").
 Shapes: B rows, D draft positions, V vocab (K3: 163840), r Markov rank (64).
   U [B, D, V] fp32 base logits;  w1 [V, r] (markov_w1.weight);  w2 [V, r] (markov_w2.weight);  anchors [B]
   for j in 0..D-1:  m = w1[prev];  logits = U[:, j] + w2 @ m;  x = argmax(score);  prev = x      (prev_0 = anchor)
-  score = logits (greedy, or temperature 0) or logits / tau + Gumbel(u), u uniform noise [B, D, V] (given, for tests)
-  or Philox (tl.rand(seed, (b*D + j)*V + v)).  Outputs ids [B, D] int64 and the chosen token's logit [B, D] fp32.
+  score = logits (greedy, or temperature 0) or logits / tau + Gumbel(u): Gumbel-max, a sample of softmax(logits /
+  tau). u [B, D, V] uniforms: given (noise), or counter-based from each row's seed and position [B] (the first
+  draft's), drawn in the kernel: u[b] = counter_uniform(seed, draft_counter(position, V), D * V)[b] viewed [D, V]
+  (dspark/kernels/counter_uniform.py). So a row's drafts depend on its own seed and position alone, and the counters
+  (from 2^62 up) never meet those a request draws per position for its tokens (below 2^62).
+  Outputs ids [B, D] int64 and the chosen token's logit [B, D] fp32.
 Kernel: G persistent programs (<= #SMs, all co-resident) each own a V-slice; per step each computes
 [B, slice] = m @ w2_slice^T (+U) chunk by chunk and folds its argmax into one int64 key per row,
 key = (order-preserving int32 of the score) << 32 | (2^32-1 - index)  (max key = max score, then smallest index,
@@ -18,6 +22,20 @@ from __future__ import annotations
 import torch
 
 from dspark.kernels import interpreting, next_pow2, tl, triton, use_triton
+from dspark.kernels.counter_uniform import _mix, counter_uniform_ref
+
+DRAFT_COUNTERS = 1 << 62  # where the draft steps' counters start
+MAX_DRAFTS = 32  # counters per position: MAX_DRAFTS * V (a step drafts at most this many)
+
+
+def draft_counter(position: torch.Tensor, V: int) -> torch.Tensor:
+    """The first counter of a draft step at position [B] int64: each position owns MAX_DRAFTS * V counters."""
+    return DRAFT_COUNTERS + position * (MAX_DRAFTS * V)
+
+
+def draft_noise_ref(seed: torch.Tensor, position: torch.Tensor, D: int, V: int) -> torch.Tensor:
+    """The counter-based uniforms of a draft step: seed, position [B] int64 -> [B, D, V] fp32."""
+    return counter_uniform_ref(seed, draft_counter(position, V), D * V).view(-1, D, V)
 
 
 def markov_sample_ref(U, w1, w2, anchors, temperature=None, noise=None):
@@ -39,8 +57,8 @@ def markov_sample_ref(U, w1, w2, anchors, temperature=None, noise=None):
 
 
 @triton.jit
-def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, ids_ptr, lgt_ptr, key_ptr, bar_ptr,
-                   B, D, V, R, G, seed, j_begin, j_end,
+def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, seed_ptr, pos_ptr, ids_ptr, lgt_ptr, key_ptr,
+                   bar_ptr, B, D, V, R, G, j_begin, j_end, CTR0: tl.constexpr, CTR_PER_POS: tl.constexpr,
                    BB: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, SAMPLE: tl.constexpr,
                    NOISE: tl.constexpr, BARRIER: tl.constexpr, DOT_F32: tl.constexpr):
     g = tl.program_id(0)
@@ -55,6 +73,9 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, ids_ptr,
     low = 4294967295
     if SAMPLE:
         tau = tl.load(temp_ptr + rb, mask=bm, other=0.0).to(tl.float32)
+        if NOISE == 2:  # counter-based: splitmix64 keyed by mix(seed[b]) at draft_counter(position[b]) + j * V + v
+            rkey = _mix(tl.load(seed_ptr + rb, mask=bm, other=0).to(tl.uint64, bitcast=True))
+            rctr = CTR0 + tl.load(pos_ptr + rb, mask=bm, other=0) * CTR_PER_POS
     for j in range(j_begin, j_end):
         # ---- phase A: prev for step j (the winners of step j-1), program 0 writes ids / logits of step j-1
         prev = tl.load(anc_ptr + rb, mask=bm, other=0).to(tl.int64)
@@ -90,7 +111,9 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, ids_ptr,
                     if NOISE == 1:
                         un = tl.load(noise_ptr + off, mask=tm, other=0.5)
                     else:
-                        un = tl.rand(seed, off)
+                        c = rctr[:, None] + (j * V + vv[None, :]).to(tl.int64)
+                        z = _mix(rkey[:, None] + c.to(tl.uint64, bitcast=True) * 0x9E3779B97F4A7C15)
+                        un = (z >> 40).to(tl.float32) * (2.0 ** -24)
                     gum = -tl.log(-tl.log(un))
                     score = tl.where(tau[:, None] > 0, score / tl.maximum(tau[:, None], 1e-30) + gum, score)
                 bits = score.to(tl.int32, bitcast=True)
@@ -109,9 +132,10 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, ids_ptr,
 
 
 @torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
-def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=None, one_launch=True,
-                         programs=None, block_v=None):
-    """-> (ids [B, D] int64, logits [B, D] fp32). seed (int) without noise: in-kernel Philox Gumbel noise."""
+def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=None, position=None,
+                         one_launch=True, programs=None, block_v=None):
+    """-> (ids [B, D] int64, logits [B, D] fp32). seed, position [B] int64 without noise: the counter-based
+    uniforms, drawn in the kernel."""
     B, D, V = U.shape
     R = w1.shape[1]
     dev = U.device
@@ -129,11 +153,15 @@ def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=
     bar = torch.zeros(1, dtype=torch.int32, device=dev)
     temp = temperature.float().contiguous() if sample else U
     nz = noise.contiguous() if noise is not None else U
+    if D > MAX_DRAFTS:
+        raise ValueError(f"markov_sample: at most {MAX_DRAFTS} drafts a step, got {D}")
+    sd, pos = (seed.contiguous(), position.contiguous()) if seed is not None and noise is None else (ids, ids)
     common = dict(BB=max(16, next_pow2(B)), BV=BV, BR=max(16, next_pow2(R)), SAMPLE=sample,
                   NOISE=1 if noise is not None else 2, DOT_F32=w1.dtype == torch.float32 or interpreting(),
                   num_warps=8 if B > 16 else 4)
-    args = (U, w1.contiguous(), w2.contiguous(), anchors.contiguous(), temp, nz, ids, lgt, keys, bar,
-            B, D, V, R, programs, int(seed or 0))
+    args = (U, w1.contiguous(), w2.contiguous(), anchors.contiguous(), temp, nz, sd, pos, ids, lgt, keys, bar,
+            B, D, V, R, programs)
+    common.update(CTR0=DRAFT_COUNTERS, CTR_PER_POS=MAX_DRAFTS * V)
     if one_launch:
         _markov_kernel[(programs,)](*args, 0, D + 1, BARRIER=True, **common)
     else:
@@ -142,9 +170,12 @@ def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=
     return ids, lgt
 
 
-def markov_sample(U, w1, w2, anchors, temperature=None, noise=None):
-    """Greedy (or Gumbel-max with given noise) Markov drafting; Triton on CUDA, else the reference."""
+def markov_sample(U, w1, w2, anchors, temperature=None, noise=None, seed=None, position=None):
+    """Greedy Markov drafting, or Gumbel-max sampling under temperature [B] with the given noise or the counter-based
+    uniforms of (seed, position); Triton on CUDA, else the reference."""
     if use_triton(U, w1):
-        return markov_sample_triton(U, w1, w2, anchors, temperature, noise,
+        return markov_sample_triton(U, w1, w2, anchors, temperature, noise, seed, position,
                                     one_launch=not interpreting())
+    if temperature is not None and noise is None and seed is not None:
+        noise = draft_noise_ref(seed, position, U.shape[1], U.shape[2])
     return markov_sample_ref(U, w1, w2, anchors, temperature, noise)

@@ -93,8 +93,8 @@ def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope)
 
 
 @triton.jit
-def _norm_rope_kernel(X, W, POS, INV_FREQ, OUT, T, H, sxb, sxt, sxh, spb, spt, eps, D: tl.constexpr,
-                      BLOCK_H: tl.constexpr, NORM: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _norm_rope_kernel(X, W, W2, POS, INV_FREQ, OUT, T, H, H1, sxb, sxt, sxh, sob, sot, soh, spb, spt, eps,
+                      D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, INTERLEAVED: tl.constexpr):
     pid = tl.program_id(0)  # one token: all its heads
     b, t = pid // T, pid % T
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -112,10 +112,13 @@ def _norm_rope_kernel(X, W, POS, INV_FREQ, OUT, T, H, sxb, sxt, sxh, spb, spt, e
     x = tl.load(xp + d, mask=m, other=0.0).to(tl.float32)
     xr = tl.load(xp + dr, mask=m, other=0.0).to(tl.float32)
     dt = OUT.dtype.element_ty
-    if NORM:  # fp32 statistics, the weight applied in fp32, one rounding to the dtype
+    if NORM:  # fp32 statistics, the weight applied in fp32 (W on heads < H1, W2 after), one rounding to the dtype
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
-        x = (x * rstd * tl.load(W + d).to(tl.float32)).to(dt).to(tl.float32)
-        xr = (xr * rstd * tl.load(W + dr).to(tl.float32)).to(dt).to(tl.float32)
+        first_w = h < H1
+        w = tl.where(first_w, tl.load(W + d).to(tl.float32), tl.load(W2 + d).to(tl.float32))
+        wr = tl.where(first_w, tl.load(W + dr).to(tl.float32), tl.load(W2 + dr).to(tl.float32))
+        x = (x * rstd * w).to(dt).to(tl.float32)
+        xr = (xr * rstd * wr).to(dt).to(tl.float32)
     ang = tl.load(POS + b * spb + t * spt).to(tl.float32) * tl.load(INV_FREQ + fi)  # [1, D]: rope_cos_sin's product
     # reduced to [-pi, pi] first (Cody-Waite, 2 pi in three parts; k * 6.28125 is exact for k < 2^16): Triton's
     # cos / sin are the GPU's approximate instructions, accurate only near zero, and angles reach pos * 1 rad
@@ -127,22 +130,27 @@ def _norm_rope_kernel(X, W, POS, INV_FREQ, OUT, T, H, sxb, sxt, sxh, spb, spt, e
     s = tl.sin(r).to(dt).to(tl.float32)
     rot = tl.where(first, -xr, xr)
     out = (x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
-    tl.store(OUT + ((b * T + t) * H + h) * D + d, out.to(dt), mask=m)
+    tl.store(OUT + b * sob + t * sot + h * soh + d, out.to(dt), mask=m)  # OUT may be X: each program owns its token
 
 
 def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope,
                      interleaved: bool = False) -> torch.Tensor:
     """x [B, T, H, D] (any strides, D contiguous; D a power of two) -> [B, H, T, D] (a transposed view of a contiguous
     [B, T, H, D]). weight None: RoPE only. interleaved: GPT-J pairs (MLA's RoPE) instead of NeoX halves."""
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _launch(x, out, weight, weight, x.shape[2], eps, rope, interleaved)
+    return out.transpose(1, 2)
+
+
+def _launch(x, out, w1, w2, h1: int, eps: float, rope: Rope, interleaved: bool = False) -> None:
     B, T, H, D = x.shape
-    out = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
     pos = rope.positions
     spb, spt = (pos.stride(0), pos.stride(1)) if pos.dim() == 2 else (0, pos.stride(0))
-    _norm_rope_kernel[(B * T,)](x, weight if weight is not None else x, pos, inv_freq(D, rope.theta, x.device), out,
-                                T, H, x.stride(0), x.stride(1), x.stride(2), spb, spt, float(eps), D=D,
-                                BLOCK_H=max(1, 1 << (H - 1).bit_length()), NORM=weight is not None,
+    w1 = w1 if w1 is not None else x
+    _norm_rope_kernel[(B * T,)](x, w1, w2 if w2 is not None else w1, pos, inv_freq(D, rope.theta, x.device), out,
+                                T, H, h1, *x.stride()[:3], *out.stride()[:3], spb, spt, float(eps), D=D,
+                                BLOCK_H=max(1, 1 << (H - 1).bit_length()), NORM=w1 is not x,
                                 INTERLEAVED=interleaved)
-    return out.transpose(1, 2)
 
 
 def norm_rope_fits(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
@@ -160,6 +168,26 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope) -> 
     if norm_rope_fits(x, weight):
         return norm_rope_triton(x, weight, eps, rope)
     return norm_rope_ref(x, weight, eps, rope)
+
+
+def qk_norm_rope_triton(x: torch.Tensor, n_q: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor, eps: float,
+                        rope: Rope) -> None:
+    """qk_norm_rope_'s kernel (one launch, in place)."""
+    _launch(x, x, q_weight if n_q else k_weight, k_weight, n_q, eps, rope)
+
+
+def qk_norm_rope_(x: torch.Tensor, n_q: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor, eps: float,
+                  rope: Rope) -> None:
+    """In place: x [B, T, H, D], the q heads [0, n_q) then the k heads of a merged projection's output (a view of it:
+    any strides, D contiguous), each normed per head (q_weight on the q heads, k_weight on the k heads) and turned by
+    NeoX RoPE. One launch for q and k where the kernel fits; their [k | v] cache rows are then a slice of the
+    projection's output, with no copy. Inference only (autograd would need the values it overwrites)."""
+    if norm_rope_fits(x, k_weight):
+        qk_norm_rope_triton(x, n_q, q_weight, k_weight, eps, rope)
+        return
+    if n_q:
+        x[:, :, :n_q] = norm_rope_ref(x[:, :, :n_q], q_weight, eps, rope).transpose(1, 2)
+    x[:, :, n_q:] = norm_rope_ref(x[:, :, n_q:], k_weight, eps, rope).transpose(1, 2)
 
 
 def rope_interleaved(x: torch.Tensor, rope: Rope) -> torch.Tensor:

@@ -140,6 +140,14 @@ class DSparkDrafter(nn.Module):
         blk[..., 0] = anchors
         return blk
 
+    def block_embeddings(self, anchors: torch.Tensor) -> torch.Tensor:
+        """anchors [B] -> the embedded block [B, N, H] = [embed(anchor), embed(mask) x (N-1)] in the backbone's dtype
+        (what backbone(block_tokens(anchors), ...) embeds, without building the token block)."""
+        B, N = anchors.shape[0], self.config.block_size
+        W = self.embed_weight
+        x = torch.cat([F.embedding(anchors[:, None], W), W[self.config.mask_token_id].expand(B, N - 1, -1)], 1)
+        return x.to(self.param_dtype)
+
     def draft_slots(self) -> slice:
         """Which block queries are sampled: all N (dspark) or 1..N-1 (dflash)."""
         return slice(0, None) if self.config.mode == "dspark" else slice(1, None)

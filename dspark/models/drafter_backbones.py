@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.kernels.rope import qk_norm_rope_
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.k3.mla import MLAttention
 from dspark.models.layers import GatedMLP, RMSNorm, Rope, attention
@@ -25,8 +26,15 @@ class DraftAttention(Qwen3Attention):
     """Qwen3 attention (same weights/names) used the DFlash way: K/V of the context + of the block itself."""
 
     def kv_rows(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """h: [B, L, H] -> cache rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]."""
-        return self._rows(*self.qkv_proj.forward_parts(h, "k_proj", "v_proj").chunk(2, -1), rope)
+        """h: [B, L, H] -> cache rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]: at inference the k / v GEMM's
+        output itself, its k turned in place."""
+        kv = self.qkv_proj.forward_parts(h, "k_proj", "v_proj")
+        if torch.is_grad_enabled():
+            return self._rows(*kv.chunk(2, -1), rope)
+        B, L, _ = kv.shape
+        qk_norm_rope_(kv.view(B, L, 2 * self.n_kv, self.head_dim)[:, :, : self.n_kv], 0, None, self.k_norm.weight,
+                      self.k_norm.eps, rope)
+        return kv
 
     def _rows(self, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
         """k, v [B, L, n_kv*head_dim] projections -> rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]."""
@@ -38,9 +46,13 @@ class DraftAttention(Qwen3Attention):
         """x: [B, Q, H] queries; ctx_rows: [B, L, C]; mask: [B, 1, Q or 1, L + Q] over [context ; block], bool
         or additive."""
         B, Q, _ = x.shape
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # one GEMM for the block's queries and its own k / v
-        q = self.q_norm.rope(q.reshape(B, Q, self.n_heads, self.head_dim), rope)  # [B, H, Q, D]
-        rows = torch.cat([ctx_rows.to(x.dtype), self._rows(k, v, rope)], dim=1)
+        if torch.is_grad_enabled():
+            q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # one GEMM for the block's queries and its own k / v
+            q = self.q_norm.rope(q.reshape(B, Q, self.n_heads, self.head_dim), rope)  # [B, H, Q, D]
+            block = self._rows(k, v, rope)
+        else:
+            q, block = self.q_and_rows(x, rope)
+        rows = torch.cat([ctx_rows.to(x.dtype), block], dim=1)
         k, v = rows.view(B, rows.shape[1], 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
         o = attention(q, k, v, mask, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, Q, -1))

@@ -19,6 +19,7 @@ from transformers import Qwen3Config
 
 from dspark.cache.batch import ForwardBatch
 from dspark.checkpoint_io import checkpoint_state, load_state_strict, read_config, save_checkpoint_dir
+from dspark.kernels.rope import qk_norm_rope_
 from dspark.models.layers import (
     GatedMLP,
     MergedLinear,
@@ -45,16 +46,33 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
+    def q_and_rows(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inference: x [B, T, hidden] -> (q [B, H, T, D] normed and roped, rows [B, T, 2 * n_kv * D] = [k | v] per
+        token, k normed and roped): one GEMM, then q and k normed and roped in place in its output (one launch on
+        CUDA), so both are views of it and the cache rows need no copy."""
+        B, T, _ = x.shape
+        H, D = self.n_heads + 2 * self.n_kv, self.head_dim
+        y = self.qkv_proj(x)[..., : H * D]
+        heads = y.view(B, T, H, D)
+        qk_norm_rope_(heads[:, :, : self.n_heads + self.n_kv], self.n_heads, self.q_norm.weight, self.k_norm.weight,
+                      self.q_norm.eps, rope)
+        return heads[:, :, : self.n_heads].transpose(1, 2), y[..., self.n_heads * D:]
+
     def forward(self, x, rope: Rope, batch: ForwardBatch | None):
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.q_norm.rope(q.view(B, T, self.n_heads, self.head_dim), rope)  # [B, H, T, D]
-        k = self.k_norm.rope(k.view(B, T, self.n_kv, self.head_dim), rope)
-        v = v.reshape(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if batch is not None and batch.cache is not None and not torch.is_grad_enabled():
+            q, rows = self.q_and_rows(x, rope)
+        else:
+            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+            q = self.q_norm.rope(q.view(B, T, self.n_heads, self.head_dim), rope)  # [B, H, T, D]
+            k = self.k_norm.rope(k.view(B, T, self.n_kv, self.head_dim), rope)
+            v = v.reshape(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+            rows = None
         if batch is None or batch.cache is None:
             mask, causal = (None, True) if batch is None else (batch.key_mask(T, T, q.dtype), False)
         else:  # cache rows are [k | v] per token, flattened over kv heads: C = 2 * n_kv * head_dim
-            rows = torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
+            if rows is None:
+                rows = torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
             rows = batch.cache.attn_append(self.layer_idx, rows)  # [B, L, C]
             L = rows.shape[1]
             k, v = rows.view(B, L, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4).to(q.dtype)

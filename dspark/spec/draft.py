@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.cache.batch import additive_mask
-from dspark.kernels import use_triton
 from dspark.kernels.markov_sample import markov_sample
 from dspark.models.drafter import DSparkDrafter
 from dspark.spec.sampling import RowSampling, process_logits, sample_from
@@ -29,11 +27,12 @@ class Proposal:
 
 
 def sample_markov(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor, sampling: RowSampling | None = None,
-                  u: torch.Tensor | None = None, draft_top_k: int = 0) -> Proposal:
-    """h: [B, D, H] post-norm hidden states of the sampled queries; anchors: [B]. sampling None: argmax drafts;
-    else each row samples from process_logits under its own parameters with the uniforms u [B, D] (temperature-0
-    rows still take the argmax). draft_top_k > 0 evaluates the Markov term only on the top-k base candidates per
-    position (vLLM's dspark_draft_topk); the rest are -inf."""
+                  u: torch.Tensor | None = None, draft_top_k: int = 0, confidence: bool = True) -> Proposal:
+    """The drafting loop in torch, one position after another. h: [B, D, H] post-norm hidden states of the sampled
+    queries; anchors: [B]. sampling None: argmax drafts; else each row samples from process_logits under its own
+    parameters by inverse CDF with the uniforms u [B, D] (temperature-0 rows still take the argmax). draft_top_k > 0
+    evaluates the Markov term only on the top-k base candidates per position (vLLM's dspark_draft_topk); the rest
+    are -inf. confidence: the confidence head's acceptances too (where the drafter has one)."""
     D = h.shape[1]
     U = drafter.base_logits(h)  # [B, D, V] fp32, the parallel part
     if draft_top_k:
@@ -43,7 +42,7 @@ def sample_markov(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor
     for j in range(D):  # the sequential part: one tiny matvec per position
         bias, m = drafter.markov(prev)
         logits = U[:, j] + bias  # [B, V]
-        c = drafter.confidence(h[:, j], m)
+        c = drafter.confidence(h[:, j], m) if confidence else None
         if sampling is not None:
             p = process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
             x = sample_from(p, u[:, j])
@@ -57,6 +56,27 @@ def sample_markov(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor
                     None if conf[0] is None else torch.stack(conf, 1))
 
 
+def markov_drafts(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor,
+                  temperature: torch.Tensor | None = None, seed: torch.Tensor | None = None,
+                  position: torch.Tensor | None = None, confidence: bool = False) -> Proposal:
+    """The drafting loop in one Markov kernel launch (dspark/kernels/markov_sample.py), for a drafter with a Markov
+    head and rows under a temperature alone (no top-k / top-p). temperature None: argmax drafts. Else row b draws
+    by Gumbel-max from the counter-based uniforms of (seed[b], position[b]) (temperature-0 rows take the argmax),
+    which samples each draft from process_logits(logits, temperature); that distribution, q [B, D, V], is then
+    formed for all positions at once from the drafted prefixes, as are the confidences."""
+    d, (w1, w2) = drafter, (drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight)
+    scale = d.config.logit_scale
+    U = d.base_logits(h)  # [B, D, V] fp32
+    ids = markov_sample(U, w1, w2 if scale == 1.0 else w2 * scale, anchors, temperature, seed=seed,
+                        position=position)[0]
+    if temperature is None and not confidence:
+        return Proposal(ids, None, None)
+    bias, m = d.markov(torch.cat([anchors[:, None], ids[:, :-1]], 1))  # each position's prev: [B, D, V], [B, D, r]
+    probs = None if temperature is None else process_logits(U + bias, temperature)
+    c = d.confidence(h, m) if confidence else None
+    return Proposal(ids, probs, None if c is None else torch.sigmoid(c))
+
+
 def draft_hidden(drafter: DSparkDrafter, anchors: torch.Tensor, p0: torch.Tensor, ctx_rows: list[torch.Tensor]
                  ) -> torch.Tensor:
     """The parallel pass: the block [anchor, mask x (N-1)] at positions p0.. against each draft layer's context rows
@@ -67,10 +87,12 @@ def draft_hidden(drafter: DSparkDrafter, anchors: torch.Tensor, p0: torch.Tensor
     # whole block (non-causal). Its storage is padded to a multiple of 16 columns: a row stride SDPA's
     # memory-efficient kernel takes as it is (an unaligned mask is copied into a padded one on every call)
     cols = torch.arange(-(-(L + N) // 16) * 16, device=dev)
-    visible = (cols[None] < p0[:, None]) | (cols[None] >= L)
-    mask = additive_mask(visible, drafter.param_dtype)[:, None, None, :L + N]
-    q_pos = p0[:, None] + torch.arange(N, device=dev)  # [B, N]
-    return drafter.backbone(drafter.block_tokens(anchors), q_pos, ctx_rows, mask)[:, drafter.draft_slots()]
+    mask = torch.full((len(p0), 1, 1, len(cols)), float("-inf"), dtype=drafter.param_dtype, device=dev)
+    mask.masked_fill_(cols < p0[:, None, None, None], 0.0)
+    mask[..., L:L + N] = 0.0
+    q_pos = p0[:, None] + cols[:N]  # [B, N]
+    x = drafter.block_embeddings(anchors)
+    return drafter.decode(x, q_pos, ctx_rows, mask[..., :L + N])[:, drafter.draft_slots()]
 
 
 class DraftRunner:
@@ -119,18 +141,16 @@ class DraftRunner:
 
     @torch.no_grad()
     def propose(self, view, anchors: torch.Tensor, k: int, sampling: RowSampling | None = None,
-                u: torch.Tensor | None = None, confidence: bool = False) -> Proposal:
+                u: torch.Tensor | None = None, seed: torch.Tensor | None = None, confidence: bool = False
+                ) -> Proposal:
         """k drafts per row for anchors [B] (each row's last emitted token, at position p0 = view.num_cached),
-        against the context rows the view sees. sampling / u as in sample_markov. Greedy drafting with a Markov
-        head on CUDA runs the one-launch Markov kernel (dspark/kernels/markov_sample.py), which computes no
-        confidences: confidence=True keeps the torch loop."""
+        against the context rows the view sees. A drafter with a Markov head drafts in one kernel launch
+        (markov_drafts: argmax drafts, or Gumbel-max under each row's temperature and seed [B]) unless rows filter
+        (top-k / top-p) or draft_top_k is set; those take the torch loop (sample_markov, with the uniforms u)."""
         d = self.drafter
         ctx_rows = [view.attn_rows(layer) for layer in self.layers]
         h = self.hidden(d, anchors, view.num_cached, ctx_rows)[:, :k]  # [B, k, H]
-        if sampling is None and d.markov_head is not None and not confidence and not self.draft_top_k \
-                and use_triton(h):
-            w1, w2 = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight
-            scale = d.config.logit_scale
-            ids = markov_sample(d.base_logits(h), w1, w2 if scale == 1.0 else w2 * scale, anchors)[0]
-            return Proposal(ids, None, None)
-        return sample_markov(d, h, anchors, sampling, u, self.draft_top_k)
+        if d.markov_head is not None and not self.draft_top_k and (sampling is None or sampling.temperature_only):
+            return markov_drafts(d, h, anchors, None if sampling is None else sampling.temperature, seed,
+                                 view.num_cached, confidence)
+        return sample_markov(d, h, anchors, sampling, u, self.draft_top_k, confidence)
