@@ -90,6 +90,12 @@ def _interp_checks() -> dict:
         quantize_mxfp4,
     )
     from dspark.kernels.temperature_softmax import temperature_softmax_ref, temperature_softmax_triton
+    from dspark.kernels.view_indices import (
+        additive_key_mask_ref,
+        additive_key_mask_triton,
+        view_indices_ref,
+        view_indices_triton,
+    )
 
     assert interpreting()
     res = {}
@@ -178,6 +184,12 @@ def _interp_checks() -> dict:
                                     for c in _greedy_cases("cpu", seed))), 0.0]
     res["pack_step"] = [float(sum(int((pack_step_triton(*c) != pack_step_ref(*c)).sum())
                                   for c in _pack_cases("cpu", seed))), 0.0]
+    res["view_indices"] = [float(sum(not torch.equal(x, y) for c in _view_cases("cpu", seed)
+                                     for x, y in zip(view_indices_triton(*c), view_indices_ref(*c)))), 0.0]
+    res["additive_key_mask"] = [float(sum(not torch.equal(additive_key_mask_triton(p, L, dt),
+                                                          additive_key_mask_ref(p, L, dt))
+                                          for p, L in _mask_cases("cpu", seed) for dt in (torch.float32, torch.bfloat16))),
+                                0.0]
     for name, x, t, kw in _softmax_cases(g):
         out, ref = temperature_softmax_triton(x, t, **kw), temperature_softmax_ref(x, t)
         res[f"temperature_softmax_{name}"] = [_err(out, ref) + float(out.shape != ref.shape), 1e-6]
@@ -292,6 +304,24 @@ def _pack_cases(device, seed, shapes=((1, 4), (5, 3), (70, 7))):
         a, n = torch.randint(0, k + 1, (B,), generator=gen), torch.randint(0, k + 2, (B,), generator=gen)
         cases.append(tuple(x.to(device) for x in (d, a, nxt, n)))
     return cases
+
+
+def _view_cases(device, seed, shapes=((1, 1, 1), (3, 4, 5), (2, 40, 300), (5, 64, 9))):
+    """(num_cached, num_new, table, block size 16, T) cases of B rows, W blocks: cached lengths within the view (a
+    prefill's T up to 300 included), num_new from 0 to T."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for B, W, T in shapes:
+        table = torch.randint(0, 1000, (B, W), generator=gen)
+        nc, nn = torch.randint(0, W * 16 - T + 1, (B,), generator=gen), torch.randint(0, T + 1, (B,), generator=gen)
+        cases.append((nc.to(device), nn.to(device), table.to(device), 16, T))
+    return cases
+
+
+def _mask_cases(device, seed):
+    """(pos [B, T], L): the positions of _view_cases' steps and their view widths."""
+    return [((c[0][:, None] + torch.arange(c[4], device=device)).contiguous(), c[2].shape[1] * 16)
+            for c in _view_cases(device, seed)]
 
 
 def _chain_case(device, seed, op, rows=37, width=5):
@@ -429,12 +459,12 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv", "k3_engine_pair_tokens",
                 "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs", "norm_rope_rows",
                 "norm_rope_shared", "qk_norm_rope_inplace", "k_norm_rope_inplace", "rope_only", "rope_interleaved",
-                "greedy_step", "pack_step", "glu_silu", "glu_situ", "glu_situ_no_up_clamp", "moe_route_sigmoid",
-                "moe_route_sigmoid_renorm", "moe_route_softmax", "moe_route_softmax_renorm", "moe_combine_dense",
-                "moe_combine_gathered", "moe_combine_gathered_bf16", "temperature_softmax_fp32",
-                "temperature_softmax_small_slices", "temperature_softmax_bf16", "temperature_softmax_bkv",
-                "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16", "inverse_cdf_bkv",
-                "inverse_cdf_sparse", "qwen3_engine_pair_tokens", "qwen3_engine_pair_accepted",
+                "greedy_step", "pack_step", "view_indices", "additive_key_mask", "glu_silu", "glu_situ",
+                "glu_situ_no_up_clamp", "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax",
+                "moe_route_softmax_renorm", "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16",
+                "temperature_softmax_fp32", "temperature_softmax_small_slices", "temperature_softmax_bf16",
+                "temperature_softmax_bkv", "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16",
+                "inverse_cdf_bkv", "inverse_cdf_sparse", "qwen3_engine_pair_tokens", "qwen3_engine_pair_accepted",
                 "qwen3_engine_batch_tokens"]
 
 
@@ -740,6 +770,24 @@ def test_cuda_greedy_step():
         assert torch.equal(greedy_step_triton(d, top, n), greedy_step_ref(d, top, n))
     for c in _pack_cases("cuda", 5, shapes=((1, 8), (64, 4), (512, 7))):
         assert torch.equal(pack_step_triton(*c), pack_step_ref(*c))
+
+
+
+@cuda
+def test_cuda_view_indices():
+    """A step's cache indices and its additive key mask (fp32, bf16) equal their torch definitions."""
+    from dspark.kernels.view_indices import (
+        additive_key_mask_ref,
+        additive_key_mask_triton,
+        view_indices_ref,
+        view_indices_triton,
+    )
+
+    for c in _view_cases("cuda", 5, shapes=((1, 8, 1), (16, 32, 9), (64, 256, 5), (2, 128, 2048))):
+        assert all(torch.equal(x, y) for x, y in zip(view_indices_triton(*c), view_indices_ref(*c)))
+    for p, L in _mask_cases("cuda", 5):
+        for dt in (torch.float32, torch.bfloat16):
+            assert torch.equal(additive_key_mask_triton(p, L, dt), additive_key_mask_ref(p, L, dt))
 
 
 @cuda

@@ -7,15 +7,15 @@ A step of B rows (a batch-size bucket: rows past the live ones are padding) and 
     slots      [B]  KDA state slots (padding rows -> the scratch slot)
 and sees the first L positions of every row (L: a static context bucket >= max(num_cached) + T). Rows are written
 in place (index_copy_ into the pool at the block-table slots) and read with one fixed-size gather [B, L, C] per
-layer under the key mask; KDA state is read and written through the slot indices. No host reads and no
+layer under the key mask (the indices of both, and the mask: dspark/kernels/view_indices.py); KDA state is read and written through the slot indices. No host reads and no
 data-dependent shapes, so one CUDA graph captures a whole step; on CPU the same code runs eagerly.
 """
 from __future__ import annotations
 
 import torch
 
-from dspark.cache.batch import additive_mask
 from dspark.cache.state import committed_kda_state
+from dspark.kernels.view_indices import additive_key_mask, view_indices
 
 
 class DeviceView:
@@ -26,13 +26,10 @@ class DeviceView:
         self.bs, self.record = block_size, record
         self.num_cached, self.num_new, self.table, self.slots = num_cached, num_new, table, slots
         self.device = table.device
-        dev = self.device
-        self._pos = num_cached[:, None] + torch.arange(T, device=dev)  # [B, T]
-        keys = torch.arange(self.L, device=dev)  # T and L come from tensor shapes: symbolic under torch.compile
-        self._valid = torch.arange(T, device=dev)[None] < num_new[:, None]  # [B, T]
-        self._mask = (keys[None, None, :] <= self._pos[:, :, None])[:, None]  # [B, 1, T, L]
-        self._dest = self._rows(self._pos).flatten()  # [B*T] flat pool rows of the new tokens
-        self._gather = self._rows(keys[None].expand(table.shape[0], -1))  # [B, L] flat pool rows of positions 0..L-1
+        # positions [B, T], valid new tokens [B, T], the new tokens' flat pool rows [B*T] and those of positions
+        # 0..L-1 [B, L]: one kernel on CUDA (dspark/kernels/view_indices.py)
+        self._pos, self._valid, self._dest, self._gather = view_indices(num_cached, num_new, table, block_size, T)
+        self._mask: torch.Tensor | None = None  # [B, 1, T, L] bool, built when asked
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._additive: dict[torch.dtype, torch.Tensor] = {}  # key masks in additive form, one per dtype per step
 
@@ -50,10 +47,6 @@ class DeviceView:
     def L(self) -> int:
         return self.table.shape[1] * self.bs
 
-    def _rows(self, pos: torch.Tensor) -> torch.Tensor:  # pos [B, *] -> flat rows of the pool
-        blk = (pos // self.bs).clamp(max=self.table.shape[1] - 1)
-        return self.table.gather(1, blk) * self.bs + pos % self.bs
-
     # --- the ForwardBatch side ---
     def positions(self, T: int) -> torch.Tensor:
         self._check(T)
@@ -68,9 +61,11 @@ class DeviceView:
         if L != self.L:
             raise ValueError(f"key_mask: the step sees L={self.L} positions, got {L}")
         if dtype == torch.bool:
+            if self._mask is None:
+                self._mask = (torch.arange(L, device=self.device)[None, None, :] <= self._pos[:, :, None])[:, None]
             return self._mask
         if dtype not in self._additive:  # built once per step, shared by the step's attention layers
-            self._additive[dtype] = additive_mask(self._mask, dtype)
+            self._additive[dtype] = additive_key_mask(self._pos, L, dtype)
         return self._additive[dtype]
 
     def _check(self, T: int) -> None:
