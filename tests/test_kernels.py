@@ -184,6 +184,7 @@ def _interp_checks() -> dict:
                                     for c in _greedy_cases("cpu", seed))), 0.0]
     res["pack_step"] = [float(sum(int((pack_step_triton(*c) != pack_step_ref(*c)).sum())
                                   for c in _pack_cases("cpu", seed))), 0.0]
+    res.update(_add_rms_norm_checks(g))
     res["view_indices"] = [float(sum(not torch.equal(x, y) for c in _view_cases("cpu", seed)
                                      for x, y in zip(view_indices_triton(*c), view_indices_ref(*c)))), 0.0]
     res["additive_key_mask"] = [float(sum(not torch.equal(additive_key_mask_triton(p, L, dt),
@@ -304,6 +305,25 @@ def _pack_cases(device, seed, shapes=((1, 4), (5, 3), (70, 7))):
         a, n = torch.randint(0, k + 1, (B,), generator=gen), torch.randint(0, k + 2, (B,), generator=gen)
         cases.append(tuple(x.to(device) for x in (d, a, nxt, n)))
     return cases
+
+
+def _add_rms_norm_checks(g, device="cpu") -> dict:
+    """add_rms_norm: the sum and the norm within fp32 rounding (bf16: a bf16 rounding of the largest value), rows of
+    a strided view and a width that is not a power of two."""
+    from dspark.kernels.add_rms_norm import add_rms_norm_ref, add_rms_norm_triton
+
+    res = {}
+    for name, (shape, H, dtype) in {"add_rms_norm_fp32": ((3, 5), 64, torch.float32),
+                                    "add_rms_norm_ragged": ((2, 7), 100, torch.float32),
+                                    "add_rms_norm_bf16": ((1, 4), 256, torch.bfloat16)}.items():
+        x = torch.randn(*shape, 2 * H, generator=g).to(device, dtype)[..., :H]  # rows of stride 2H
+        r = torch.randn(*shape, H, generator=g).to(device, dtype)
+        w = (torch.rand(H, generator=g) + 0.5).to(device, dtype)
+        with torch.no_grad():
+            (s, n), (sr, nr) = add_rms_norm_triton(x, r, w, 1e-6), add_rms_norm_ref(x, r, w, 1e-6)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2 * nr.float().abs().max().item()
+        res[name] = [max(_err(s, sr), _err(n, nr)), tol]
+    return res
 
 
 def _view_cases(device, seed, shapes=((1, 1, 1), (3, 4, 5), (2, 40, 300), (5, 64, 9))):
@@ -459,12 +479,13 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv", "k3_engine_pair_tokens",
                 "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs", "norm_rope_rows",
                 "norm_rope_shared", "qk_norm_rope_inplace", "k_norm_rope_inplace", "rope_only", "rope_interleaved",
-                "greedy_step", "pack_step", "view_indices", "additive_key_mask", "glu_silu", "glu_situ",
-                "glu_situ_no_up_clamp", "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax",
-                "moe_route_softmax_renorm", "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16",
-                "temperature_softmax_fp32", "temperature_softmax_small_slices", "temperature_softmax_bf16",
-                "temperature_softmax_bkv", "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16",
-                "inverse_cdf_bkv", "inverse_cdf_sparse", "qwen3_engine_pair_tokens", "qwen3_engine_pair_accepted",
+                "greedy_step", "pack_step", "view_indices", "additive_key_mask", "add_rms_norm_fp32",
+                "add_rms_norm_ragged", "add_rms_norm_bf16", "glu_silu", "glu_situ", "glu_situ_no_up_clamp",
+                "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax", "moe_route_softmax_renorm",
+                "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16", "temperature_softmax_fp32",
+                "temperature_softmax_small_slices", "temperature_softmax_bf16", "temperature_softmax_bkv",
+                "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16", "inverse_cdf_bkv",
+                "inverse_cdf_sparse", "qwen3_engine_pair_tokens", "qwen3_engine_pair_accepted",
                 "qwen3_engine_batch_tokens"]
 
 
@@ -771,6 +792,14 @@ def test_cuda_greedy_step():
     for c in _pack_cases("cuda", 5, shapes=((1, 8), (64, 4), (512, 7))):
         assert torch.equal(pack_step_triton(*c), pack_step_ref(*c))
 
+
+
+@cuda
+def test_cuda_add_rms_norm():
+    """The fused residual add + RMSNorm in fp32 and bf16 against the add and torch's RMSNorm."""
+    g = torch.Generator().manual_seed(3)
+    for name, (err, tol) in _add_rms_norm_checks(g, "cuda").items():
+        assert err <= tol, f"{name}: {err} > {tol}"
 
 
 @cuda

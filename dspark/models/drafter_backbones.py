@@ -68,8 +68,9 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, rope: Rope, ctx_rows, mask):
-        x = x + self.self_attn.attend(self.input_layernorm(x), rope, ctx_rows, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn.attend(self.input_layernorm(x), rope, ctx_rows, mask)
+        x, n = self.post_attention_layernorm.add(x, a)
+        return x + self.mlp(n)
 
 
 class Qwen3Backbone:
@@ -125,8 +126,8 @@ class K3DraftLayer(nn.Module):
         """x [B, Q, H], positions [B, Q], ctx_rows [B, L, kv_lora+rope], mask [B, 1, Q, L+Q] -> [B, Q, H]."""
         attn, h = self.self_attn, self.input_layernorm(x)
         rows = torch.cat([ctx_rows.to(h.dtype), attn.latent_rows(h, positions)], dim=1)  # [B, L+Q, C]
-        x = x + attn.output(attn.attend(attn.queries(h, positions), rows, mask), h)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, n = self.post_attention_layernorm.add(x, attn.output(attn.attend(attn.queries(h, positions), rows, mask), h))
+        return x + self.mlp(n)
 
 
 class K3Backbone:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.kernels.add_rms_norm import add_rms_norm
 from dspark.kernels.glu import glu
 from dspark.kernels.rms_norm import rms_norm, rms_norm_layer
 from dspark.kernels.rope import Rope, apply_rope_interleaved, apply_rope_neox, norm_rope, rope_cos_sin
@@ -62,6 +63,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm_layer(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, this norm of it): a pre-norm layer's residual add and the norm after it, one kernel on CUDA at
+        inference (dspark.kernels.add_rms_norm)."""
+        return add_rms_norm(x, r, self.weight, self.eps)
 
     def rope(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         """This norm over each head, then NeoX RoPE: x [B, T, H, D] -> [B, H, T, D] (one kernel on CUDA at

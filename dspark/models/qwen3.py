@@ -90,8 +90,8 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, h, rope: Rope, batch):
-        h = h + self.self_attn(self.input_layernorm(h), rope, batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h, n = self.post_attention_layernorm.add(h, self.self_attn(self.input_layernorm(h), rope, batch))
+        return h + self.mlp(n)
 
 
 class Qwen3Model(nn.Module):
