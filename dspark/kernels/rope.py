@@ -94,7 +94,8 @@ def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope)
 
 @triton.jit
 def _norm_rope_kernel(X, W, W2, POS, INV_FREQ, OUT, T, H, H1, sxb, sxt, sxh, sob, sot, soh, spb, spt, eps,
-                      D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, INTERLEAVED: tl.constexpr):
+                      D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
+                      IN_PLACE: tl.constexpr):
     pid = tl.program_id(0)  # one token: all its heads
     b, t = pid // T, pid % T
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -130,7 +131,9 @@ def _norm_rope_kernel(X, W, W2, POS, INV_FREQ, OUT, T, H, H1, sxb, sxt, sxh, sob
     s = tl.sin(r).to(dt).to(tl.float32)
     rot = tl.where(first, -xr, xr)
     out = (x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
-    tl.store(OUT + b * sob + t * sot + h * soh + d, out.to(dt), mask=m)  # OUT may be X: each program owns its token
+    if IN_PLACE:  # OUT is X: each element is also its rotate-half partner's input, read by another thread
+        tl.debug_barrier()  # every thread of the program has loaded its inputs before any thread stores
+    tl.store(OUT + b * sob + t * sot + h * soh + d, out.to(dt), mask=m)  # each program owns its token
 
 
 def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope,
@@ -150,7 +153,7 @@ def _launch(x, out, w1, w2, h1: int, eps: float, rope: Rope, interleaved: bool =
     _norm_rope_kernel[(B * T,)](x, w1, w2 if w2 is not None else w1, pos, inv_freq(D, rope.theta, x.device), out,
                                 T, H, h1, *x.stride()[:3], *out.stride()[:3], spb, spt, float(eps), D=D,
                                 BLOCK_H=max(1, 1 << (H - 1).bit_length()), NORM=w1 is not x,
-                                INTERLEAVED=interleaved)
+                                INTERLEAVED=interleaved, IN_PLACE=out.data_ptr() == x.data_ptr())
 
 
 def norm_rope_fits(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
