@@ -67,10 +67,13 @@ class DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, rope: Rope, ctx_rows, mask):
-        a = self.self_attn.attend(self.input_layernorm(x), rope, ctx_rows, mask)
-        x, n = self.post_attention_layernorm.add(x, a)
-        return x + self.mlp(n)
+    def forward(self, x, rope: Rope, ctx_rows, mask, pending=None):
+        """x + pending: the residual stream before this layer (pending: the layer before's MLP output, or None) ->
+        (the stream after this layer's attention, its MLP output to add): each residual add runs in the norm after
+        it (RMSNorm.add)."""
+        x, n = (x, self.input_layernorm(x)) if pending is None else self.input_layernorm.add(x, pending)
+        x, n = self.post_attention_layernorm.add(x, self.self_attn.attend(n, rope, ctx_rows, mask))
+        return x, self.mlp(n)
 
 
 class Qwen3Backbone:
@@ -103,9 +106,10 @@ class Qwen3Backbone:
 
     def decode(self, x, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
         rope = Rope(positions, self.config.head_dim, self.config.rope_theta)
+        pending = None
         for layer, rows in zip(self.layers, ctx_rows):
-            x = layer(x, rope, rows, mask)
-        return self.norm(x)
+            x, pending = layer(x, rope, rows, mask, pending)
+        return self.norm.add(x, pending)[1]
 
 
 # --------------------------------------------------------------------------- k3 (MLA)
@@ -122,12 +126,15 @@ class K3DraftLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, ctx_rows, mask):
-        """x [B, Q, H], positions [B, Q], ctx_rows [B, L, kv_lora+rope], mask [B, 1, Q, L+Q] -> [B, Q, H]."""
-        attn, h = self.self_attn, self.input_layernorm(x)
+    def forward(self, x, positions, ctx_rows, mask, pending=None):
+        """x [B, Q, H] (+ pending, the layer before's MLP output, or None), positions [B, Q], ctx_rows [B, L,
+        kv_lora+rope], mask [B, 1, Q, L+Q] -> (the stream after the attention, the MLP output to add), as
+        DraftLayer."""
+        attn = self.self_attn
+        x, h = (x, self.input_layernorm(x)) if pending is None else self.input_layernorm.add(x, pending)
         rows = torch.cat([ctx_rows.to(h.dtype), attn.latent_rows(h, positions)], dim=1)  # [B, L+Q, C]
         x, n = self.post_attention_layernorm.add(x, attn.output(attn.attend(attn.queries(h, positions), rows, mask), h))
-        return x + self.mlp(n)
+        return x, self.mlp(n)
 
 
 class K3Backbone:
@@ -158,6 +165,7 @@ class K3Backbone:
         return [layer.self_attn.latent_rows(ctx, positions) for layer in self.layers]
 
     def decode(self, x, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
+        pending = None
         for layer, rows in zip(self.layers, ctx_rows):
-            x = layer(x, positions, rows, mask)
-        return self.final_norm(x)
+            x, pending = layer(x, positions, rows, mask, pending)
+        return self.final_norm.add(x, pending)[1]

@@ -89,9 +89,13 @@ class Qwen3DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, rope: Rope, batch):
-        h, n = self.post_attention_layernorm.add(h, self.self_attn(self.input_layernorm(h), rope, batch))
-        return h + self.mlp(n)
+    def forward(self, h, rope: Rope, batch, pending: torch.Tensor | None = None):
+        """The residual stream before this layer is h + pending (pending: the layer before's MLP output, not added
+        yet, or None): each residual add runs in the norm after it (RMSNorm.add, one kernel on CUDA at inference)
+        -> (the stream before this layer, the stream after its attention, its MLP output to add)."""
+        x, n = (h, self.input_layernorm(h)) if pending is None else self.input_layernorm.add(h, pending)
+        mid, n = self.post_attention_layernorm.add(x, self.self_attn(n, rope, batch))
+        return x, mid, self.mlp(n)
 
 
 class Qwen3Model(nn.Module):
@@ -145,13 +149,16 @@ class Qwen3ForCausalLM(nn.Module):
         ids = check_aux_layer_ids(aux_layer_ids, self.num_layers)
         pos = batch.positions(T) if batch is not None else torch.arange(T, device=input_ids.device)
         rope = Rope(pos, self.config.head_dim, self.rope_theta)
-        h = self.embed(input_ids)
+        h, pending = self.embed(input_ids), None
         aux = []
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, rope, batch)
-            if i in ids:
-                aux.append(h)
-        logits = self.logits(h)
+            stream, h, pending = layer(h, rope, batch, pending)  # stream: the hidden states after layer i - 1
+            if i - 1 in ids:
+                aux.append(stream)
+        h, n = self.model.norm.add(h, pending)  # the last layer's residual add and the final norm
+        if self.num_layers - 1 in ids:
+            aux.append(h)
+        logits = self.lm_head(n)
         return logits if aux_layer_ids is None else (logits, torch.cat(aux, dim=-1))
 
     # --- checkpoints (HF layout) ---
