@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from dspark.cache.state import committed_kda_state
+from dspark.kernels.view_indices import additive_key_mask, key_visible
 
 
 class CacheView(Protocol):
@@ -55,17 +56,9 @@ class ForwardBatch:
 
     def key_mask(self, T: int, L: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
         """[B, 1, T, L]: query j of row b (position num_cached+j) may see key i iff i <= its position; bool, or
-        additive in a float dtype (additive_mask)."""
+        additive (0 / -inf) in a float dtype."""
         pos = self.positions(T)  # [B, T]
-        keys = torch.arange(L, device=pos.device)
-        mask = (keys[None, None, :] <= pos[:, :, None])[:, None]
-        return mask if dtype == torch.bool else additive_mask(mask, dtype)
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """bool mask (True = may attend) -> 0 / -inf in dtype: what SDPA adds to the scores. Given a bool mask SDPA builds
-    this itself on every call (on CUDA two fills and a where per attention layer); a step builds it once."""
-    return torch.full(visible.shape, float("-inf"), dtype=dtype, device=visible.device).masked_fill_(visible, 0.0)
+        return key_visible(pos, L) if dtype == torch.bool else additive_key_mask(pos, L, dtype)
 
 
 class DenseCache:

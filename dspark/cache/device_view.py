@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from dspark.cache.state import committed_kda_state
-from dspark.kernels.view_indices import additive_key_mask, view_indices
+from dspark.kernels.view_indices import additive_key_mask, key_visible, view_indices
 
 
 class DeviceView:
@@ -63,7 +63,7 @@ class DeviceView:
             raise ValueError(f"key_mask: the step sees L={self.L} positions, got {L}")
         if dtype == torch.bool:
             if self._mask is None:
-                self._mask = (torch.arange(L, device=self.device)[None, None, :] <= self._pos[:, :, None])[:, None]
+                self._mask = key_visible(self._pos, L)
             return self._mask
         if dtype not in self._additive:  # built once per step, shared by the step's attention layers
             self._additive[dtype] = additive_key_mask(self._pos, L, dtype)

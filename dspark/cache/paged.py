@@ -20,6 +20,7 @@ from dspark.cache.blocks import BlockPool, BlockTable, OutOfBlocks, prefix_hashe
 from dspark.cache.device_view import DeviceView
 from dspark.cache.prefix import PrefixCache, PrefixCacheConfig, PrefixMatch
 from dspark.cache.state import KDAStatePool, LayerShape
+from dspark.kernels.view_indices import pool_rows
 
 
 class _Request:
@@ -41,9 +42,7 @@ class PagedView:
         self.table = table.to(cache.device)
 
     def _rows(self, pos: torch.Tensor) -> torch.Tensor:  # pos [B, *] token positions -> flat storage rows
-        bs = self.cache.block_size
-        blk = (pos // bs).clamp(max=self.table.shape[1] - 1)
-        return self.table.gather(1, blk) * bs + pos % bs
+        return pool_rows(self.table, self.cache.block_size, pos)
 
     def attn_write(self, layer: int, new: torch.Tensor) -> None:
         """new [B, T, C]: the valid rows into the pool."""

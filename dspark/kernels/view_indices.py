@@ -21,8 +21,9 @@ BLOCK_L = 512  # key positions per program
 BLOCK_T = 16  # the mask's query rows per program
 
 
-def _rows_ref(table: torch.Tensor, bs: int, pos: torch.Tensor) -> torch.Tensor:
-    """pos [B, *] -> flat pool rows (block index clamped to the table's width)."""
+def pool_rows(table: torch.Tensor, bs: int, pos: torch.Tensor) -> torch.Tensor:
+    """pos [B, *] token positions -> their flat rows in a paged pool of block size bs under the block table [B, W]
+    (block index clamped to the table's width)."""
     blk = (pos // bs).clamp(max=table.shape[1] - 1)
     return table.gather(1, blk) * bs + pos % bs
 
@@ -34,13 +35,19 @@ def view_indices_ref(num_cached: torch.Tensor, num_new: torch.Tensor, table: tor
     t = torch.arange(T, device=dev)
     pos = num_cached[:, None] + t
     keys = torch.arange(L, device=dev)  # L and T come from tensor shapes: symbolic under torch.compile
-    return (pos, t[None] < num_new[:, None], _rows_ref(table, bs, pos).flatten(),
-            _rows_ref(table, bs, keys[None].expand(table.shape[0], -1)))
+    return (pos, t[None] < num_new[:, None], pool_rows(table, bs, pos).flatten(),
+            pool_rows(table, bs, keys[None].expand(table.shape[0], -1)))
+
+
+def key_visible(pos: torch.Tensor, L: int) -> torch.Tensor:
+    """pos [B, T] -> [B, 1, T, L] bool: query t of row b (at position pos[b, t]) may see key i iff i <= pos[b, t]."""
+    return (torch.arange(L, device=pos.device)[None, None, :] <= pos[:, :, None])[:, None]
 
 
 def additive_key_mask_ref(pos: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
-    """pos [B, T] -> [B, 1, T, L] in dtype: 0 where key <= pos, -inf after."""
-    visible = (torch.arange(L, device=pos.device)[None, None, :] <= pos[:, :, None])[:, None]
+    """pos [B, T] -> [B, 1, T, L] in dtype: 0 where key_visible, -inf after (what SDPA adds to the scores; given a
+    bool mask SDPA builds this itself on every call)."""
+    visible = key_visible(pos, L)
     return torch.full(visible.shape, float("-inf"), dtype=dtype, device=pos.device).masked_fill_(visible, 0.0)
 
 

@@ -108,11 +108,6 @@ class DSparkDrafter(nn.Module):
         """aux: [B, L, n*target_hidden] -> ctx [B, L, H], what the context rows are made from."""
         return self.context_of(self.project(aux))
 
-    def backbone(self, tokens, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
-        """tokens/positions: [B, Q]; returns the post-norm draft hidden states [B, Q, H]."""
-        x = F.embedding(tokens, self.embed_weight).to(self.param_dtype)
-        return self.decode(x, positions, ctx_rows, mask)
-
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         U = F.linear(h, self.lm_head_weight.to(h.dtype)).float()
         return U if self.config.logit_scale == 1.0 else U * self.config.logit_scale
@@ -133,20 +128,12 @@ class DSparkDrafter(nn.Module):
         return self.confidence_head(h)
 
     # ---------------------------------------------------------------- block layout helpers
-    def block_tokens(self, anchors: torch.Tensor) -> torch.Tensor:
-        """anchors: [...] -> [..., N] = [anchor, mask x (N-1)]."""
-        N = self.config.block_size
-        blk = torch.full((*anchors.shape, N), self.config.mask_token_id, dtype=torch.long, device=anchors.device)
-        blk[..., 0] = anchors
-        return blk
-
     def block_embeddings(self, anchors: torch.Tensor) -> torch.Tensor:
-        """anchors [B] -> the embedded block [B, N, H] = [embed(anchor), embed(mask) x (N-1)] in the backbone's dtype
-        (what backbone(block_tokens(anchors), ...) embeds, without building the token block)."""
-        B, N = anchors.shape[0], self.config.block_size
-        W = self.embed_weight
-        x = torch.cat([F.embedding(anchors[:, None], W), W[self.config.mask_token_id].expand(B, N - 1, -1)], 1)
-        return x.to(self.param_dtype)
+        """anchor tokens [...] -> their embedded blocks [..., N, H] = [embed(anchor), embed(mask) x (N-1)] in the
+        backbone's dtype (the mask rows a view of the embedding's row: no token block is built)."""
+        N, W = self.config.block_size, self.embed_weight
+        mask_rows = W[self.config.mask_token_id].expand(*anchors.shape, N - 1, W.shape[1])
+        return torch.cat([F.embedding(anchors[..., None], W), mask_rows], -2).to(self.param_dtype)
 
     def draft_slots(self) -> slice:
         """Which block queries are sampled: all N (dspark) or 1..N-1 (dflash)."""
@@ -172,7 +159,7 @@ class DSparkDrafter(nn.Module):
         A, N = anchors.shape[1], self.config.block_size
         dev = input_ids.device
         ctx_rows = self.context_rows(self.context(aux), torch.arange(T, device=dev))
-        blocks = self.block_tokens(input_ids.gather(1, anchors))  # [B, A, N]
+        x = self.block_embeddings(input_ids.gather(1, anchors)).flatten(1, 2)  # [B, A*N, H]
         pos = anchors[..., None] + torch.arange(N, device=dev)  # [B, A, N]
         q_anchor = anchors.repeat_interleave(N, dim=1)  # [B, A*N]
         if flex:
@@ -187,7 +174,7 @@ class DSparkDrafter(nn.Module):
             blk = torch.arange(A, device=dev).repeat_interleave(N)
             blk_vis = (blk[:, None] == blk[None, :]).expand(B, -1, -1)  # [B, A*N, A*N]
             mask = torch.cat([ctx_vis, blk_vis], dim=-1)[:, None]
-        h = self.backbone(blocks.flatten(1), pos.flatten(1), ctx_rows, mask)
+        h = self.decode(x, pos.flatten(1), ctx_rows, mask)
         return h.view(B, A, N, -1)[:, :, self.draft_slots()]
 
 

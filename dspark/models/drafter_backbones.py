@@ -27,31 +27,20 @@ class DraftAttention(Qwen3Attention):
 
     def kv_rows(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
         """h: [B, L, H] -> cache rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]: at inference the k / v GEMM's
-        output itself, its k turned in place."""
+        output itself, its k turned in place (out of place under autograd, as q_and_rows)."""
         kv = self.qkv_proj.forward_parts(h, "k_proj", "v_proj")
         if torch.is_grad_enabled():
-            return self._rows(*kv.chunk(2, -1), rope)
+            return self.kv_rows_of(*kv.chunk(2, -1), rope)
         B, L, _ = kv.shape
         qk_norm_rope_(kv.view(B, L, 2 * self.n_kv, self.head_dim)[:, :, : self.n_kv], 0, None, self.k_norm.weight,
                       self.k_norm.eps, rope)
         return kv
 
-    def _rows(self, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
-        """k, v [B, L, n_kv*head_dim] projections -> rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]."""
-        B, L, _ = k.shape
-        k = self.k_norm.rope(k.reshape(B, L, self.n_kv, self.head_dim), rope)  # [B, n_kv, L, D]
-        return torch.cat([k.transpose(1, 2).flatten(2), v.reshape(B, L, -1)], dim=-1)
-
     def attend(self, x, rope: Rope, ctx_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """x: [B, Q, H] queries; ctx_rows: [B, L, C]; mask: [B, 1, Q or 1, L + Q] over [context ; block], bool
         or additive."""
         B, Q, _ = x.shape
-        if torch.is_grad_enabled():
-            q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # one GEMM for the block's queries and its own k / v
-            q = self.q_norm.rope(q.reshape(B, Q, self.n_heads, self.head_dim), rope)  # [B, H, Q, D]
-            block = self._rows(k, v, rope)
-        else:
-            q, block = self.q_and_rows(x, rope)
+        q, block = self.q_and_rows(x, rope)  # one GEMM for the block's queries and its own k / v rows
         rows = torch.cat([ctx_rows.to(x.dtype), block], dim=1)
         k, v = rows.view(B, rows.shape[1], 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
         o = attention(q, k, v, mask, enable_gqa=True)

@@ -47,10 +47,14 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def q_and_rows(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inference: x [B, T, hidden] -> (q [B, H, T, D] normed and roped, rows [B, T, 2 * n_kv * D] = [k | v] per
-        token, k normed and roped): one GEMM, then q and k normed and roped in place in its output (one launch on
-        CUDA), so both are views of it and the cache rows need no copy."""
+        """x [B, T, hidden] -> (q [B, H, T, D] normed and roped, rows [B, T, 2 * n_kv * D] = [k | v] per token, k
+        normed and roped: the cache row). One GEMM; at inference q and k are then normed and roped in place in its
+        output (one launch on CUDA), so both are views of it and the rows need no copy. Under autograd (training),
+        which needs the values that would be overwritten, out of place."""
         B, T, _ = x.shape
+        if torch.is_grad_enabled():
+            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+            return self.q_norm.rope(q.reshape(B, T, self.n_heads, self.head_dim), rope), self.kv_rows_of(k, v, rope)
         H, D = self.n_heads + 2 * self.n_kv, self.head_dim
         y = self.qkv_proj(x)[..., : H * D]
         heads = y.view(B, T, H, D)
@@ -58,25 +62,20 @@ class Qwen3Attention(nn.Module):
                       self.q_norm.eps, rope)
         return heads[:, :, : self.n_heads].transpose(1, 2), y[..., self.n_heads * D:]
 
+    def kv_rows_of(self, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
+        """k, v [B, T, n_kv * D] projections -> rows [B, T, 2 * n_kv * D] = [k (normed, roped) | v] (out of place)."""
+        B, T, _ = k.shape
+        k = self.k_norm.rope(k.reshape(B, T, self.n_kv, self.head_dim), rope)  # [B, n_kv, T, D]
+        return torch.cat([k.transpose(1, 2).flatten(2), v.reshape(B, T, -1)], dim=-1)
+
     def forward(self, x, rope: Rope, batch: ForwardBatch | None):
         B, T, _ = x.shape
-        if batch is not None and batch.cache is not None and not torch.is_grad_enabled():
-            q, rows = self.q_and_rows(x, rope)
-        else:
-            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-            q = self.q_norm.rope(q.view(B, T, self.n_heads, self.head_dim), rope)  # [B, H, T, D]
-            k = self.k_norm.rope(k.view(B, T, self.n_kv, self.head_dim), rope)
-            v = v.reshape(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-            rows = None
-        if batch is None or batch.cache is None:
-            mask, causal = (None, True) if batch is None else (batch.key_mask(T, T, q.dtype), False)
-        else:  # cache rows are [k | v] per token, flattened over kv heads: C = 2 * n_kv * head_dim
-            if rows is None:
-                rows = torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
-            rows = batch.cache.attn_append(self.layer_idx, rows)  # [B, L, C]
-            L = rows.shape[1]
-            k, v = rows.view(B, L, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4).to(q.dtype)
-            mask, causal = batch.key_mask(T, L, q.dtype), False
+        q, rows = self.q_and_rows(x, rope)
+        if batch is not None and batch.cache is not None:
+            rows = batch.cache.attn_append(self.layer_idx, rows)  # [B, L, C]: the cached rows, then these
+        L = rows.shape[1]
+        k, v = rows.view(B, L, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4).to(q.dtype)
+        mask, causal = (None, True) if batch is None else (batch.key_mask(T, L, q.dtype), False)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 

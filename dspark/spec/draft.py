@@ -64,8 +64,8 @@ def markov_drafts(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor
     by Gumbel-max from the counter-based uniforms of (seed[b], position[b]) (temperature-0 rows take the argmax),
     which samples each draft from process_logits(logits, temperature); that distribution, q [B, D, V], is then
     formed for all positions at once from the drafted prefixes, as are the confidences."""
-    d, (w1, w2) = drafter, (drafter.markov_head.markov_w1.weight, drafter.markov_head.markov_w2.weight)
-    scale = d.config.logit_scale
+    d = drafter
+    w1, w2, scale = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight, d.config.logit_scale
     U = d.base_logits(h)  # [B, D, V] fp32
     ids = markov_sample(U, w1, w2 if scale == 1.0 else w2 * scale, anchors, temperature, seed=seed,
                         position=position)[0]
