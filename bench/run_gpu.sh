@@ -59,6 +59,13 @@
 #                  skipped) runs the pair with the engine in the server's process (`--no-engine-process`; INPROC_ARGS,
 #                  default `--concurrency 16,64 --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair
 #                  run's `--prompts 4 --batches 1`
+#   quickstart     the quickstart pair's figures on a quiet GPU, as one detached run (its own OUT; carry
+#                  runs/quickstart/{target,drafter}/final): the kernel and engine CUDA tests first; the step timeline
+#                  (TIMELINE_ARGS replace `--batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 --kernels 8`);
+#                  python -m serve (QUICKSTART_SERVE_S, default 240; QUICKSTART_ARGS); where BLOCK8_DIR names a block-8
+#                  drafter, its timeline (`--runs k4,k8,auto --temperatures 0`) -> $OUT/timeline-block8.json and its
+#                  served run (BLOCK8_SERVE_S, default 150, `--concurrency 1`) -> $OUT/serve-block8.json; then the rest
+#                  of the CUDA suite (REST_TESTS=0 skips it)
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -83,7 +90,7 @@ target=${1:-}
 case "$target" in
   kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|timeline|floor|serve|flex) ;;
   ablate|peer) ;;
-  ablate-k3-mini|peer-qwen3-mini|k3-mini|served|wait|exec) ;;
+  ablate-k3-mini|peer-qwen3-mini|k3-mini|served|quickstart|wait|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
@@ -323,6 +330,26 @@ case "$target" in
     [ "${REST_TESTS:-1}" = 1 ] && { rest_tests || rc=$?; }
     echo "served: done rc=$rc" | tee "$OUT/DONE"
     ;;
+  quickstart)
+    qs=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final)
+    bash "$0" tests-cuda -n 8 --timeout 200 tests/test_kernels.py tests/test_sampled_kernels.py tests/test_runner.py \
+      tests/test_engine.py > "$OUT/first.txt" 2>&1 || rc=1
+    # shellcheck disable=SC2086 # TIMELINE_ARGS and QUICKSTART_ARGS are word lists
+    "${qs[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 \
+      --kernels 8} || rc=1
+    # shellcheck disable=SC2086
+    "${qs[@]}" bash "$0" serve --time-limit "${QUICKSTART_SERVE_S:-240}" ${QUICKSTART_ARGS:-} \
+      --out "$OUT/serve-quickstart.json" || rc=1
+    if [ -n "${BLOCK8_DIR:-}" ]; then
+      b8=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR="$BLOCK8_DIR")
+      "${b8[@]}" bash "$0" timeline --batches 1 --prompts 8 --runs k4,k8,auto --temperatures 0 --kernels 8 \
+        --out "$OUT/timeline-block8.json" || rc=1
+      "${b8[@]}" bash "$0" serve --time-limit "${BLOCK8_SERVE_S:-150}" --concurrency 1 \
+        --out "$OUT/serve-block8.json" || rc=1
+    fi
+    [ "${REST_TESTS:-1}" = 1 ] && { rest_tests || rc=1; }
+    echo "quickstart: done rc=$rc" | tee "$OUT/DONE"
+    ;;
   wait)
     run_out=${RUN_OUT:-runs/gpu}
     end=$((SECONDS + ${1:-60}))
@@ -330,7 +357,7 @@ case "$target" in
     # logs and tables only: no checkpoints, sequences or speculators' feature files
     tar -czf "$OUT/results.tgz" -C "$run_out" --exclude="*.tgz" --exclude="*.safetensors" --exclude="*.pt" \
       --exclude="*.arrow" --exclude="*.bin" . && ls -la "$run_out"
-    tail -n 4 "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt "$run_out"/peer.txt 2>/dev/null
+    tail -n 4 "$run_out"/first.txt "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt "$run_out"/peer.txt 2>/dev/null
     head -n 60 "$run_out"/test-failures.txt 2>/dev/null
     cat "$run_out"/peer/peer.md "$run_out"/ablate/ablation.md 2>/dev/null
     grep -h "^|" "$run_out"/serve.txt "$run_out"/pair.txt "$run_out"/timeline.txt 2>/dev/null | tail -n 80
