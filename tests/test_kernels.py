@@ -78,6 +78,7 @@ def _interp_checks() -> dict:
     from dspark.kernels import interpreting
     from dspark.kernels.attn_res import attn_res_mix_ref, attn_res_mix_triton
     from dspark.kernels.chain_inputs import chain_inputs_triton
+    from dspark.kernels.draft_block import draft_block_triton
     from dspark.kernels.greedy_verify import greedy_step_ref, greedy_step_triton, pack_step_ref, pack_step_triton
     from dspark.kernels.inverse_cdf import inverse_cdf_ref, inverse_cdf_triton
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
@@ -191,6 +192,7 @@ def _interp_checks() -> dict:
                                                           additive_key_mask_ref(p, L, dt))
                                           for p, L in _mask_cases("cpu", seed) for dt in (torch.float32, torch.bfloat16))),
                                 0.0]
+    res["draft_block"] = [float(_draft_block_mismatches(_draft_block_cases("cpu", seed), draft_block_triton)), 0.0]
     for name, x, t, kw in _softmax_cases(g):
         out, ref = temperature_softmax_triton(x, t, **kw), temperature_softmax_ref(x, t)
         res[f"temperature_softmax_{name}"] = [_err(out, ref) + float(out.shape != ref.shape), 1e-6]
@@ -344,6 +346,31 @@ def _mask_cases(device, seed):
             for c in _view_cases(device, seed)]
 
 
+def _draft_block_cases(device, seed, shapes=((1, 4, 1, 48), (3, 8, 16, 300), (2, 4, 40, 1100))):
+    """(anchors, p0, E [V, H], mask_id, N, L, dtype) cases: B rows, block N, view of L positions (p0 < L), H hidden
+    (one beyond a whole inner step of the kernel), an fp32 and a bf16 embedding."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for B, N, L, H in shapes:
+        V = 97
+        E = torch.randn(V, H, generator=gen)
+        anchors, p0 = torch.randint(0, V, (B,), generator=gen), torch.randint(0, L, (B,), generator=gen)
+        p0[0] = L - 1
+        for e, dt in ((E, torch.float32), (E.bfloat16(), torch.bfloat16)):
+            cases.append((anchors.to(device), p0.to(device), e.to(device), V - 2, N, L, dt))
+    return cases
+
+
+def _draft_block_mismatches(cases, op) -> int:
+    from dspark.kernels.draft_block import draft_block_ref
+
+    bad = 0
+    for c in cases:
+        out, ref = op(*c), draft_block_ref(*c)
+        bad += sum(x.shape != y.shape or x.stride() != y.stride() or not torch.equal(x, y) for x, y in zip(out, ref))
+    return bad
+
+
 def _chain_case(device, seed, op, rows=37, width=5):
     """chain_inputs on one random case: ints [rows, 8 + width] (src -1 for a third of the rows, room from 1), prev
     [23, 9] (a <= 6 accepted drafts); -> ints after op (None: the reference)."""
@@ -479,7 +506,7 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv", "k3_engine_pair_tokens",
                 "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs", "norm_rope_rows",
                 "norm_rope_shared", "qk_norm_rope_inplace", "k_norm_rope_inplace", "rope_only", "rope_interleaved",
-                "greedy_step", "pack_step", "view_indices", "additive_key_mask", "add_rms_norm_fp32",
+                "greedy_step", "pack_step", "view_indices", "additive_key_mask", "draft_block", "add_rms_norm_fp32",
                 "add_rms_norm_ragged", "add_rms_norm_bf16", "glu_silu", "glu_situ", "glu_situ_no_up_clamp",
                 "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax", "moe_route_softmax_renorm",
                 "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16", "temperature_softmax_fp32",
@@ -817,6 +844,16 @@ def test_cuda_view_indices():
     for p, L in _mask_cases("cuda", 5):
         for dt in (torch.float32, torch.bfloat16):
             assert torch.equal(additive_key_mask_triton(p, L, dt), additive_key_mask_ref(p, L, dt))
+
+
+@cuda
+def test_cuda_draft_block():
+    """A draft step's block embeddings, positions and padded additive mask (fp32, bf16) equal their torch
+    definitions, values and strides."""
+    from dspark.kernels.draft_block import draft_block_triton
+
+    cases = _draft_block_cases("cuda", 5, shapes=((1, 4, 16, 256), (16, 8, 640, 2048), (64, 8, 2048, 4096)))
+    assert _draft_block_mismatches(cases, draft_block_triton) == 0
 
 
 @cuda

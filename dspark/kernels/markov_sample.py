@@ -12,8 +12,9 @@ Shapes: B rows, D draft positions, V vocab (K3: 163840), r Markov rank (64).
   Outputs ids [B, D] int64 and the chosen token's logit [B, D] fp32.
 Kernel: G persistent programs (<= #SMs, all co-resident) each own a V-slice; per step each computes
 [B, slice] = m @ w2_slice^T (+U) chunk by chunk and folds its argmax into one int64 key per row,
-key = (order-preserving int32 of the score) << 32 | (2^32-1 - index)  (max key = max score, then smallest index,
-torch.argmax's tie rule), published with atomic_max; a grid barrier (atomic counter) ends the step and every program
+key = (order-preserving uint32 of the score) << 31 | (2^31-1 - index)  (max key = max score, then smallest index,
+torch.argmax's tie rule; every key > 0, so the keys start from zeros, in one buffer with the barrier's counter),
+published with atomic_max; a grid barrier (atomic counter) ends the step and every program
 reads the B winning keys as the next prev. one_launch=False replaces the barrier by D+1 launches (no co-residency
 assumption; also what the interpreter runs with several programs, since it executes programs one after another).
 """
@@ -70,7 +71,7 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, seed_ptr
     v_lo = g * per
     v_hi = tl.minimum(v_lo + per, V)
     is_g0 = (rb * 0 + g) == 0
-    low = 4294967295
+    low = 2147483647
     if SAMPLE:
         tau = tl.load(temp_ptr + rb, mask=bm, other=0.0).to(tl.float32)
         if NOISE == 2:  # counter-based: splitmix64 keyed by mix(seed[b]) at draft_counter(position[b]) + j * V + v
@@ -95,7 +96,7 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, seed_ptr
         # ---- phase B: step j over this program's V-slice
         if j < D:
             m = tl.load(w1_ptr + prev[:, None] * R + rr[None, :], mask=bm[:, None] & rm[None, :], other=0.0)
-            best = tl.full([BB], -9223372036854775807 - 1, tl.int64)
+            best = tl.full([BB], -1, tl.int64)
             for v0 in range(v_lo, v_hi, BV):
                 vv = v0 + tl.arange(0, BV)
                 vm = vv < v_hi
@@ -117,9 +118,9 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, seed_ptr
                     gum = -tl.log(-tl.log(un))
                     score = tl.where(tau[:, None] > 0, score / tl.maximum(tau[:, None], 1e-30) + gum, score)
                 bits = score.to(tl.int32, bitcast=True)
-                sbits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-                k = (sbits << 32) | (low - vv[None, :].to(tl.int64))
-                k = tl.where(tm, k, -9223372036854775807 - 1)
+                sbits = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64) + 2147483648  # [0, 2^32)
+                k = (sbits << 31) | (low - vv[None, :].to(tl.int64))
+                k = tl.where(tm, k, -1)
                 best = tl.maximum(best, tl.max(k, 1))
             tl.atomic_max(key_ptr + j * B + rb, best, mask=bm, sem="relaxed")
             if BARRIER:  # grid barrier: all programs are resident (G <= #SMs)
@@ -149,8 +150,8 @@ def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=
         raise ValueError("markov_sample: the interpreter runs programs one after another: one_launch needs 1 program")
     ids = torch.empty(B, D, dtype=torch.int64, device=dev)
     lgt = torch.empty(B, D, dtype=torch.float32, device=dev)
-    keys = torch.full((D, B), -(2 ** 63), dtype=torch.int64, device=dev)
-    bar = torch.zeros(1, dtype=torch.int32, device=dev)
+    scratch = torch.zeros(D * B + 1, dtype=torch.int64, device=dev)  # the keys [D, B], then the barrier's counter
+    keys, bar = scratch[:-1], scratch[-1:]
     temp = temperature.float().contiguous() if sample else U
     nz = noise.contiguous() if noise is not None else U
     if D > MAX_DRAFTS:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.kernels.draft_block import block_embeddings
 from dspark.models.drafter_backbones import K3Backbone, Qwen3Backbone
 from dspark.models.drafter_config import BACKBONE_NAMES, DrafterConfig
 
@@ -131,9 +132,8 @@ class DSparkDrafter(nn.Module):
     def block_embeddings(self, anchors: torch.Tensor) -> torch.Tensor:
         """anchor tokens [...] -> their embedded blocks [..., N, H] = [embed(anchor), embed(mask) x (N-1)] in the
         backbone's dtype (the mask rows a view of the embedding's row: no token block is built)."""
-        N, W = self.config.block_size, self.embed_weight
-        mask_rows = W[self.config.mask_token_id].expand(*anchors.shape, N - 1, W.shape[1])
-        return torch.cat([F.embedding(anchors[..., None], W), mask_rows], -2).to(self.param_dtype)
+        return block_embeddings(anchors, self.embed_weight, self.config.mask_token_id, self.config.block_size,
+                                self.param_dtype)
 
     def draft_slots(self) -> slice:
         """Which block queries are sampled: all N (dspark) or 1..N-1 (dflash)."""

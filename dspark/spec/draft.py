@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dspark.kernels.draft_block import draft_block
 from dspark.kernels.markov_sample import markov_sample
 from dspark.models.drafter import DSparkDrafter
 from dspark.spec.sampling import RowSampling, process_logits, sample_from
@@ -82,17 +83,12 @@ def draft_hidden(drafter: DSparkDrafter, anchors: torch.Tensor, p0: torch.Tensor
     """The parallel pass: the block [anchor, mask x (N-1)] at positions p0.. against each draft layer's context rows
     [B, L, C] (keys < p0 visible, the block non-causal) -> the post-norm hidden states of the sampled queries
     [B, D, H]. anchors, p0: [B] on the drafter's device."""
-    N, L, dev = drafter.config.block_size, ctx_rows[0].shape[1], anchors.device
-    # additive [B, 1, 1, L + N] over [context ; block], one row for all N queries: the context keys before p0, the
-    # whole block (non-causal). Its storage is padded to a multiple of 16 columns: a row stride SDPA's
-    # memory-efficient kernel takes as it is (an unaligned mask is copied into a padded one on every call)
-    cols = torch.arange(-(-(L + N) // 16) * 16, device=dev)
-    mask = torch.full((len(p0), 1, 1, len(cols)), float("-inf"), dtype=drafter.param_dtype, device=dev)
-    mask.masked_fill_(cols < p0[:, None, None, None], 0.0)
-    mask[..., L:L + N] = 0.0
-    q_pos = p0[:, None] + cols[:N]  # [B, N]
-    x = drafter.block_embeddings(anchors)
-    return drafter.decode(x, q_pos, ctx_rows, mask[..., :L + N])[:, drafter.draft_slots()]
+    cfg = drafter.config
+    # x [B, N, H]; q_pos [B, N]; mask [B, 1, 1, L + N] additive over [context ; block], one row for all N queries:
+    # the context keys before p0, the whole block (non-causal). One launch on CUDA (dspark/kernels/draft_block.py)
+    x, q_pos, mask = draft_block(anchors, p0, drafter.embed_weight, cfg.mask_token_id, cfg.block_size,
+                                 ctx_rows[0].shape[1], drafter.param_dtype)
+    return drafter.decode(x, q_pos, ctx_rows, mask)[:, drafter.draft_slots()]
 
 
 class DraftRunner:
