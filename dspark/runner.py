@@ -375,7 +375,7 @@ class ModelRunner:
         if self.adaptive:
             n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))
         drafts = prop.draft_ids
-        logits = forward(torch.cat([pending[:, None], drafts], 1), view)  # [B, k+1, V]
+        logits = forward(prop.verify_tokens(pending), view)  # [B, k+1, V]
         if sampling is None:
             out = greedy_step(drafts, logits.argmax(-1), n)  # [B, k+3] = [a, n, t_0 .. t_k]
             view.commit(out[:, 0] + 1)

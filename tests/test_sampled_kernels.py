@@ -113,6 +113,11 @@ def _interp_checks() -> dict:
         ar, nr = rejection_verify_ref(x, t, d, n, q, u)
         res[name] = [float((a != ar).sum() + (nxt != nr).sum()), 0.0]
         res[name + "_accepts"] = [float(ar.sum() == 0), 0.0]  # the case exercises acceptances
+    # drafts as a view of [anchor | drafts] (rows of stride K + 1), as the Markov kernel hands them over
+    x, t, d, n, q, u = _verify_inputs(g)
+    a, nxt = rejection_verify_triton(x, t, torch.cat([d[:, :1] * 0 - 5, d], 1)[:, 1:], n, q, u)
+    ar, nr = rejection_verify_ref(x, t, d, n, q, u)
+    res["verify_strided_drafts"] = [float((a != ar).sum() + (nxt != nr).sum()), 0.0]
     # 300 rows (the interpreter runs each row's program in turn: ~0.15 s a row); the reference takes 2000 below and
     # the compiled kernel 20000 on CUDA, and the cases above compare the kernel with the reference pick for pick
     res["pair_first_token_chi2"] = [_first_token_chi2(lambda *a: rejection_verify_triton(*a, block=16), B=300),
@@ -167,7 +172,7 @@ def interp():
     return interpreter_checks("tests.test_sampled_kernels")
 
 
-INTERP_CASES = ["counter_uniform", "verify_q", "verify_onehot", "verify_bf16", "verify_k1", "pair_first_token_chi2",
+INTERP_CASES = ["counter_uniform", "verify_q", "verify_onehot", "verify_bf16", "verify_k1", "verify_strided_drafts", "pair_first_token_chi2",
                 "pair_gumbel_first_token_chi2", "engine_sampled_tokens", "engine_fused_kernels_called"]
 
 

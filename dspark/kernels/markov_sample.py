@@ -59,9 +59,9 @@ def markov_sample_ref(U, w1, w2, anchors, temperature=None, noise=None):
 
 @triton.jit
 def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, seed_ptr, pos_ptr, ids_ptr, lgt_ptr, key_ptr,
-                   bar_ptr, B, D, V, R, G, j_begin, j_end, CTR0: tl.constexpr, CTR_PER_POS: tl.constexpr,
+                   bar_ptr, B, D, V, R, G, s_ids, j_begin, j_end, CTR0: tl.constexpr, CTR_PER_POS: tl.constexpr,
                    BB: tl.constexpr, BV: tl.constexpr, BR: tl.constexpr, SAMPLE: tl.constexpr,
-                   NOISE: tl.constexpr, BARRIER: tl.constexpr, DOT_F32: tl.constexpr):
+                   NOISE: tl.constexpr, BARRIER: tl.constexpr, DOT_F32: tl.constexpr, WITH_ANCHOR: tl.constexpr):
     g = tl.program_id(0)
     rb = tl.arange(0, BB)
     bm = rb < B
@@ -80,6 +80,8 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, seed_ptr
     for j in range(j_begin, j_end):
         # ---- phase A: prev for step j (the winners of step j-1), program 0 writes ids / logits of step j-1
         prev = tl.load(anc_ptr + rb, mask=bm, other=0).to(tl.int64)
+        if WITH_ANCHOR and j == 0:  # the column before ids: [anchor | ids], the verify forward's tokens
+            tl.store(ids_ptr + rb * s_ids - 1, prev, mask=bm & is_g0)
         if j > 0:
             key = tl.load(key_ptr + (j - 1) * B + rb, mask=bm, other=0, cache_modifier=".cg")
             x = low - (key & low)
@@ -90,7 +92,7 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, seed_ptr
             wx = tl.load(w2_ptr + x[:, None] * R + rr[None, :], mask=bm[:, None] & rm[None, :], other=0.0)
             lg = tl.load(u_ptr + (rb * D + j - 1) * V + x, mask=bm, other=0.0) + tl.sum(
                 mp.to(tl.float32) * wx.to(tl.float32), 1)
-            tl.store(ids_ptr + rb * D + j - 1, x, mask=bm & is_g0)
+            tl.store(ids_ptr + rb * s_ids + j - 1, x, mask=bm & is_g0)
             tl.store(lgt_ptr + rb * D + j - 1, lg, mask=bm & is_g0)
             prev = x
         # ---- phase B: step j over this program's V-slice
@@ -134,9 +136,9 @@ def _markov_kernel(u_ptr, w1_ptr, w2_ptr, anc_ptr, temp_ptr, noise_ptr, seed_ptr
 
 @torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
 def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=None, position=None,
-                         one_launch=True, programs=None, block_v=None):
+                         one_launch=True, programs=None, block_v=None, out=None):
     """-> (ids [B, D] int64, logits [B, D] fp32). seed, position [B] int64 without noise: the counter-based
-    uniforms, drawn in the kernel."""
+    uniforms, drawn in the kernel. out: a [B, D + 1] int64 buffer that gets [anchor | ids] (ids is then its view)."""
     B, D, V = U.shape
     R = w1.shape[1]
     dev = U.device
@@ -148,7 +150,7 @@ def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=
         programs = min(sms, triton.cdiv(V, BV))
     if interpreting() and one_launch and programs > 1:
         raise ValueError("markov_sample: the interpreter runs programs one after another: one_launch needs 1 program")
-    ids = torch.empty(B, D, dtype=torch.int64, device=dev)
+    ids = torch.empty(B, D, dtype=torch.int64, device=dev) if out is None else out[:, 1:]
     lgt = torch.empty(B, D, dtype=torch.float32, device=dev)
     scratch = torch.zeros(D * B + 1, dtype=torch.int64, device=dev)  # the keys [D, B], then the barrier's counter
     keys, bar = scratch[:-1], scratch[-1:]
@@ -159,9 +161,9 @@ def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=
     sd, pos = (seed.contiguous(), position.contiguous()) if seed is not None and noise is None else (ids, ids)
     common = dict(BB=max(16, next_pow2(B)), BV=BV, BR=max(16, next_pow2(R)), SAMPLE=sample,
                   NOISE=1 if noise is not None else 2, DOT_F32=w1.dtype == torch.float32 or interpreting(),
-                  num_warps=8 if B > 16 else 4)
+                  num_warps=8 if B > 16 else 4, WITH_ANCHOR=out is not None)
     args = (U, w1.contiguous(), w2.contiguous(), anchors.contiguous(), temp, nz, sd, pos, ids, lgt, keys, bar,
-            B, D, V, R, programs)
+            B, D, V, R, programs, ids.stride(0))
     common.update(CTR0=DRAFT_COUNTERS, CTR_PER_POS=MAX_DRAFTS * V)
     if one_launch:
         _markov_kernel[(programs,)](*args, 0, D + 1, BARRIER=True, **common)
@@ -171,12 +173,17 @@ def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=
     return ids, lgt
 
 
-def markov_sample(U, w1, w2, anchors, temperature=None, noise=None, seed=None, position=None):
+def markov_sample(U, w1, w2, anchors, temperature=None, noise=None, seed=None, position=None, out=None):
     """Greedy Markov drafting, or Gumbel-max sampling under temperature [B] with the given noise or the counter-based
-    uniforms of (seed, position); Triton on CUDA, else the reference."""
+    uniforms of (seed, position); Triton on CUDA, else the reference. out [B, D + 1] int64: filled with [anchor |
+    ids] (the returned ids are its view), so no cat builds the verify forward's tokens."""
     if use_triton(U, w1):
         return markov_sample_triton(U, w1, w2, anchors, temperature, noise, seed, position,
-                                    one_launch=not interpreting())
+                                    one_launch=not interpreting(), out=out)
     if temperature is not None and noise is None and seed is not None:
         noise = draft_noise_ref(seed, position, U.shape[1], U.shape[2])
-    return markov_sample_ref(U, w1, w2, anchors, temperature, noise)
+    ids, lgt = markov_sample_ref(U, w1, w2, anchors, temperature, noise)
+    if out is None:
+        return ids, lgt
+    out[:, 0], out[:, 1:] = anchors, ids
+    return out[:, 1:], lgt

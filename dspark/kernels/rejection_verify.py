@@ -72,7 +72,7 @@ def _residual(row, qrow, cols, V, q_lim, d_a, arg_a, m_a, s_a, div, greedy, HAS_
 
 
 @triton.jit
-def _verify_kernel(x_ptr, t_ptr, d_ptr, n_ptr, q_ptr, u_ptr, a_ptr, nxt_ptr, K, V,
+def _verify_kernel(x_ptr, t_ptr, d_ptr, n_ptr, q_ptr, u_ptr, a_ptr, nxt_ptr, K, V, s_d,
                    KP: tl.constexpr, BLOCK: tl.constexpr, HAS_Q: tl.constexpr, FLOOR: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     t = tl.load(t_ptr + b).to(tl.float32)
@@ -107,7 +107,7 @@ def _verify_kernel(x_ptr, t_ptr, d_ptr, n_ptr, q_ptr, u_ptr, a_ptr, nxt_ptr, K, 
     live = nn * 0 + 1
     real = nn * 0 + 1
     for i in range(0, K):
-        d = tl.load(d_ptr + b * K + i)
+        d = tl.load(d_ptr + b * s_d + i)
         real = real * ((d >= 0) & (i < nn)).to(tl.int64)
         n_eff += real
         dc = tl.maximum(d, 0)
@@ -131,7 +131,7 @@ def _verify_kernel(x_ptr, t_ptr, d_ptr, n_ptr, q_ptr, u_ptr, a_ptr, nxt_ptr, K, 
     q_live = a < n_eff
     q_lim = tl.where(q_live, V, 0)  # q_a counts only where a draft was verified there
     qrow = q_ptr + (b * K + tl.minimum(a, K - 1)) * V
-    d_a = tl.load(d_ptr + b * K + tl.minimum(a, K - 1))
+    d_a = tl.load(d_ptr + b * s_d + tl.minimum(a, K - 1))
     tot_w = tl.full([], 0.0, tl.float32)
     tot_p = tl.full([], 0.0, tl.float32)
     last_w = tl.full([], -1, tl.int32)
@@ -171,8 +171,9 @@ def rejection_verify_triton(logits, t, drafts, n, q, u, block: int = BLOCK):
         return rejection_verify_ref(logits, t, drafts, n, q, u)
     x = logits.contiguous()
     qq = q.float().contiguous() if q is not None else x
-    _verify_kernel[(B,)](x, t.float().contiguous(), drafts.contiguous(), n.long().contiguous(), qq,
-                         u.float().contiguous(), a, nxt, K, V, KP=next_pow2(K + 1), BLOCK=block,
+    d = drafts if drafts.stride(1) == 1 else drafts.contiguous()  # rows of any stride (a view of [anchor | drafts])
+    _verify_kernel[(B,)](x, t.float().contiguous(), d, n.long().contiguous(), qq,
+                         u.float().contiguous(), a, nxt, K, V, d.stride(0), KP=next_pow2(K + 1), BLOCK=block,
                          HAS_Q=q is not None, FLOOR=TEMPERATURE_FLOOR, num_warps=4)
     return a, nxt
 

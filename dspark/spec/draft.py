@@ -25,6 +25,11 @@ class Proposal:
     draft_ids: torch.Tensor  # [B, D] long
     draft_probs: torch.Tensor | None  # [B, D, V] (sampled drafts) or None (argmax drafts: one-hot q)
     confidence: torch.Tensor | None  # [B, D] conditional acceptance probabilities, or None
+    tokens: torch.Tensor | None = None  # [B, D + 1] = [anchor | drafts] (draft_ids its view), where drafting wrote it
+
+    def verify_tokens(self, anchors: torch.Tensor) -> torch.Tensor:
+        """[B, D + 1] = [anchor | drafts]: the verify forward's tokens."""
+        return self.tokens if self.tokens is not None else torch.cat([anchors[:, None], self.draft_ids], 1)
 
 
 def sample_markov(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor, sampling: RowSampling | None = None,
@@ -68,14 +73,15 @@ def markov_drafts(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor
     d = drafter
     w1, w2, scale = d.markov_head.markov_w1.weight, d.markov_head.markov_w2.weight, d.config.logit_scale
     U = d.base_logits(h)  # [B, D, V] fp32
+    seq = torch.empty(U.shape[0], U.shape[1] + 1, dtype=torch.long, device=U.device)  # [anchor | drafts]
     ids = markov_sample(U, w1, w2 if scale == 1.0 else w2 * scale, anchors, temperature, seed=seed,
-                        position=position)[0]
+                        position=position, out=seq)[0]
     if temperature is None and not confidence:
-        return Proposal(ids, None, None)
-    bias, m = d.markov(torch.cat([anchors[:, None], ids[:, :-1]], 1))  # each position's prev: [B, D, V], [B, D, r]
+        return Proposal(ids, None, None, seq)
+    bias, m = d.markov(seq[:, :-1])  # each position's prev: [B, D, V], [B, D, r]
     probs = None if temperature is None else process_logits(U + bias, temperature)
     c = d.confidence(h, m) if confidence else None
-    return Proposal(ids, probs, None if c is None else torch.sigmoid(c))
+    return Proposal(ids, probs, None if c is None else torch.sigmoid(c), seq)
 
 
 def draft_hidden(drafter: DSparkDrafter, anchors: torch.Tensor, p0: torch.Tensor, ctx_rows: list[torch.Tensor]
