@@ -274,6 +274,19 @@ def _norm_rope_checks(g) -> dict:
     kv = y[..., 64:].clone()
     qk_norm_rope_(kv.view(2, 5, 3, 16)[:, :, :2], 0, None, wk, 1e-6, rope)
     res["k_norm_rope_inplace"] = [_err(kv, want[..., 64:]), 1e-5]
+    # with a sink: each token's [k | v] row also to its row of a pool (rows out of order, the rest untouched), in the
+    # same launch; the merged output [q: 4 heads | k: 2 | v: 2], and the drafter's context rows [k | v]
+    y2 = torch.randn(2, 5, 8 * 16, generator=g)
+    q2, k2 = y2[..., :64].view(2, 5, 4, 16), y2[..., 64:96].view(2, 5, 2, 16)
+    want2 = torch.cat([norm_rope_ref(q2, w, 1e-6, rope).transpose(1, 2).flatten(2),
+                       norm_rope_ref(k2, wk, 1e-6, rope).transpose(1, 2).flatten(2), y2[..., 96:]], -1)
+    dest = torch.randperm(23, generator=g)[:10]
+    for name, x, n_q in (("qk_norm_rope_sink", y2.clone(), 4), ("k_norm_rope_sink", y2[..., 64:].clone(), 0)):
+        pool = torch.zeros(23, 64)
+        qk_norm_rope_(x.view(2, 5, -1, 16), n_q, w if n_q else None, wk, 1e-6, rope, n_v=2, sink=(pool, dest))
+        rest = torch.ones(23, dtype=torch.bool).index_fill_(0, dest, False)
+        res[name] = [_err(x, want2 if n_q else want2[..., 64:]) + _err(pool[dest], want2[..., 64:].reshape(10, 64))
+                     + float(pool[rest].abs().sum()), 1e-5]
     rope = Rope(torch.arange(5), 16, 1e6)
     res["rope_only"] = [_err(apply_rope_neox(q.transpose(1, 2), *rope.cos_sin(q.dtype)),
                              norm_rope_triton(q, None, 0.0, rope)), 1e-5]
@@ -505,7 +518,8 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "gemv_plain", "gemv_rmsnorm", "gemv_silu_mul_residual_inplace",
                 "gemv_17rows_silu_mul_residual_inplace", "grouped_gemv", "k3_engine_pair_tokens",
                 "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs", "norm_rope_rows",
-                "norm_rope_shared", "qk_norm_rope_inplace", "k_norm_rope_inplace", "rope_only", "rope_interleaved",
+                "norm_rope_shared", "qk_norm_rope_inplace", "k_norm_rope_inplace", "qk_norm_rope_sink",
+                "k_norm_rope_sink", "rope_only", "rope_interleaved",
                 "greedy_step", "pack_step", "view_indices", "additive_key_mask", "draft_block", "add_rms_norm_fp32",
                 "add_rms_norm_ragged", "add_rms_norm_bf16", "glu_silu", "glu_situ", "glu_situ_no_up_clamp",
                 "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax", "moe_route_softmax_renorm",
@@ -790,6 +804,30 @@ def test_cuda_norm_rope(T):
         ref, out = norm_rope_ref(x, w, 1e-6, rope), norm_rope_triton(x, w, 1e-6, rope)
         assert out.shape == ref.shape
         assert _err(out, ref) <= 2e-2 * ref.float().abs().max().item()
+
+
+@cuda
+@pytest.mark.parametrize("T", [1, 5])
+def test_cuda_qk_norm_rope_sink(T):
+    """In place on Qwen3-8B's merged [q 32 | k 8 | v 8] x 128 output in bf16 with a sink: q and k within bf16 rounding
+    of the torch path, each token's [k | v] row in its pool row bit for bit as it is in place, other rows untouched."""
+    from dspark.kernels.rope import Rope, norm_rope_ref, qk_norm_rope_
+
+    B, D = 4, 128
+    y = torch.randn(B, T, 48 * D, device="cuda").bfloat16()
+    w, wk = ((torch.rand(D, device="cuda") + 0.5).bfloat16() for _ in range(2))
+    rope = Rope(torch.randint(0, 32768, (B, T), device="cuda"), D, 1e6)
+    pool = torch.zeros(3 * B * T, 16 * D, device="cuda", dtype=torch.bfloat16)
+    dest = torch.randperm(3 * B * T, device="cuda")[:B * T]
+    x = y.clone()
+    qk_norm_rope_(x.view(B, T, 48, D), 32, w, wk, 1e-6, rope, n_v=8, sink=(pool, dest))
+    for got, src, wt in ((x[..., :32 * D], y[..., :32 * D], w), (x[..., 32 * D:40 * D], y[..., 32 * D:40 * D], wk)):
+        ref = norm_rope_ref(src.view(B, T, -1, D), wt, 1e-6, rope).transpose(1, 2).flatten(2)
+        assert _err(got, ref) <= 2e-2 * ref.float().abs().max().item()
+    assert torch.equal(x[..., 40 * D:], y[..., 40 * D:])
+    assert torch.equal(pool[dest], x[..., 32 * D:].reshape(B * T, -1))
+    rest = torch.ones(3 * B * T, dtype=torch.bool, device="cuda").index_fill_(0, dest, False)
+    assert not pool[rest].any()
 
 
 @cuda

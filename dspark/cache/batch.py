@@ -30,6 +30,11 @@ class CacheView(Protocol):
         Writes the first num_new[b] rows of each request after its num_cached[b] cached rows and returns
         every row 0..num_cached+num_new-1 per request, right-padded: [B, L, C], L = max(num_cached+num_new)."""
 
+    def attn_sink(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Where a layer may write this forward's rows itself (the write fused into the kernel that makes them):
+        (pool rows [P, C], dest [B * T]: token i's row) or None. A layer that wrote them reads every row back with
+        attn_rows(layer) -> [B, L, C] instead of calling attn_append."""
+
     def kda_read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (S [B, H, K, V] fp32 recurrent state, conv window [B, W-1, C] of the last raw conv inputs)."""
 
@@ -108,6 +113,9 @@ class DenseCache:
         rows = torch.arange(B, device=valid.device)[:, None].expand(B, T)
         store[rows[valid], b.positions(T)[valid]] = new[valid].to(store.dtype)
         return store[:, : int((b.num_cached + b.num_new).max())]
+
+    def attn_sink(self, layer: int) -> None:
+        return None  # rows go through attn_append
 
     def kda_read(self, layer: int):
         """(None, None) before the first write: the layer starts from a zero state and a zero window."""

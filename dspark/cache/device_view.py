@@ -80,6 +80,10 @@ class DeviceView:
         flat = self.kv[layer].view(-1, self.kv[layer].shape[-1])
         flat.index_copy_(0, self._dest, new.reshape(-1, new.shape[-1]).to(flat.dtype))
 
+    def attn_sink(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the pool's rows [P, C], dest [B * T]): where attn_write puts each new token's row."""
+        return self.kv[layer].view(-1, self.kv[layer].shape[-1]), self._dest
+
     def attn_read(self, layer: int) -> torch.Tensor:
         """-> [B, T, C]: the rows at the new tokens' positions (what attn_write would overwrite)."""
         store = self.kv[layer]

@@ -64,6 +64,9 @@ class PagedView:
         out = flat[self._rows(pos)]  # [B, L, C]
         return out.masked_fill((pos >= lengths[:, None])[..., None], 0)
 
+    def attn_sink(self, layer: int) -> None:
+        return None  # rows go through attn_append (a prefill writes its valid rows only)
+
     def kda_read(self, layer: int):
         return self.cache.state.read(layer, self.slots)
 

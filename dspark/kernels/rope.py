@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dspark.kernels import tl, triton, use_triton
+from dspark.kernels import next_pow2, tl, triton, use_triton
 from dspark.kernels.rms_norm import rms_norm_layer
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}  # (dim, theta, device) -> [dim]: the frequencies, each half twice
@@ -94,8 +94,9 @@ def norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope)
 
 @triton.jit
 def _norm_rope_kernel(X, W, W2, POS, INV_FREQ, OUT, T, H, H1, sxb, sxt, sxh, sob, sot, soh, spb, spt, eps,
-                      D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr, INTERLEAVED: tl.constexpr,
-                      IN_PLACE: tl.constexpr):
+                      SINK, DEST, s_sink, HV, D: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+                      INTERLEAVED: tl.constexpr, IN_PLACE: tl.constexpr, TO_SINK: tl.constexpr,
+                      BLOCK_V: tl.constexpr):
     pid = tl.program_id(0)  # one token: all its heads
     b, t = pid // T, pid % T
     h = tl.arange(0, BLOCK_H)[:, None]
@@ -109,7 +110,8 @@ def _norm_rope_kernel(X, W, W2, POS, INV_FREQ, OUT, T, H, H1, sxb, sxt, sxh, sob
         fi = d
         first = d < D // 2
     m = h < H
-    xp = X + b * sxb + t * sxt + h * sxh
+    xt = X + b * sxb + t * sxt
+    xp = xt + h * sxh
     x = tl.load(xp + d, mask=m, other=0.0).to(tl.float32)
     xr = tl.load(xp + dr, mask=m, other=0.0).to(tl.float32)
     dt = OUT.dtype.element_ty
@@ -134,6 +136,12 @@ def _norm_rope_kernel(X, W, W2, POS, INV_FREQ, OUT, T, H, H1, sxb, sxt, sxh, sob
     if IN_PLACE:  # OUT is X: each element is also its rotate-half partner's input, read by another thread
         tl.debug_barrier()  # every thread of the program has loaded its inputs before any thread stores
     tl.store(OUT + b * sob + t * sot + h * soh + d, out.to(dt), mask=m)  # each program owns its token
+    if TO_SINK:  # the token's cache row [k heads | v heads] (the HV heads after the H in X) at row DEST[token]
+        row = SINK + tl.load(DEST + pid).to(tl.int64) * s_sink
+        tl.store(row + (h - H1) * D + d, out.to(dt), mask=m & (h >= H1))
+        hv = tl.arange(0, BLOCK_V)[:, None]
+        vm = hv < HV
+        tl.store(row + (HV + hv) * D + d, tl.load(xt + (H + hv) * sxh + d, mask=vm, other=0.0), mask=vm)
 
 
 def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, rope: Rope,
@@ -145,15 +153,21 @@ def norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float, r
     return out.transpose(1, 2)
 
 
-def _launch(x, out, w1, w2, h1: int, eps: float, rope: Rope, interleaved: bool = False) -> None:
+def _launch(x, out, w1, w2, h1: int, eps: float, rope: Rope, interleaved: bool = False, n_v: int = 0,
+            sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """x [B, T, H + n_v, D]: heads [0, H) are turned; with a sink (rows [P, C], dest [B * T]) each token's heads
+    [h1, H + n_v) (k then v) also go to its row dest[token]."""
     B, T, H, D = x.shape
+    H -= n_v
     pos = rope.positions
     spb, spt = (pos.stride(0), pos.stride(1)) if pos.dim() == 2 else (0, pos.stride(0))
     w1 = w1 if w1 is not None else x
+    rows, dest = sink if sink is not None else (x, pos)
     _norm_rope_kernel[(B * T,)](x, w1, w2 if w2 is not None else w1, pos, inv_freq(D, rope.theta, x.device), out,
-                                T, H, h1, *x.stride()[:3], *out.stride()[:3], spb, spt, float(eps), D=D,
-                                BLOCK_H=max(1, 1 << (H - 1).bit_length()), NORM=w1 is not x,
-                                INTERLEAVED=interleaved, IN_PLACE=out.data_ptr() == x.data_ptr())
+                                T, H, h1, *x.stride()[:3], *out.stride()[:3], spb, spt, float(eps), rows, dest,
+                                rows.stride(0), n_v, D=D, BLOCK_H=next_pow2(H), NORM=w1 is not x,
+                                INTERLEAVED=interleaved, IN_PLACE=out.data_ptr() == x.data_ptr(),
+                                TO_SINK=sink is not None, BLOCK_V=next_pow2(max(n_v, 1)))
 
 
 def norm_rope_fits(x: torch.Tensor, weight: torch.Tensor | None) -> bool:
@@ -174,23 +188,40 @@ def norm_rope(x: torch.Tensor, weight: torch.Tensor, eps: float, rope: Rope) -> 
 
 
 def qk_norm_rope_triton(x: torch.Tensor, n_q: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor, eps: float,
-                        rope: Rope) -> None:
+                        rope: Rope, n_v: int = 0, sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """qk_norm_rope_'s kernel (one launch, in place)."""
-    _launch(x, x, q_weight if n_q else k_weight, k_weight, n_q, eps, rope)
+    _launch(x, x, q_weight if n_q else k_weight, k_weight, n_q, eps, rope, n_v=n_v, sink=sink)
+
+
+def sink_write(sink: tuple[torch.Tensor, torch.Tensor], rows: torch.Tensor) -> None:
+    """rows [B, T, C] -> sink = (pool rows [P, C], dest [B * T]): token i's row to pool row dest[i]."""
+    pool, dest = sink
+    pool.index_copy_(0, dest, rows.reshape(-1, rows.shape[-1]).to(pool.dtype))
+
+
+def _sink_fits(sink: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, n_q: int, n_v: int) -> bool:
+    pool, dest = sink
+    return (pool.dtype == x.dtype and pool.stride(1) == 1 and dest.dtype == torch.long and dest.is_contiguous()
+            and x.shape[2] - n_q == 2 * n_v and pool.shape[1] == 2 * n_v * x.shape[3])
 
 
 def qk_norm_rope_(x: torch.Tensor, n_q: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor, eps: float,
-                  rope: Rope) -> None:
-    """In place: x [B, T, H, D], the q heads [0, n_q) then the k heads of a merged projection's output (a view of it:
-    any strides, D contiguous), each normed per head (q_weight on the q heads, k_weight on the k heads) and turned by
-    NeoX RoPE. One launch for q and k where the kernel fits; their [k | v] cache rows are then a slice of the
-    projection's output, with no copy. Inference only (autograd would need the values it overwrites)."""
-    if norm_rope_fits(x, k_weight):
-        qk_norm_rope_triton(x, n_q, q_weight, k_weight, eps, rope)
+                  rope: Rope, n_v: int = 0, sink: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """In place: x [B, T, n_q + n_k + n_v, D], the q heads [0, n_q), the k heads, then n_v v heads (left as they are)
+    of a merged projection's output (a view of it: any strides, D contiguous); the q heads normed with q_weight and
+    the k heads with k_weight, per head, then turned by NeoX RoPE. One launch for q and k where the kernel fits; their
+    [k | v] cache rows are then a slice of the projection's output, with no copy. sink (pool rows [P, C], dest
+    [B * T]; n_k = n_v): each token's cache row [k | v] also goes to pool row dest[token], in the same launch where
+    the kernel fits. Inference only (autograd would need the values it overwrites)."""
+    H = x.shape[2] - n_v
+    if norm_rope_fits(x, k_weight) and (sink is None or _sink_fits(sink, x, n_q, n_v)):
+        qk_norm_rope_triton(x, n_q, q_weight, k_weight, eps, rope, n_v, sink)
         return
     if n_q:
         x[:, :, :n_q] = norm_rope_ref(x[:, :, :n_q], q_weight, eps, rope).transpose(1, 2)
-    x[:, :, n_q:] = norm_rope_ref(x[:, :, n_q:], k_weight, eps, rope).transpose(1, 2)
+    x[:, :, n_q:H] = norm_rope_ref(x[:, :, n_q:H], k_weight, eps, rope).transpose(1, 2)
+    if sink is not None:
+        sink_write(sink, x[:, :, n_q:].flatten(2))
 
 
 def rope_interleaved(x: torch.Tensor, rope: Rope) -> torch.Tensor:

@@ -61,7 +61,8 @@ class DSparkDrafter(nn.Module):
       row_width: int                                  per-token context row width in the paged cache
       project(aux [B, L, n*Ht]) -> [B, L, H]          the context projection (fc / context_proj)
       context_of(projected [B, L, H]) -> ctx [B, L, H]  its norm (hidden_norm / context_norm)
-      context_rows(ctx [B, L, H], positions [B, L] | [L]) -> per draft layer [B, L, row_width]
+      context_rows(ctx [B, L, H], positions [B, L] | [L], sinks=None) -> per draft layer [B, L, row_width] (sinks:
+        per layer a cache's (pool rows, dest) or None, where the rows are also written)
       decode(x [B, Q, H] embedded block, positions [B, Q], ctx_rows, mask [B, 1, Q, L+Q]) -> post-norm [B, Q, H]
     """
 

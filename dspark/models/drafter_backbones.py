@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.kernels.rope import qk_norm_rope_
+from dspark.kernels.rope import qk_norm_rope_, sink_write
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.k3.mla import MLAttention
 from dspark.models.layers import GatedMLP, RMSNorm, Rope, attention
@@ -25,15 +25,20 @@ from dspark.models.qwen3 import Qwen3Attention
 class DraftAttention(Qwen3Attention):
     """Qwen3 attention (same weights/names) used the DFlash way: K/V of the context + of the block itself."""
 
-    def kv_rows(self, h: torch.Tensor, rope: Rope) -> torch.Tensor:
+    def kv_rows(self, h: torch.Tensor, rope: Rope, sink: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
         """h: [B, L, H] -> cache rows [B, L, 2*n_kv*head_dim] = [k (normed, roped) | v]: at inference the k / v GEMM's
-        output itself, its k turned in place (out of place under autograd, as q_and_rows)."""
+        output itself, its k turned in place (out of place under autograd, as q_and_rows); with a sink also written
+        there (in the same launch on CUDA)."""
         kv = self.qkv_proj.forward_parts(h, "k_proj", "v_proj")
         if torch.is_grad_enabled():
-            return self.kv_rows_of(*kv.chunk(2, -1), rope)
+            rows = self.kv_rows_of(*kv.chunk(2, -1), rope)
+            if sink is not None:
+                sink_write(sink, rows)
+            return rows
         B, L, _ = kv.shape
-        qk_norm_rope_(kv.view(B, L, 2 * self.n_kv, self.head_dim)[:, :, : self.n_kv], 0, None, self.k_norm.weight,
-                      self.k_norm.eps, rope)
+        qk_norm_rope_(kv.view(B, L, 2 * self.n_kv, self.head_dim), 0, None, self.k_norm.weight, self.k_norm.eps, rope,
+                      n_v=self.n_kv, sink=sink)
         return kv
 
     def attend(self, x, rope: Rope, ctx_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -88,10 +93,13 @@ class Qwen3Backbone:
     def context_of(self, projected: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(projected)
 
-    def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """Per draft layer, the K/V rows of the context tokens at `positions` ([B, L] or [L])."""
+    def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor, sinks: list | None = None
+                     ) -> list[torch.Tensor]:
+        """Per draft layer, the K/V rows of the context tokens at `positions` ([B, L] or [L]); sinks (per layer, a
+        cache's (pool rows, dest) or None): also written there."""
         rope = Rope(positions, self.config.head_dim, self.config.rope_theta)
-        return [layer.self_attn.kv_rows(ctx, rope) for layer in self.layers]
+        sinks = sinks or [None] * len(self.layers)
+        return [layer.self_attn.kv_rows(ctx, rope, sink) for layer, sink in zip(self.layers, sinks)]
 
     def decode(self, x, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
         rope = Rope(positions, self.config.head_dim, self.config.rope_theta)
@@ -149,9 +157,15 @@ class K3Backbone:
     def context_of(self, projected: torch.Tensor) -> torch.Tensor:
         return self.context_norm(projected)
 
-    def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """Per draft layer, the latent rows [B, L, kv_lora+rope] of the context tokens at `positions`."""
-        return [layer.self_attn.latent_rows(ctx, positions) for layer in self.layers]
+    def context_rows(self, ctx: torch.Tensor, positions: torch.Tensor, sinks: list | None = None
+                     ) -> list[torch.Tensor]:
+        """Per draft layer, the latent rows [B, L, kv_lora+rope] of the context tokens at `positions`; sinks (per
+        layer, a cache's (pool rows, dest) or None): also written there."""
+        rows = [layer.self_attn.latent_rows(ctx, positions) for layer in self.layers]
+        for r, sink in zip(rows, sinks or []):
+            if sink is not None:
+                sink_write(sink, r)
+        return rows
 
     def decode(self, x, positions, ctx_rows: list[torch.Tensor], mask) -> torch.Tensor:
         pending = None

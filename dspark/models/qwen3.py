@@ -19,7 +19,7 @@ from transformers import Qwen3Config
 
 from dspark.cache.batch import ForwardBatch
 from dspark.checkpoint_io import checkpoint_state, load_state_strict, read_config, save_checkpoint_dir
-from dspark.kernels.rope import qk_norm_rope_
+from dspark.kernels.rope import qk_norm_rope_, sink_write
 from dspark.models.layers import (
     GatedMLP,
     MergedLinear,
@@ -46,20 +46,25 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
-    def q_and_rows(self, x: torch.Tensor, rope: Rope) -> tuple[torch.Tensor, torch.Tensor]:
+    def q_and_rows(self, x: torch.Tensor, rope: Rope, sink: tuple[torch.Tensor, torch.Tensor] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> (q [B, H, T, D] normed and roped, rows [B, T, 2 * n_kv * D] = [k | v] per token, k
         normed and roped: the cache row). One GEMM; at inference q and k are then normed and roped in place in its
-        output (one launch on CUDA), so both are views of it and the rows need no copy. Under autograd (training),
-        which needs the values that would be overwritten, out of place."""
+        output (one launch on CUDA), so both are views of it and the rows need no copy. sink (a cache's pool rows and
+        each token's row in them, CacheView.attn_sink): the rows are also written there, in the same launch. Under
+        autograd (training), which needs the values that would be overwritten, out of place."""
         B, T, _ = x.shape
         if torch.is_grad_enabled():
             q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-            return self.q_norm.rope(q.reshape(B, T, self.n_heads, self.head_dim), rope), self.kv_rows_of(k, v, rope)
+            rows = self.kv_rows_of(k, v, rope)
+            if sink is not None:
+                sink_write(sink, rows)
+            return self.q_norm.rope(q.reshape(B, T, self.n_heads, self.head_dim), rope), rows
         H, D = self.n_heads + 2 * self.n_kv, self.head_dim
         y = self.qkv_proj(x)[..., : H * D]
         heads = y.view(B, T, H, D)
-        qk_norm_rope_(heads[:, :, : self.n_heads + self.n_kv], self.n_heads, self.q_norm.weight, self.k_norm.weight,
-                      self.q_norm.eps, rope)
+        qk_norm_rope_(heads, self.n_heads, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, rope,
+                      n_v=self.n_kv, sink=sink)
         return heads[:, :, : self.n_heads].transpose(1, 2), y[..., self.n_heads * D:]
 
     def kv_rows_of(self, k: torch.Tensor, v: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -70,9 +75,13 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x, rope: Rope, batch: ForwardBatch | None):
         B, T, _ = x.shape
-        q, rows = self.q_and_rows(x, rope)
-        if batch is not None and batch.cache is not None:
-            rows = batch.cache.attn_append(self.layer_idx, rows)  # [B, L, C]: the cached rows, then these
+        cache = batch.cache if batch is not None else None
+        sink = cache.attn_sink(self.layer_idx) if cache is not None else None
+        q, rows = self.q_and_rows(x, rope, sink)
+        if sink is not None:  # written: the cached rows, these among them
+            rows = cache.attn_rows(self.layer_idx)  # [B, L, C]
+        elif cache is not None:
+            rows = cache.attn_append(self.layer_idx, rows)  # [B, L, C]: the cached rows, then these
         L = rows.shape[1]
         k, v = rows.view(B, L, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4).to(q.dtype)
         mask, causal = (None, True) if batch is None else (batch.key_mask(T, L, q.dtype), False)

@@ -124,9 +124,11 @@ class DraftRunner:
         self._write_rows(batch, self.drafter.context(aux))
 
     def _write_rows(self, batch, ctx: torch.Tensor) -> None:
-        rows = self.drafter.context_rows(ctx, batch.positions(ctx.shape[1]).to(ctx.device))
-        for layer, r in zip(self.layers, rows):
-            batch.cache.attn_write(layer, r)
+        sinks = [batch.cache.attn_sink(layer) for layer in self.layers]  # the layers write their rows themselves
+        rows = self.drafter.context_rows(ctx, batch.positions(ctx.shape[1]).to(ctx.device), sinks)
+        for layer, r, sink in zip(self.layers, rows, sinks):
+            if sink is None:
+                batch.cache.attn_write(layer, r)
 
     def stash_context(self, batch, aux: torch.Tensor) -> None:
         """After a plain (k = 0) step's target forward: only the projection of aux [B, T, H] (ctx before its
