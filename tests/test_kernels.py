@@ -90,6 +90,7 @@ def _interp_checks() -> dict:
         mxfp4_matmul_triton,
         quantize_mxfp4,
     )
+    from dspark.kernels.paged_attention import attention_ref, attention_triton
     from dspark.kernels.temperature_softmax import temperature_softmax_ref, temperature_softmax_triton
     from dspark.kernels.view_indices import (
         additive_key_mask_ref,
@@ -192,6 +193,8 @@ def _interp_checks() -> dict:
                                                           additive_key_mask_ref(p, L, dt))
                                           for p, L in _mask_cases("cpu", seed) for dt in (torch.float32, torch.bfloat16))),
                                 0.0]
+    res["paged_attention"] = [max(_err(attention_triton(*c), attention_ref(*c)) for c in _attention_cases("cpu", seed)),
+                              1e-5]
     res["draft_block"] = [float(_draft_block_mismatches(_draft_block_cases("cpu", seed), draft_block_triton)), 0.0]
     for name, x, t, kw in _softmax_cases(g):
         out, ref = temperature_softmax_triton(x, t, **kw), temperature_softmax_ref(x, t)
@@ -384,6 +387,29 @@ def _draft_block_mismatches(cases, op) -> int:
     return bad
 
 
+def _attention_cases(device, seed, shapes=((1, 4, 4, 16, 1, 40, 0), (2, 4, 2, 16, 5, 130, 0), (2, 8, 2, 32, 70, 200, 0),
+                                           (3, 4, 2, 16, 4, 90, 4), (2, 4, 4, 16, 8, 64, 8)), dtype=torch.float32):
+    """(q, pool, rows, lim, extra) cases of B rows, Hq / Hkv heads of dim D, T queries, L positions, NE extra rows:
+    q a strided view of a merged [q | k | v] output, each row's positions at random pool rows; without extra rows lim
+    is each query's position + 1 (causal, a prefill's 70 queries included), with them one context length per row
+    ([B, 1], 0 included) and the extra rows a strided slice."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for B, Hq, Hkv, D, T, L, NE in shapes:
+        P = B * L + 7
+        pool = torch.randn(P, 2 * Hkv * D, generator=gen)
+        rows = torch.stack([torch.randperm(P, generator=gen)[:L] for _ in range(B)])
+        q = torch.randn(B, T, Hq + 2 * Hkv, D, generator=gen).transpose(1, 2)[:, :Hq]
+        if NE:
+            lim = torch.randint(0, L + 1, (B, 1), generator=gen)
+            extra = torch.randn(B, NE, 3 * Hkv * D, generator=gen)[..., Hkv * D:]
+        else:
+            lim, extra = torch.randint(1, L - T + 2, (B, 1), generator=gen) + torch.arange(T), None
+        to = lambda x: None if x is None else x.to(device, dtype if x.is_floating_point() else x.dtype)
+        cases.append((to(q), to(pool), to(rows), to(lim), to(extra)))
+    return cases
+
+
 def _chain_case(device, seed, op, rows=37, width=5):
     """chain_inputs on one random case: ints [rows, 8 + width] (src -1 for a third of the rows, room from 1), prev
     [23, 9] (a <= 6 accepted drafts); -> ints after op (None: the reference)."""
@@ -520,7 +546,7 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs", "norm_rope_rows",
                 "norm_rope_shared", "qk_norm_rope_inplace", "k_norm_rope_inplace", "qk_norm_rope_sink",
                 "k_norm_rope_sink", "rope_only", "rope_interleaved",
-                "greedy_step", "pack_step", "view_indices", "additive_key_mask", "draft_block", "add_rms_norm_fp32",
+                "greedy_step", "pack_step", "view_indices", "additive_key_mask", "draft_block", "paged_attention", "add_rms_norm_fp32",
                 "add_rms_norm_ragged", "add_rms_norm_bf16", "glu_silu", "glu_situ", "glu_situ_no_up_clamp",
                 "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax", "moe_route_softmax_renorm",
                 "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16", "temperature_softmax_fp32",
@@ -882,6 +908,23 @@ def test_cuda_view_indices():
     for p, L in _mask_cases("cuda", 5):
         for dt in (torch.float32, torch.bfloat16):
             assert torch.equal(additive_key_mask_triton(p, L, dt), additive_key_mask_ref(p, L, dt))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_paged_attention(dtype):
+    """Attention over the pool in place against the gathered rows + mask + SDPA: the interpreter's cases, and
+    Qwen3-8B's heads (32 / 8 x 128) at 64 rows of a verify step (9 queries) over 2048 positions and a drafter's block
+    of 8 over 1000; within bf16 rounding in bf16."""
+    from dspark.kernels.paged_attention import attention_ref, attention_triton
+
+    shapes = ((1, 4, 4, 16, 1, 40, 0), (2, 4, 2, 16, 5, 130, 0), (2, 8, 2, 32, 70, 200, 0), (3, 4, 2, 16, 4, 90, 4),
+              (64, 32, 8, 128, 9, 2048, 0), (16, 32, 8, 128, 8, 1000, 8))
+    for c in _attention_cases("cuda", 5, shapes, dtype):
+        out, ref = attention_triton(*c), attention_ref(*c)
+        assert out.shape == ref.shape
+        tol = 2e-5 if dtype == torch.float32 else 2e-2 * ref.float().abs().max().item()
+        assert _err(out, ref) <= tol
 
 
 @cuda

@@ -32,8 +32,8 @@ class CacheView(Protocol):
 
     def attn_sink(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Where a layer may write this forward's rows itself (the write fused into the kernel that makes them):
-        (pool rows [P, C], dest [B * T]: token i's row) or None. A layer that wrote them reads every row back with
-        attn_rows(layer) -> [B, L, C] instead of calling attn_append."""
+        (pool rows [P, C], dest [B * T]: token i's row) or None. A layer that wrote them reads the rows in place
+        through attn_pages(layer) -> Pages (dspark.kernels.paged_attention) instead of calling attn_append."""
 
     def kda_read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (S [B, H, K, V] fp32 recurrent state, conv window [B, W-1, C] of the last raw conv inputs)."""

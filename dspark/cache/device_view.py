@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from dspark.cache.state import committed_kda_state
+from dspark.kernels.paged_attention import Pages
 from dspark.kernels.view_indices import additive_key_mask, key_visible, view_indices
 
 
@@ -31,6 +32,7 @@ class DeviceView:
         # 0..L-1 [B, L]: one kernel on CUDA (dspark/kernels/view_indices.py)
         self._pos, self._valid, self._dest, self._gather = view_indices(num_cached, num_new, table, block_size, T)
         self._mask: torch.Tensor | None = None  # [B, 1, T, L] bool, built when asked
+        self._lim: torch.Tensor | None = None  # [B, T] = pos + 1, built when asked
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._additive: dict[torch.dtype, torch.Tensor] = {}  # key masks in additive form, one per dtype per step
 
@@ -83,6 +85,13 @@ class DeviceView:
     def attn_sink(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(the pool's rows [P, C], dest [B * T]): where attn_write puts each new token's row."""
         return self.kv[layer].view(-1, self.kv[layer].shape[-1]), self._dest
+
+    def attn_pages(self, layer: int) -> Pages:
+        """The layer's rows in place for paged attention: the pool's rows, those of positions 0..L-1 per row, and
+        what each new token sees (keys up to its position)."""
+        if self._lim is None:
+            self._lim = self._pos + 1
+        return Pages(self.kv[layer].view(-1, self.kv[layer].shape[-1]), self._gather, self._lim)
 
     def attn_read(self, layer: int) -> torch.Tensor:
         """-> [B, T, C]: the rows at the new tokens' positions (what attn_write would overwrite)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dspark.kernels.paged_attention import Pages, attention_fits, attention_triton
 from dspark.kernels.rope import qk_norm_rope_, sink_write
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.k3.mla import MLAttention
@@ -41,11 +42,16 @@ class DraftAttention(Qwen3Attention):
                       n_v=self.n_kv, sink=sink)
         return kv
 
-    def attend(self, x, rope: Rope, ctx_rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x: [B, Q, H] queries; ctx_rows: [B, L, C]; mask: [B, 1, Q or 1, L + Q] over [context ; block], bool
-        or additive."""
+    def attend(self, x, rope: Rope, ctx_rows: torch.Tensor | Pages, mask: torch.Tensor) -> torch.Tensor:
+        """x: [B, Q, H] queries; ctx_rows: [B, L, C], or Pages (the rows in place in the cache's pool, lim [B, 1] the
+        context's length); mask: [B, 1, Q or 1, L + Q] over [context ; block], bool or additive."""
         B, Q, _ = x.shape
         q, block = self.q_and_rows(x, rope)  # one GEMM for the block's queries and its own k / v rows
+        if isinstance(ctx_rows, Pages):
+            if attention_fits(q, ctx_rows.pool, block):  # one kernel: context in place, then the block, no mask
+                o = attention_triton(q, ctx_rows.pool, ctx_rows.rows, ctx_rows.lim, block)  # [B, Q, H, D]
+                return self.o_proj(o.reshape(B, Q, -1))
+            ctx_rows = ctx_rows.gathered()
         rows = torch.cat([ctx_rows.to(x.dtype), block], dim=1)
         k, v = rows.view(B, rows.shape[1], 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)
         o = attention(q, k, v, mask, enable_gqa=True)
@@ -74,6 +80,7 @@ class Qwen3Backbone:
     """The qwen3 backbone's modules (vLLM names) and interface methods; mixed into a DSparkDrafter."""
 
     config: DrafterConfig
+    reads_pages = True  # decode's ctx_rows may be Pages (its attention reads the cache's pool in place)
 
     def build_backbone(self, cfg: DrafterConfig) -> None:
         n_aux = len(cfg.target_layer_ids)
@@ -138,6 +145,7 @@ class K3Backbone:
     """The k3 (MLA) backbone's modules (vLLM names) and interface methods; mixed into a DSparkDrafter."""
 
     config: DrafterConfig
+    reads_pages = False  # decode takes gathered rows
 
     def build_backbone(self, cfg: DrafterConfig) -> None:
         n_aux = len(cfg.target_layer_ids)

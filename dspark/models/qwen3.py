@@ -19,6 +19,7 @@ from transformers import Qwen3Config
 
 from dspark.cache.batch import ForwardBatch
 from dspark.checkpoint_io import checkpoint_state, load_state_strict, read_config, save_checkpoint_dir
+from dspark.kernels.paged_attention import attention_fits, attention_triton
 from dspark.kernels.rope import qk_norm_rope_, sink_write
 from dspark.models.layers import (
     GatedMLP,
@@ -78,8 +79,11 @@ class Qwen3Attention(nn.Module):
         cache = batch.cache if batch is not None else None
         sink = cache.attn_sink(self.layer_idx) if cache is not None else None
         q, rows = self.q_and_rows(x, rope, sink)
-        if sink is not None:  # written: the cached rows, these among them
-            rows = cache.attn_rows(self.layer_idx)  # [B, L, C]
+        if sink is not None:  # written: every row is read in place, these among them
+            pages = cache.attn_pages(self.layer_idx)
+            if attention_fits(q, pages.pool):  # one kernel: no gathered rows, no mask
+                return self.o_proj(attention_triton(q, pages.pool, pages.rows, pages.lim).reshape(B, T, -1))
+            rows = pages.gathered()  # [B, L, C]
         elif cache is not None:
             rows = cache.attn_append(self.layer_idx, rows)  # [B, L, C]: the cached rows, then these
         L = rows.shape[1]

@@ -16,6 +16,7 @@ import torch
 
 from dspark.kernels.draft_block import draft_block
 from dspark.kernels.markov_sample import markov_sample
+from dspark.kernels.paged_attention import Pages
 from dspark.models.drafter import DSparkDrafter
 from dspark.spec.sampling import RowSampling, process_logits, sample_from
 
@@ -84,16 +85,17 @@ def markov_drafts(drafter: DSparkDrafter, h: torch.Tensor, anchors: torch.Tensor
     return Proposal(ids, probs, None if c is None else torch.sigmoid(c), seq)
 
 
-def draft_hidden(drafter: DSparkDrafter, anchors: torch.Tensor, p0: torch.Tensor, ctx_rows: list[torch.Tensor]
-                 ) -> torch.Tensor:
+def draft_hidden(drafter: DSparkDrafter, anchors: torch.Tensor, p0: torch.Tensor,
+                 ctx_rows: list[torch.Tensor] | list[Pages]) -> torch.Tensor:
     """The parallel pass: the block [anchor, mask x (N-1)] at positions p0.. against each draft layer's context rows
-    [B, L, C] (keys < p0 visible, the block non-causal) -> the post-norm hidden states of the sampled queries
-    [B, D, H]. anchors, p0: [B] on the drafter's device."""
+    [B, L, C], or their Pages in the cache (keys < p0 visible, the block non-causal) -> the post-norm hidden states
+    of the sampled queries [B, D, H]. anchors, p0: [B] on the drafter's device."""
     cfg = drafter.config
+    L = ctx_rows[0].rows.shape[1] if isinstance(ctx_rows[0], Pages) else ctx_rows[0].shape[1]
     # x [B, N, H]; q_pos [B, N]; mask [B, 1, 1, L + N] additive over [context ; block], one row for all N queries:
     # the context keys before p0, the whole block (non-causal). One launch on CUDA (dspark/kernels/draft_block.py)
-    x, q_pos, mask = draft_block(anchors, p0, drafter.embed_weight, cfg.mask_token_id, cfg.block_size,
-                                 ctx_rows[0].shape[1], drafter.param_dtype)
+    x, q_pos, mask = draft_block(anchors, p0, drafter.embed_weight, cfg.mask_token_id, cfg.block_size, L,
+                                 drafter.param_dtype)
     return drafter.decode(x, q_pos, ctx_rows, mask)[:, drafter.draft_slots()]
 
 
@@ -152,7 +154,11 @@ class DraftRunner:
         (markov_drafts: argmax drafts, or Gumbel-max under each row's temperature and seed [B]) unless rows filter
         (top-k / top-p) or draft_top_k is set; those take the torch loop (sample_markov, with the uniforms u)."""
         d = self.drafter
-        ctx_rows = [view.attn_rows(layer) for layer in self.layers]
+        if d.reads_pages:  # the context read in place: each layer's pool rows, keys before p0
+            lim = view.num_cached[:, None]
+            ctx_rows = [Pages(p.pool, p.rows, lim) for p in map(view.attn_pages, self.layers)]
+        else:
+            ctx_rows = [view.attn_rows(layer) for layer in self.layers]
         h = self.hidden(d, anchors, view.num_cached, ctx_rows)[:, :k]  # [B, k, H]
         if d.markov_head is not None and not self.draft_top_k and (sampling is None or sampling.temperature_only):
             return markov_drafts(d, h, anchors, None if sampling is None else sampling.temperature, seed,
