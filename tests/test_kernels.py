@@ -456,17 +456,19 @@ def _decode_checks(g) -> dict:
 
 def _engine_pair_checks() -> dict:
     """The tiny K3 and Qwen3 targets with their drafters through the engine with the kernels the models dispatch on
-    CUDA (K3: KDA decode/verify, AttnRes mix, grouped expert matvec; Qwen3: q / k norm + RoPE; both: Markov loop,
-    greedy verify; here under the interpreter) vs DSPARK_KERNELS=0 (the torch modules): same tokens, same accepted
+    CUDA (K3: KDA decode/verify, AttnRes mix, grouped expert matvec; Qwen3: q / k norm + RoPE, paged attention; both:
+    draft block, Markov loop, greedy verify; here under the interpreter) vs DSPARK_KERNELS=0 (the torch modules): same tokens, same accepted
     drafts per step, i.e. the kernel wiring in the layers is right."""
     import dspark.kernels.attn_res as ar
     import dspark.kernels.decode_gemv as dg
+    import dspark.kernels.draft_block as db
     import dspark.kernels.glu as gl
     import dspark.kernels.greedy_verify as gv
     import dspark.kernels.kda_decode as kd
     import dspark.kernels.markov_sample as ms
     import dspark.kernels.moe_combine as mc
     import dspark.kernels.moe_route as mr
+    import dspark.kernels.paged_attention as pa
     import dspark.kernels.rope as rp
     from tests.targets import make_target
     from tests.test_drafter_k3 import make_k3_drafter
@@ -485,7 +487,7 @@ def _engine_pair_checks() -> dict:
 
     for mod, name in ((kd, "kda_decode_triton"), (ar, "attn_res_mix_triton"), (ms, "markov_sample_triton"),
                       (dg, "grouped_gemv_triton"), (rp, "norm_rope_triton"), (rp, "qk_norm_rope_triton"),
-                      (gv, "greedy_step_triton"),
+                      (gv, "greedy_step_triton"), (pa, "attention_triton"), (db, "draft_block_triton"),
                       (gl, "glu_triton"), (mr, "moe_route_triton"), (mc, "moe_combine_triton")):
         counted(mod, name)
     res = {}
@@ -494,13 +496,14 @@ def _engine_pair_checks() -> dict:
     expect = {"k3": {"kda_decode_triton", "attn_res_mix_triton", "grouped_gemv_triton", "glu_triton",
                      "moe_route_triton", "moe_combine_triton",
                      "norm_rope_triton"},  # the K3 drafter's MLA RoPE
-              "qwen3": {"qk_norm_rope_triton", "glu_triton"}}  # q and k of target and drafter in place
+              # q and k of target and drafter in place, their attention over the pool in place
+              "qwen3": {"qk_norm_rope_triton", "glu_triton", "attention_triton"}}
     for kind, make in (("k3", make_k3_drafter), ("qwen3", make_drafter)):
         target = make_target(kind)
         drafter = live_markov(make(target))
         calls.clear()
         res.update(_engine_pair(kind, target, drafter, calls))
-        missing = (expect[kind] | {"markov_sample_triton", "greedy_step_triton"}) - set(calls)
+        missing = (expect[kind] | {"markov_sample_triton", "greedy_step_triton", "draft_block_triton"}) - set(calls)
         assert not missing, f"{kind}: kernels not called: {missing}"
     return res
 

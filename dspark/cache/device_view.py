@@ -6,9 +6,11 @@ A step of B rows (a batch-size bucket: rows past the live ones are padding) and 
     table      [B, W] block ids (W = L / block_size; entries past a row's blocks and padding rows -> the scratch block)
     slots      [B]  KDA state slots (padding rows -> the scratch slot)
 and sees the first L positions of every row (L: a static context bucket >= max(num_cached) + T). Rows are written
-in place (index_copy_ into the pool at the block-table slots) and read with one fixed-size gather [B, L, C] per
-layer under the key mask (the indices of both, and the mask: dspark/kernels/view_indices.py); KDA state is read and
-written through the slot indices. No host reads and no data-dependent shapes, so one CUDA graph captures a whole
+in place at the block-table slots: by the layer's own kernel where it takes the sink (attn_sink: the Qwen3 layers'
+norm-RoPE launch), else index_copy_. They are read in place by paged attention (attn_pages:
+dspark/kernels/paged_attention.py), else with one fixed-size gather [B, L, C] per layer under the key mask (the
+indices of both, and the mask: dspark/kernels/view_indices.py); KDA state is read and written through the slot
+indices. No host reads and no data-dependent shapes, so one CUDA graph captures a whole
 step; on CPU the same code runs eagerly.
 """
 from __future__ import annotations

@@ -26,10 +26,19 @@ models import kernels, kernels never import models. Modules:
   counter_uniform  the counter-based uniforms of dspark.spec.sampling (splitmix64), one launch; also their definition
   rejection_verify  Leviathan rejection verification of a sampled step, one launch (rows under a temperature alone)
   rms_norm       torch definitions several kernels fuse (no kernel of its own)
+  add_rms_norm   a residual add and the RMSNorm after it in one pass
+  temperature_softmax  softmax(logits / T) per row, one launch
+  view_indices   a decode step's cache indices (positions, valid flags, pool rows, gather rows) and its additive key
+                 mask; also key_visible, pool_rows
+  paged_attention  attention over the paged pool in place (no gathered context, no mask tensor; the drafter's
+                 block as extra rows); also Pages, where a layer's rows lie
+  draft_block    a draft step's block embeddings, positions and key mask in one launch; also block_embeddings
+  chain_inputs   a step's inputs from the step before it on the device (async scheduling)
 Where they run, on CUDA without autograd: the K3 layers dispatch kda_decode (cached steps of <= 17 tokens), attn_res
 (inference), moe_route, moe_combine and the MoE's grouped_gemv (decode_gemv.py); the Qwen3 target and drafter
-layers qk_norm_rope_ on cached forwards (norm_rope elsewhere), MLA with RoPE (the K3 drafter) rope_interleaved; every
-gated MLP glu; the engine's draft step runs markov_sample for greedy drafts and for rows under a temperature alone,
+layers qk_norm_rope_ on cached forwards (norm_rope elsewhere; in a decode step it also writes the cache rows) and
+paged_attention in a decode step, every residual add before a norm add_rms_norm, MLA with RoPE (the K3 drafter)
+rope_interleaved; every gated MLP glu; every decode step view_indices, its draft steps draft_block; the engine's draft step runs markov_sample for greedy drafts and for rows under a temperature alone,
 its greedy steps greedy_verify and its sampled steps counter_uniform, rejection_verify and greedy_verify's pack, every
 other sampled draw (dspark.spec.sampling.sample_from) inverse_cdf.
 decode_gemv's Qwen3 matvecs are not used by the engine's paged step; they are tested against their references and

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.kernels.paged_attention import Pages, attention_fits, attention_triton
+from dspark.kernels.paged_attention import Pages, attention_fits, paged_attention
 from dspark.kernels.rope import qk_norm_rope_, sink_write
 from dspark.models.drafter_config import DrafterConfig
 from dspark.models.k3.mla import MLAttention
@@ -49,7 +49,7 @@ class DraftAttention(Qwen3Attention):
         q, block = self.q_and_rows(x, rope)  # one GEMM for the block's queries and its own k / v rows
         if isinstance(ctx_rows, Pages):
             if attention_fits(q, ctx_rows.pool, block):  # one kernel: context in place, then the block, no mask
-                o = attention_triton(q, ctx_rows.pool, ctx_rows.rows, ctx_rows.lim, block)  # [B, Q, H, D]
+                o = paged_attention(q, ctx_rows.pool, ctx_rows.rows, ctx_rows.lim, block)  # [B, Q, H, D]
                 return self.o_proj(o.reshape(B, Q, -1))
             ctx_rows = ctx_rows.gathered()
         rows = torch.cat([ctx_rows.to(x.dtype), block], dim=1)

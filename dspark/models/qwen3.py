@@ -19,7 +19,7 @@ from transformers import Qwen3Config
 
 from dspark.cache.batch import ForwardBatch
 from dspark.checkpoint_io import checkpoint_state, load_state_strict, read_config, save_checkpoint_dir
-from dspark.kernels.paged_attention import attention_fits, attention_triton
+from dspark.kernels.paged_attention import attention_fits, paged_attention
 from dspark.kernels.rope import qk_norm_rope_, sink_write
 from dspark.models.layers import (
     GatedMLP,
@@ -82,7 +82,7 @@ class Qwen3Attention(nn.Module):
         if sink is not None:  # written: every row is read in place, these among them
             pages = cache.attn_pages(self.layer_idx)
             if attention_fits(q, pages.pool):  # one kernel: no gathered rows, no mask
-                return self.o_proj(attention_triton(q, pages.pool, pages.rows, pages.lim).reshape(B, T, -1))
+                return self.o_proj(paged_attention(q, pages.pool, pages.rows, pages.lim).reshape(B, T, -1))
             rows = pages.gathered()  # [B, L, C]
         elif cache is not None:
             rows = cache.attn_append(self.layer_idx, rows)  # [B, L, C]: the cached rows, then these
