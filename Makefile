@@ -32,10 +32,11 @@ quickstart: data-sources
 		--corpus .cache/corpus-stdlib --tasks code_holdout,humaneval,creative,chat \
 		--num-prompts 20 --max-tokens 64 --threads 2 --out $(QS)/eval
 
-# DSpark vs the dflash layout, trained with the same data and steps (after `make quickstart`)
+# DSpark vs the dflash layout (as many drafts a step: block 9), trained with the same data and steps (after
+# `make quickstart`)
 quickstart-ablation: data-sources
 	$(BIN)/python -m train recipes/quickstart.yaml target=$(QS)/target/final output_dir=$(QS)/dflash overwrite=true \
-		drafter.mode=dflash drafter.block_size=5 drafter.markov_rank=0
+		drafter.mode=dflash drafter.block_size=9 drafter.markov_rank=0
 	$(BIN)/python -m eval --target $(QS)/target/final --drafter $(QS)/drafter/final --name dspark \
 		--drafter $(QS)/dflash/final --name dflash --corpus .cache/corpus-stdlib \
 		--tasks code_holdout,humaneval,creative,chat --num-prompts 20 --max-tokens 64 --threads 2 \

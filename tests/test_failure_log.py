@@ -13,6 +13,8 @@ def test_a_failure_is_logged_as_it_happens(tmp_path):
                                             "def test_bad():\n    assert 1 + 1 == 3, 'the reason'\n")
     log = tmp_path / "failures.txt"
     env = dict(os.environ, DSPARK_FAILURE_LOG=str(log), PYTHONPATH=str(ROOT))
+    for key in [k for k in env if k.startswith("PYTEST_XDIST")]:  # under xdist: the probe is no worker of ours
+        env.pop(key)
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "tests.conftest", "-p", "no:cacheprovider",
                         str(tmp_path / "test_probe.py")], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
