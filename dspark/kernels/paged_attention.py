@@ -63,6 +63,24 @@ def attention_ref(q: torch.Tensor, pool: torch.Tensor, rows: torch.Tensor, lim: 
 
 
 @triton.jit
+def _tile(q, k, v, visible, m_i, l_i, acc, scale, DOT_F32: tl.constexpr):
+    """One tile of keys k, values v [BLOCK_N, D] (visible [BLOCK_M, BLOCK_N]) into the online softmax."""
+    if DOT_F32:
+        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = tl.where(visible, s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _paged_attention_kernel(Q, POOL, ROWS, LIM, EXTRA, OUT, T, G, L, NE, HKV, sqb, sqh, sqt, s_pool, s_rows, slb, slt,
                             seb, sen, scale, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_E: tl.constexpr, HAS_EXTRA: tl.constexpr, DOT_F32: tl.constexpr):
@@ -85,39 +103,14 @@ def _paged_attention_kernel(Q, POOL, ROWS, LIM, EXTRA, OUT, T, G, L, NE, HKV, sq
         r = tl.load(ROWS + b * s_rows + n, mask=nm, other=0)
         k = tl.load(POOL + r[:, None] * s_pool + k_col + d[None, :], mask=nm[:, None], other=0.0)
         v = tl.load(POOL + r[:, None] * s_pool + v_col + d[None, :], mask=nm[:, None], other=0.0)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n[None, :] < lim[:, None], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _tile(q, k, v, n[None, :] < lim[:, None], m_i, l_i, acc, scale, DOT_F32)
     if HAS_EXTRA:  # the rows every query sees
         n = tl.arange(0, BLOCK_E)
         nm = n < NE
         e = EXTRA + b * seb + n[:, None] * sen + d[None, :]
         k = tl.load(e + k_col, mask=nm[:, None], other=0.0)
         v = tl.load(e + v_col, mask=nm[:, None], other=0.0)
-        if DOT_F32:
-            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(nm[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i, l_i, acc = _tile(q, k, v, (nm[None, :]) & mm[:, None], m_i, l_i, acc, scale, DOT_F32)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     # o [B, T, Hq, D] contiguous
     tl.store(OUT + ((b * T + t[:, None]) * (HKV * G) + head[:, None]) * D + d[None, :], o.to(OUT.dtype.element_ty),
