@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dspark.config import RecipeError, load_recipe
 from tests.targets import make_target
 from tests.test_engine import make_drafter
 from train.losses import LossWeights, drafter_loss
@@ -125,7 +126,6 @@ def test_confidence_grad_reaches_the_draft_hidden_states_only_when_asked(drafter
 
 
 def test_recipe_loss_fields_are_validated():
-    from dspark.config import RecipeError, load_recipe
 
     with pytest.raises(RecipeError, match=r"loss.confidence_target: expected one of \['correct', 'tv'\]"):
         load_recipe("recipes/quickstart.yaml", ["loss.confidence_target=soft"])
@@ -190,4 +190,6 @@ def test_bench_loss_step_times_a_recipes_loss(capsys):
     assert loss_step.main(["recipes/quickstart.yaml", "--vocab", "512", "--hidden", "32", "--rows", "2",
                            "--iters", "1", "--device", dev]) == 0
     out = capsys.readouterr().out
-    assert "2 rows x 32 blocks x 4 drafts, vocab 512: loss forward + backward" in out, out
+    r = load_recipe("recipes/quickstart.yaml")  # the recipe's anchors and drafts per block
+    want = f"2 rows x {r.anchors_per_seq} blocks x {r.drafter.block_size} drafts, vocab 512: loss forward + backward"
+    assert want in out, out
