@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from dspark.cache.state import committed_kda_state
+from dspark.kernels.paged_attention import Pages
 from dspark.kernels.view_indices import additive_key_mask, key_visible
 
 
@@ -30,10 +31,10 @@ class CacheView(Protocol):
         Writes the first num_new[b] rows of each request after its num_cached[b] cached rows and returns
         every row 0..num_cached+num_new-1 per request, right-padded: [B, L, C], L = max(num_cached+num_new)."""
 
-    def attn_sink(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Where a layer may write this forward's rows itself (the write fused into the kernel that makes them):
-        (pool rows [P, C], dest [B * T]: token i's row) or None. A layer that wrote them reads the rows in place
-        through attn_pages(layer) -> Pages (dspark.kernels.paged_attention) instead of calling attn_append."""
+    def attn_pages(self, layer: int) -> Pages | None:
+        """The layer's rows in place (dspark.kernels.paged_attention.Pages), or None. Where given, a layer writes this
+        forward's rows itself (Pages.sink: the write fused into the kernel that makes them) and reads every row in
+        place instead of calling attn_append."""
 
     def kda_read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (S [B, H, K, V] fp32 recurrent state, conv window [B, W-1, C] of the last raw conv inputs)."""
@@ -114,7 +115,7 @@ class DenseCache:
         store[rows[valid], b.positions(T)[valid]] = new[valid].to(store.dtype)
         return store[:, : int((b.num_cached + b.num_new).max())]
 
-    def attn_sink(self, layer: int) -> None:
+    def attn_pages(self, layer: int) -> None:
         return None  # rows go through attn_append
 
     def kda_read(self, layer: int):

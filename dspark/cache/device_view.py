@@ -6,12 +6,12 @@ A step of B rows (a batch-size bucket: rows past the live ones are padding) and 
     table      [B, W] block ids (W = L / block_size; entries past a row's blocks and padding rows -> the scratch block)
     slots      [B]  KDA state slots (padding rows -> the scratch slot)
 and sees the first L positions of every row (L: a static context bucket >= max(num_cached) + T). Rows are written
-in place at the block-table slots: by the layer's own kernel where it takes the sink (attn_sink: the Qwen3 layers'
-norm-RoPE launch), else index_copy_. They are read in place by paged attention (attn_pages:
+in place at the block-table slots: by the layer's own kernel where it takes them (attn_pages' sink: the Qwen3
+layers' norm-RoPE launch), else index_copy_. They are read in place by paged attention (attn_pages:
 dspark/kernels/paged_attention.py), else with one fixed-size gather [B, L, C] per layer under the key mask (the
 indices of both, and the mask: dspark/kernels/view_indices.py); KDA state is read and written through the slot
-indices. No host reads and no data-dependent shapes, so one CUDA graph captures a whole
-step; on CPU the same code runs eagerly.
+indices. No host reads and no data-dependent shapes, so one CUDA graph captures a whole step; on CPU the same code
+runs eagerly.
 """
 from __future__ import annotations
 
@@ -81,29 +81,27 @@ class DeviceView:
     def attn_write(self, layer: int, new: torch.Tensor) -> None:
         """new [B, T, C]: every row (valid or padding) goes to its slot; padding lands past the committed length
         (overwritten later) or in the scratch block."""
-        flat = self.kv[layer].view(-1, self.kv[layer].shape[-1])
+        flat = self._flat(layer)
         flat.index_copy_(0, self._dest, new.reshape(-1, new.shape[-1]).to(flat.dtype))
 
-    def attn_sink(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the pool's rows [P, C], dest [B * T]): where attn_write puts each new token's row."""
-        return self.kv[layer].view(-1, self.kv[layer].shape[-1]), self._dest
-
     def attn_pages(self, layer: int) -> Pages:
-        """The layer's rows in place for paged attention: the pool's rows, those of positions 0..L-1 per row, and
-        what each new token sees (keys up to its position)."""
+        """The layer's rows in place: the pool's rows, those of positions 0..L-1 per row, what each new token sees
+        (keys up to its position) and where each new token's row goes (what attn_write writes)."""
         if self._lim is None:
             self._lim = self._pos + 1
-        return Pages(self.kv[layer].view(-1, self.kv[layer].shape[-1]), self._gather, self._lim)
+        return Pages(self._flat(layer), self._gather, self._lim, self._dest)
 
     def attn_read(self, layer: int) -> torch.Tensor:
         """-> [B, T, C]: the rows at the new tokens' positions (what attn_write would overwrite)."""
-        store = self.kv[layer]
-        return store.view(-1, store.shape[-1])[self._dest].view(*self._pos.shape, -1)
+        return self._flat(layer)[self._dest].view(*self._pos.shape, -1)
 
     def attn_rows(self, layer: int) -> torch.Tensor:
         """-> [B, L, C]: positions 0..L-1 of every row (the key mask hides what lies past a query's position)."""
-        store = self.kv[layer]
-        return store.view(-1, store.shape[-1])[self._gather]
+        return self._flat(layer)[self._gather]
+
+    def _flat(self, layer: int) -> torch.Tensor:
+        """The layer's pool as rows [P, C] (a view)."""
+        return self.kv[layer].view(-1, self.kv[layer].shape[-1])
 
     def attn_append(self, layer: int, new: torch.Tensor) -> torch.Tensor:
         self.attn_write(layer, new)

@@ -64,7 +64,7 @@ class PagedView:
         out = flat[self._rows(pos)]  # [B, L, C]
         return out.masked_fill((pos >= lengths[:, None])[..., None], 0)
 
-    def attn_sink(self, layer: int) -> None:
+    def attn_pages(self, layer: int) -> None:
         return None  # rows go through attn_append (a prefill writes its valid rows only)
 
     def kda_read(self, layer: int):

@@ -33,12 +33,18 @@ MAX_BLOCK_M = 64  # query rows per program
 
 @dataclass
 class Pages:
-    """Where a layer's cached rows lie: pool [P, C], rows [B, L] (each position's pool row) and lim [B, T] or [B, 1]
-    (what each query sees: keys i < lim)."""
+    """Where a layer's cached rows lie in a step: pool [P, C], rows [B, L] (each position's pool row), lim [B, T] or
+    [B, 1] (what each query sees: keys i < lim) and dest [B * T] (each new token's pool row)."""
 
     pool: torch.Tensor
     rows: torch.Tensor
     lim: torch.Tensor
+    dest: torch.Tensor
+
+    @property
+    def sink(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pool, dest): where a layer writes the step's new rows itself (qk_norm_rope_'s sink)."""
+        return self.pool, self.dest
 
     def gathered(self) -> torch.Tensor:
         """[B, L, C]: the rows of positions 0..L-1 (one gather: the torch path)."""

@@ -52,7 +52,7 @@ class Qwen3Attention(nn.Module):
         """x [B, T, hidden] -> (q [B, H, T, D] normed and roped, rows [B, T, 2 * n_kv * D] = [k | v] per token, k
         normed and roped: the cache row). One GEMM; at inference q and k are then normed and roped in place in its
         output (one launch on CUDA), so both are views of it and the rows need no copy. sink (a cache's pool rows and
-        each token's row in them, CacheView.attn_sink): the rows are also written there, in the same launch. Under
+        each token's row in them, Pages.sink): the rows are also written there, in the same launch. Under
         autograd (training), which needs the values that would be overwritten, out of place."""
         B, T, _ = x.shape
         if torch.is_grad_enabled():
@@ -77,10 +77,9 @@ class Qwen3Attention(nn.Module):
     def forward(self, x, rope: Rope, batch: ForwardBatch | None):
         B, T, _ = x.shape
         cache = batch.cache if batch is not None else None
-        sink = cache.attn_sink(self.layer_idx) if cache is not None else None
-        q, rows = self.q_and_rows(x, rope, sink)
-        if sink is not None:  # written: every row is read in place, these among them
-            pages = cache.attn_pages(self.layer_idx)
+        pages = cache.attn_pages(self.layer_idx) if cache is not None else None
+        q, rows = self.q_and_rows(x, rope, None if pages is None else pages.sink)
+        if pages is not None:  # written: every row is read in place, these among them
             if attention_fits(q, pages.pool):  # one kernel: no gathered rows, no mask
                 return self.o_proj(paged_attention(q, pages.pool, pages.rows, pages.lim).reshape(B, T, -1))
             rows = pages.gathered()  # [B, L, C]

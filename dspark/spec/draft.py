@@ -10,7 +10,7 @@ Everything here is device ops only (no host reads), so the runner captures it in
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -126,7 +126,8 @@ class DraftRunner:
         self._write_rows(batch, self.drafter.context(aux))
 
     def _write_rows(self, batch, ctx: torch.Tensor) -> None:
-        sinks = [batch.cache.attn_sink(layer) for layer in self.layers]  # the layers write their rows themselves
+        pages = [batch.cache.attn_pages(layer) for layer in self.layers]
+        sinks = [None if p is None else p.sink for p in pages]  # the layers write their rows themselves
         rows = self.drafter.context_rows(ctx, batch.positions(ctx.shape[1]).to(ctx.device), sinks)
         for layer, r, sink in zip(self.layers, rows, sinks):
             if sink is None:
@@ -156,7 +157,7 @@ class DraftRunner:
         d = self.drafter
         if d.reads_pages:  # the context read in place: each layer's pool rows, keys before p0
             lim = view.num_cached[:, None]
-            ctx_rows = [Pages(p.pool, p.rows, lim) for p in map(view.attn_pages, self.layers)]
+            ctx_rows = [replace(p, lim=lim) for p in map(view.attn_pages, self.layers)]
         else:
             ctx_rows = [view.attn_rows(layer) for layer in self.layers]
         h = self.hidden(d, anchors, view.num_cached, ctx_rows)[:, :k]  # [B, k, H]
