@@ -20,7 +20,8 @@
 #                  1, 4, 16, 64
 #   timeline       where a decode step's time goes in the engine (bench/step_timeline.py): the host's phases against
 #                  the device's busy and idle time, AR / 4 drafts pinned / the k policy, greedy and T = 0.7, batches 1
-#                  and 16 -> $OUT/timeline.json
+#                  and 16 -> $OUT/timeline.json; then the engine's Python alone on this machine's CPU
+#                  (bench/host_step.py --no-forward --overlap --rows 1)
 #   floor          bs=1 AR decode through the engine against the HBM floor (bench/floor.py): the Qwen3-8B shape and
 #                  the K3 shape; random weights, nothing to train first
 #   serve          the server under load (bench/serve_bench.py): concurrency 1, 4, 16, 64 on code and prose prompts,
@@ -45,20 +46,23 @@
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
 #                  trained (train-target, train-drafter) with the CUDA tests beside it until the drafter's timed
-#                  training begins; then, on a quiet GPU, the pair through python -m serve; the pair through `python -m
-#                  serve --compile --max-batch-size 1` at concurrency 1 -> $OUT/serve-compiled.json; the quickstart pair
+#                  training begins (SIDE_STOP names another log to watch for that; one never written keeps them on
+#                  through the drafter's training, to pin by max_steps in DRAFTER_ARGS); then, on a quiet GPU, the pair
+#                  through python -m serve; the pair through `python -m serve --compile --max-batch-size 1` at
+#                  concurrency 1 -> $OUT/serve-compiled.json; the quickstart pair
 #                  (runs/quickstart/{target,drafter}/final, carried) through python -m serve ->
 #                  $OUT/serve-quickstart.json, and compiled at concurrency 1 -> $OUT/serve-quickstart-compiled.json; the
 #                  pair through the engine (pair, with the kernel profile; PAIR=0 skips it), the step timeline of the
-#                  quickstart pair if carried, else of the k3-mini pair (timeline; TIMELINE=0 skips it, TIMELINE_ARGS
-#                  replace `--batches 1,16,64 --prompts 64 --kernels 8`), then the CUDA tests the side run did not reach
-#                  (REST_TESTS=0 skips them). The four serve runs' time limits: SERVE_S (500), COMPILED_SERVE_S (360),
-#                  QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S (240); a 0 skips that run. SERVE_ARGS go to the first
-#                  serve run (`--concurrency 1,16`), QUICKSTART_ARGS to the quickstart pair's; SYNC_SERVE_S (0: skipped)
-#                  adds that run once more with `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0:
-#                  skipped) runs the pair with the engine in the server's process (`--no-engine-process`; INPROC_ARGS,
-#                  default `--concurrency 16,64 --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair
-#                  run's `--prompts 4 --batches 1`
+#                  quickstart pair if carried, else of the k3-mini pair (timeline; TIMELINE=0 skips it, TIMELINE=first
+#                  runs it right after the training, TIMELINE_ARGS replace `--batches 1,16,64 --prompts 64 --kernels
+#                  8`), then the CUDA tests the side run did not reach (REST_TESTS=0 skips them). The four serve runs'
+#                  time limits: SERVE_S (500), COMPILED_SERVE_S (360), QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S
+#                  (240); a 0 skips that run. SERVE_ARGS go to the first serve run (`--concurrency 1,16`),
+#                  QUICKSTART_ARGS to the quickstart pair's; SYNC_SERVE_S (0: skipped) adds that run once more with
+#                  `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs the pair with the
+#                  engine in the server's process (`--no-engine-process`; INPROC_ARGS, default `--concurrency 16,64
+#                  --temperatures 0`) -> $OUT/serve-inproc.json; PAIR_ARGS replace the pair run's `--prompts 4 --batches
+#                  1`
 #   quickstart     the quickstart pair's figures on a quiet GPU, as one detached run (its own OUT; carry
 #                  runs/quickstart/{target,drafter}/final): the kernel and engine CUDA tests first; the step timeline
 #                  (TIMELINE_ARGS replace `--batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 --kernels 8`);
@@ -162,8 +166,8 @@ echo "NGPU=$NGPU OUT=$OUT"
 # (xdist's workers included), stopped once a file GLOB names says "trainable params": the drafter's timed training
 # begins, which it must not share
 side_tests() {
-  setsid bash "$0" tests-cuda -n 8 --timeout 200 tests/test_overlap.py tests/test_runner.py tests/test_engine.py \
-    tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
+  setsid bash "$0" tests-cuda -n 8 --timeout 200 tests/test_mailbox.py tests/test_overlap.py tests/test_runner.py \
+    tests/test_engine.py tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
   side_pid=$!
   # shellcheck disable=SC2086 # GLOB is expanded at every look
   ( until cat $1 2>/dev/null | grep -qs "trainable params"; do sleep 5; done
@@ -244,6 +248,9 @@ case "$target" in
     echo "target $TARGET_DIR, drafter $DRAFTER_DIR"
     CUDA_VISIBLE_DEVICES=0 log timeline python3 bench/step_timeline.py --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" \
       --out "$OUT/timeline.json" "$@" || rc=$?
+    # the engine's Python alone on this machine's CPU (a fixed output for every step, one row, async scheduling)
+    log timeline python3 bench/host_step.py --rows 1 --prompts 8 --new-tokens 300 --repeats 5 --no-forward --overlap \
+      || rc=$?
     ;;
   floor)
     CUDA_VISIBLE_DEVICES=0 log floor python3 bench/floor.py --shape qwen3-8b --hf --out "$OUT/floor-qwen3-8b.json" \
@@ -295,12 +302,16 @@ case "$target" in
     ;;
   served)
     # shellcheck disable=SC2086 # the ARGS variables are word lists
-    side_tests "$OUT/train-drafter.txt"
+    quickstart=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final)
+    side_tests "${SIDE_STOP:-$OUT/train-drafter.txt}"
     trained=0
     bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} && trained=1 || rc=1
     side_tests_end
+    tl_pair=(); [ -d runs/quickstart/drafter/final ] && tl_pair=("${quickstart[@]}")
+    # shellcheck disable=SC2086 # TIMELINE_ARGS is a word list
+    [ "${TIMELINE:-1}" = first ] && { "${tl_pair[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
+      --prompts 64 --kernels 8} || rc=$?; }
     s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-240} s3=${COMPILED_SERVE_S:-360} s4=${QUICKSTART_COMPILED_S:-240}
-    quickstart=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final)
     # the compiled servers at concurrency 1, code, greedy, with one batch slot (the graphs of one row only)
     compiled=(--concurrency 1 --tasks humaneval --temperatures 0)
     # shellcheck disable=SC2086 # SERVE_ARGS is a word list
@@ -323,17 +334,16 @@ case "$target" in
     [ $trained = 1 ] && [ "${PAIR:-1}" != 0 ] && { bash "$0" pair ${PAIR_ARGS:---prompts 4 --batches 1} \
       --profile "$OUT/profile.txt" || rc=$?; }
     # the step timeline of the quickstart pair where it was carried (the shortest steps), else the k3-mini pair's
-    tl_pair=(); [ -d runs/quickstart/drafter/final ] && tl_pair=("${quickstart[@]}")
     # shellcheck disable=SC2086 # TIMELINE_ARGS is a word list
-    [ "${TIMELINE:-1}" != 0 ] && { "${tl_pair[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
+    [ "${TIMELINE:-1}" = 1 ] && { "${tl_pair[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
       --prompts 64 --kernels 8} || rc=$?; }
     [ "${REST_TESTS:-1}" = 1 ] && { rest_tests || rc=$?; }
     echo "served: done rc=$rc" | tee "$OUT/DONE"
     ;;
   quickstart)
     qs=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final)
-    bash "$0" tests-cuda -n 8 --timeout 200 tests/test_kernels.py tests/test_sampled_kernels.py tests/test_runner.py \
-      tests/test_engine.py > "$OUT/first.txt" 2>&1 || rc=1
+    bash "$0" tests-cuda -n 8 --timeout 200 tests/test_mailbox.py tests/test_kernels.py tests/test_sampled_kernels.py \
+      tests/test_runner.py tests/test_engine.py > "$OUT/first.txt" 2>&1 || rc=1
     # shellcheck disable=SC2086 # TIMELINE_ARGS and QUICKSTART_ARGS are word lists
     "${qs[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 \
       --kernels 8} || rc=1

@@ -10,9 +10,13 @@ host: step() in all, the launch (of it the graph replay call and the wait for th
 context flush, the read's wait for the device and the rest of the read (unpacking, stop handling); on the device,
 with events recorded on the stream before a launch's input copies and after its output copy: the step's busy time,
 and the idle time since the step before ended (0 when the host queued it in time). A cycle (start to start) longer
-than the device's busy time is the host's, and the phases say which part. Means over the decode steps between
-prefills; --per-step keeps every step (with the launch's host time before and after its replay call), --kernels N
-adds the CUDA kernels of N steps at batch 1.
+than the device's busy time is the host's, and the phases say which part. Those probes cost host time themselves, so
+each run first decodes the same requests with Engine.step alone timed: `host` (the step less its waits for the
+device: the host's own work) and `cycle_bare` come from that pass. Means over the decode steps between prefills;
+--per-step keeps every step (with the launch's host time before and after its replay call), --kernels N profiles N
+steps at batch 1 (torch.profiler, CPU and CUDA): the device's kernels, and the host's time per step with the calls
+it spends it in (the CUDA runtime's and torch's; the profiler's own cost per call included). On CUDA each run ends
+with the host's time in CUDAGraph.replay for each of its one-row step graphs.
 """
 from __future__ import annotations
 
@@ -36,11 +40,13 @@ PHASES = ("step", "launch", "replay_call", "staging_wait", "flush", "read_wait",
 
 
 class Timeline:
-    """Wraps one engine's step, its runner's launch and read, and CUDAGraph.replay to time them per decode step."""
+    """Wraps one engine's step, its runner's launch and read, and CUDAGraph.replay to time them per decode step.
+    bare: Engine.step alone (its time and the runner's waits, no events, no per-phase timers): the host's own work
+    per step as the engine does it without probes."""
 
-    def __init__(self, engine: Engine):
-        self.engine, self.rows, self.group = engine, [], 0
-        self.cuda = engine.device.type == "cuda"
+    def __init__(self, engine: Engine, bare: bool = False):
+        self.engine, self.rows, self.group, self.bare = engine, [], 0, bare
+        self.cuda = engine.device.type == "cuda" and not bare
         self.cur: dict | None = None
         runner = engine.runner
         step, launch, read, replay = engine.step, runner.launch, runner.read, torch.cuda.CUDAGraph.replay
@@ -49,14 +55,20 @@ class Timeline:
         def timed_step():
             s = engine.scheduler  # a step that admits or prefills is not a decode step
             prefill = bool(s.waiting) or any(r.num_computed < len(r.prompt_ids) for r in s.running)
-            self.cur = dict.fromkeys(PHASES, 0.0) | {"t0": time.perf_counter(), "events": [], "prefill": prefill,
-                                                      "group": self.group, "graphs": len(runner.steps),
-                                                      "keys": []}
+            self.cur = dict.fromkeys(PHASES, 0.0) | {"events": [], "prefill": prefill, "group": self.group,
+                                                      "graphs": len(runner.steps), "keys": []}
+            waits = runner.wait_s + runner.launch_wait_s
+            self.cur["t0"] = time.perf_counter()
             out = step()
-            self.cur["captured"] = len(runner.steps) - self.cur["graphs"]
             self.cur["step"] = time.perf_counter() - self.cur["t0"]
+            self.cur["waits"] = runner.wait_s + runner.launch_wait_s - waits
+            self.cur["captured"] = len(runner.steps) - self.cur["graphs"]
             self.rows.append(self.cur)
             return out
+
+        engine.step = timed_step
+        if bare:
+            return
 
         def timed_launch(rows, tables, num_cached, slots, key):
             t0, w0 = time.perf_counter(), runner.launch_wait_s
@@ -94,15 +106,16 @@ class Timeline:
                 self.cur["replay_call"] += t1 - t0
                 self.cur["replay_at"] = (t0, t1)
 
-        engine.step, runner.launch, runner.read = timed_step, timed_launch, timed_read
-        runner.flush_context = timed_flush
+        runner.launch, runner.read, runner.flush_context = timed_launch, timed_read, timed_flush
         self._replay = replay
         torch.cuda.CUDAGraph.replay = timed_replay
 
     def close(self) -> None:
-        torch.cuda.CUDAGraph.replay = self._replay
-        r = self.engine.runner
-        del self.engine.step, r.launch, r.read, r.flush_context  # the class's methods again
+        del self.engine.step  # the class's methods again
+        if not self.bare:
+            torch.cuda.CUDAGraph.replay = self._replay
+            r = self.engine.runner
+            del r.launch, r.read, r.flush_context
 
     def summary(self) -> dict:
         """Means (ms) over the decode steps: a step after one that prefilled (or the first of a generate call) and
@@ -113,10 +126,14 @@ class Timeline:
                 if not (a["prefill"] or b["prefill"]) and a["group"] == b["group"] == c["group"]]
         if not rows:
             raise ValueError("no decode step to time between the prefills: raise --max-tokens")
-        out = {p: 1e3 * statistics.fmean(r[p] for r in rows) for p in PHASES if p != "other"}
-        out["other"] = out["step"] - out["launch"] - out["flush"] - out["read_wait"] - out["read_rest"]
         nxt = {id(a): b for a, b in zip(self.rows, self.rows[1:])}
         cyc = [nxt[id(r)]["t0"] - r["t0"] for r in rows]
+        host = 1e3 * statistics.fmean(r["step"] - r["waits"] for r in rows)  # the step less its waits for the device
+        if self.bare:
+            return {"host": host, "cycle": 1e3 * statistics.fmean(cyc), "steps": len(rows)}
+        out = {p: 1e3 * statistics.fmean(r[p] for r in rows) for p in PHASES if p != "other"}
+        out["other"] = out["step"] - out["launch"] - out["flush"] - out["read_wait"] - out["read_rest"]
+        out["host_probed"] = host
         out["cycle"] = 1e3 * statistics.fmean(cyc)
         out["between_steps"] = out["cycle"] - out["step"]  # the caller's loop
         pairs = [(e, n) for r in rows for e in r["events"][-1:] for n in nxt[id(r)]["events"][:1]]
@@ -146,6 +163,14 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     engine.generate(groups[0], SamplingParams(max_tokens=min(16, max_tokens), temperature=temperature,
                                               ignore_eos=True))
+    bare = Timeline(engine, bare=True)  # first the same requests with no probes but the step's own time
+    try:
+        for g in groups:
+            bare.group += 1
+            engine.generate(g, params)
+        plain = bare.summary()
+    finally:
+        bare.close()
     c = engine.counters
     before, tokens_before = list(c["decode_steps_per_k"]), list(c["tokens_per_k"])
     tl, outs, wall = Timeline(engine), [], 0.0
@@ -162,7 +187,7 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
     acc = [a for o in outs for a in o.accepted_per_step]
     steps = [a - b for a, b in zip(c["decode_steps_per_k"], before)]
     tokens = [a - b for a, b in zip(c["tokens_per_k"], tokens_before)]
-    res.update(tok_s=toks / wall, tau=1 + statistics.fmean(acc) if acc else None, steps_per_k=steps,
+    res.update(host=plain["host"], cycle_bare=plain["cycle"], tok_s=toks / wall, tau=1 + statistics.fmean(acc) if acc else None, steps_per_k=steps,
                # per k that ran: tokens per row-step, the mean cycle (ms), so tokens per ms as it happened
                per_k={k: {"steps": n, "tokens_per_row_step": tokens[k] / n / len(groups[0]),
                           "cycle_ms": res["cycle_per_k"].get(k)} for k, n in enumerate(steps) if n})
@@ -177,24 +202,60 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
     return res
 
 
+SYNCS = ("cudaEventSynchronize", "cudaStreamSynchronize", "cudaDeviceSynchronize")
+
+
 def kernels(engine: Engine, prompts: list[list[int]], temperature: float, steps: int) -> dict:
-    """The device's kernels over `steps` decode steps of these prompts decoded together: kernels per step and the
-    top kernels by device time per step (µs), from torch.profiler (CUDA activity: the kernels inside graphs too)."""
+    """`steps` decode steps of these prompts decoded together under torch.profiler (CPU and CUDA activity): the
+    device's kernels per step and the top ones by device time (µs; the kernels inside graphs too); on the host,
+    Engine.step's time per step, its waits for the device (the CUDA synchronize calls), the rest (the host's own
+    work) and the top host calls by self time per step."""
     for p in prompts:
         engine.add_request(p, SamplingParams(max_tokens=steps * 8 + 8, temperature=temperature, ignore_eos=True))
     for _ in range(3):  # prefill, first token, the first decode step
         engine.step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+    cuda = engine.device.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=acts) as prof:
         for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
+            with torch.profiler.record_function("engine.step"):
+                engine.step()
+        if cuda:
+            torch.cuda.synchronize()
     while engine.has_work():
         engine.step()
-    dev = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    ev = prof.key_averages()
+    dev = [e for e in ev if e.self_device_time_total > 0]
     top = sorted(dev, key=lambda e: -e.self_device_time_total)[:15]
+    host = [e for e in ev if e.self_cpu_time_total > 0 and e.key != "engine.step"]
+    step_us = sum(e.cpu_time_total for e in ev if e.key == "engine.step") / steps
+    wait_us = sum(e.self_cpu_time_total for e in host if e.key in SYNCS) / steps
     return {"kernels_per_step": sum(e.count for e in dev) / steps,
             "device_us_per_step": sum(e.self_device_time_total for e in dev) / steps,
-            "top": [(e.key[:90], e.count / steps, e.self_device_time_total / steps) for e in top]}
+            "top": [(e.key[:90], e.count / steps, e.self_device_time_total / steps) for e in top],
+            "host_step_us": step_us, "host_wait_us": wait_us, "host_own_us": step_us - wait_us,
+            "host_top": [(e.key[:90], e.count / steps, e.self_cpu_time_total / steps)
+                         for e in sorted(host, key=lambda e: -e.self_cpu_time_total)[:12]]}
+
+
+def replay_costs(engine: Engine, reps: int = 20) -> list[dict]:
+    """The host's time in CUDAGraph.replay for each step graph of one row (µs, the median of reps replays, each on
+    an idle device) beside its time on the device: whether one graph costs the host more to launch than another.
+    The graphs run on whatever inputs they hold: the engine is spent after this."""
+    out = []
+    for key, st in engine.runner.steps.items():
+        if key.rows != 1 or st.graph is None:
+            continue
+        ts = []
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            st.graph.replay()
+            ts.append(time.perf_counter() - t0)
+        out.append({"k": key.k, "width": key.width, "mode": key.mode, "replay_us": 1e6 * statistics.median(ts),
+                    "device_us": 1e3 * st.ms})
+    torch.cuda.synchronize()
+    return out
 
 
 def main(argv=None) -> None:
@@ -210,7 +271,7 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kernels", type=int, default=0, help="also profile this many decode steps per run and "
-                    "temperature at batch 1 (CUDA): kernels per step, the top kernels")
+                    "temperature at batch 1: the device's kernels (CUDA), the host's time and calls")
     ap.add_argument("--per-step", action="store_true", help="keep every decode step's figures in --out")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
@@ -223,7 +284,7 @@ def main(argv=None) -> None:
     batches = [int(b) for b in a.batches.split(",")]
     mml = max(len(p) for p in prompts) + a.max_tokens + drafter.config.num_drafts + 1
     res = {"command": "python3 bench/step_timeline.py " + " ".join(argv or sys.argv[1:]), "runs": []}
-    cols = ("cycle", "device_busy", "device_idle", "step", "launch", "replay_call", "staging_wait", "flush",
+    cols = ("host", "cycle_bare", "cycle", "device_busy", "device_idle", "step", "launch", "replay_call", "staging_wait", "flush",
             "read_wait", "read_rest", "other", "between_steps", "captures")
     print("| run | T | batch | tok/s | τ | steps per k | " + " | ".join(cols) + " |\n|---|--:|--:|--:|--:|---|"
           + "--:|" * len(cols))
@@ -250,9 +311,11 @@ def main(argv=None) -> None:
                     est = "; ".join(f"k={k} {e['expected']:.2f}/{e['cost_ms']:.3f}{'' if e['measured'] else '*'}"
                                     for k, e in (r["policy"]["estimates"] or {}).items())
                     print(f"<!-- {name} T={t:g} B={b}: ran {ran} | policy {est} (* modelled) -->", flush=True)
-            if a.kernels and dev.startswith("cuda"):
+            if a.kernels:
                 res.setdefault("kernels", []).append({"run": name, "temperature": t,
                                                       **kernels(engine, prompts[:1], t, a.kernels)})
+        if dev.startswith("cuda"):
+            res.setdefault("replay", []).extend({"run": name, **r} for r in replay_costs(engine))
         del engine
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
@@ -261,6 +324,15 @@ def main(argv=None) -> None:
               f"{kr['device_us_per_step']:.0f} µs per step on the device; the top ones (per step: calls, µs):")
         for name, calls, us in kr["top"]:
             print(f"  {calls:5.1f} {us:7.1f}  {name}")
+        print(f"  host, under the profiler: {kr['host_step_us']:.0f} µs per step, of it {kr['host_wait_us']:.0f} "
+              f"waiting for the device, {kr['host_own_us']:.0f} its own; the top calls (per step: calls, self µs):")
+        for name, calls, us in kr["host_top"]:
+            print(f"  {calls:5.1f} {us:7.1f}  {name}")
+    if res.get("replay"):
+        print("\nthe host's time in CUDAGraph.replay per step graph of one row (µs, median of 20 on an idle device):")
+        for r in res["replay"]:
+            print(f"  {r['run']:5} k={r['k']} width={r['width']:3} {r['mode']:7} {r['replay_us']:6.1f} µs host, "
+                  f"{r['device_us']:7.1f} µs device")
     if a.out:
         Path(a.out).write_text(json.dumps(res, indent=1))
 

@@ -6,7 +6,9 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
     drafter's context rows -> verify (greedy, or Leviathan / block rejection with per-row parameters and counter-based
     uniforms) -> KDA commit of a + 1 tokens -> packed [a, n, emitted tokens]
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
-eagerly. Its first op completes the inputs of rows that continue a row of the step before (chain_inputs, from that
+eagerly. A captured step ends by posting its packed output to its mailbox (step_buffers.Mailbox): the graph copies
+it to pinned memory with a count the host reads, so launching a step is its replay alone and reading a finished one
+makes no CUDA call. Its first op completes the inputs of rows that continue a row of the step before (chain_inputs, from that
 step's output kept in `carry`), so a step can be queued while the one before is still in flight; a step whose rows
 all continue the same rows of the step just launched, in the same buffers and blocks, finds its inputs on the device
 already and stages nothing. k = 0 is plain decoding: of the drafter's context it writes only the projection of aux
@@ -132,9 +134,9 @@ class ModelRunner:
         # the last step's output [a, n, t_0 .. t_k], which the next step's chain_inputs read (outside the graphs'
         # memory pool: a prefill's replay may reuse that memory in between)
         self.carry = torch.zeros(self.buckets[-1], max_k + 3, dtype=torch.long, device=self.device)
-        # (pinned buffer, copy-done event, timing events) for the host's copies of two steps' outputs (CUDA), in
-        # turns (launch)
+        # (pinned buffer, copy-done event) for the host's copies of two eager steps' outputs (CUDA), in turns
         self._outs: list[tuple | None] = [None, None]
+        self._timer: tuple | None = None  # the events around a timed replay (one step in TIME_EVERY: read before reuse)
         self._flip = 0
         self._launches = 0  # graph replays are timed on the device every TIME_EVERY launches
         self._last: StepBuffers | None = None  # the buffers of the last launched step
@@ -338,7 +340,10 @@ class ModelRunner:
         """chain_inputs, the step, and its output kept in `carry` for the next step."""
         chain_inputs(st.ints, self.carry)
         out = self._step_body(st)
-        self.carry[:out.shape[0], :out.shape[1]].copy_(out)
+        if st.mailbox is None:
+            self.carry[:out.shape[0], :out.shape[1]].copy_(out)
+        else:  # a captured step: kept in carry and posted for the host in one kernel (then its copies)
+            st.mailbox.post(out, self.carry)
         return out
 
     def _step_body(self, st: StepBuffers) -> torch.Tensor:
@@ -441,7 +446,7 @@ class ModelRunner:
     def _get(self, key: StepKey) -> StepBuffers:
         st = self.steps.get(key)
         if st is None:
-            st = self.steps[key] = StepBuffers(key, self.device)
+            st = self.steps[key] = StepBuffers(key, self.device, mailbox=self.graphs)
             st.ints_np[:] = self._pad_row(key.width)
             st.floats_np[:] = (0.0, 1.0)
             if self.graphs:
@@ -493,6 +498,7 @@ class ModelRunner:
             end.synchronize()
             best = min(best, start.elapsed_time(end))
         st.ms = best
+        st.mailbox.sync()  # the runs above posted too
         self.carry.copy_(carry)
 
     def step_ms(self, key: StepKey) -> float | None:
@@ -515,30 +521,34 @@ class ModelRunner:
         B = len(rows)
         if not self.cuda:
             return Launched(self._run(st), None, B, st.ms)
-        # the copy the host reads goes to one of two pinned buffers (a step's read while the next one's fills)
-        self._flip ^= 1
-        if self._outs[self._flip] is None:
-            self._outs[self._flip] = (torch.empty(self.buckets[-1] * (self.max_k + 3), dtype=torch.long,
-                                                  pin_memory=True), torch.cuda.Event(),
-                                      (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
-        buf, done, timing = self._outs[self._flip]
         self._launches += 1
-        if st.graph is None:
-            out, timing = self._run(st), None
-        else:
-            timing = timing if self._launches % TIME_EVERY == 0 else None
+        if st.graph is not None:  # the graph posts its output to its mailbox (step_buffers.Mailbox)
+            timing = self._timing() if self._launches % TIME_EVERY == 0 else None
             if timing is not None:
                 timing[0].record()
             st.graph.replay()
             if timing is not None:
                 timing[1].record()
-            out = st.out
+            host, want = st.mailbox.replayed()
+            return Launched(host, None, B, st.ms, timing, mailbox=st.mailbox, want=want)
+        # an eager step's copy for the host goes to one of two pinned buffers (a step's read while the next one's fills)
+        self._flip ^= 1
+        if self._outs[self._flip] is None:
+            self._outs[self._flip] = (torch.empty(self.buckets[-1] * (self.max_k + 3), dtype=torch.long,
+                                                  pin_memory=True), torch.cuda.Event())
+        buf, done = self._outs[self._flip]
+        out = self._run(st)
         host = st.hosts[self._flip]
         if host is None:  # the whole bucket's rows [rows, k + 3]: one copy into a view made once
             host = st.hosts[self._flip] = pinned_rows(buf, *out.shape)
         host.copy_(out, non_blocking=True)
         done.record()
-        return Launched(host, done, B, st.ms, timing)
+        return Launched(host, done, B, st.ms)
+
+    def _timing(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+        if self._timer is None:
+            self._timer = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        return self._timer
 
     def _continues(self, st: StepBuffers, rows: list[RowInput], tables: list[list[int]], chained: bool) -> bool:
         """Whether the step's device inputs are already in place: it runs the buffers of the step launched just
@@ -581,8 +591,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         if step.done is not None:
             step.done.synchronize()
+        elif step.mailbox is not None:
+            step.mailbox.wait(step.want)
         self.wait_s += time.perf_counter() - t0
         if step.timing is not None:
+            step.timing[1].synchronize()  # recorded after the graph's last copy: at most a moment later
             step.device_ms = step.timing[0].elapsed_time(step.timing[1])
         host = step.host if step.live == step.host.shape[0] else step.host[:step.live]
         return host.tolist()

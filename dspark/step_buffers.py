@@ -3,12 +3,14 @@ device buffers with their host staging, and the column layout of its int buffer 
 device). dspark/runner.py runs the steps."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from dspark.kernels.chain_inputs import chain_inputs as chain_inputs_op
+from dspark.kernels.publish import publish
 
 # int columns, then the table. room: tokens the request may still emit; src: the row of the step before this one that
 # this row continues (-1: its pending token and length are the host's): chain_inputs
@@ -68,16 +70,55 @@ class RowInput:
     src: int = -1  # this row's row in the step in flight, or -1
 
 
+class Mailbox:
+    """Where a captured step posts its output for the host (dspark/kernels/publish.py): a two-turn ring of its rows
+    and the count of posts, on the device, and their pinned copies, which the graph makes after the post (the ring,
+    then the count). `posted` mirrors the device's count, so the host knows the turn each replay writes and the
+    count that says it is there: no event to record, no copy to queue, and no CUDA call to read a finished step."""
+
+    def __init__(self, rows: int, cols: int, device):
+        self.ring = torch.zeros(2, rows, cols, dtype=torch.long, device=device)
+        self.count = torch.zeros(1, dtype=torch.long, device=device)
+        pin = torch.device(device).type == "cuda"
+        self.ring_host = torch.zeros(2, rows, cols, dtype=torch.long, pin_memory=pin)
+        self.count_host = torch.zeros(1, dtype=torch.long, pin_memory=pin)
+        self.count_np = self.count_host.numpy()
+        self.posted = 0
+
+    def post(self, out: torch.Tensor, carry: torch.Tensor) -> None:
+        """Device ops (the end of the captured step): out [rows, cols] into carry and the ring, then both copied."""
+        publish(out, carry, self.ring, self.count)
+        self.ring_host.copy_(self.ring, non_blocking=True)
+        self.count_host.copy_(self.count, non_blocking=True)
+
+    def sync(self) -> None:
+        """The host's count from the device's, after posts the host did not count (a capture's runs)."""
+        self.posted = int(self.count.item())
+
+    def replayed(self) -> tuple[torch.Tensor, int]:
+        """Once per replay: the turn of the host's ring it fills [rows, cols] and the count that says it is there."""
+        turn = self.ring_host[self.posted % 2]
+        self.posted += 1
+        return turn, self.posted
+
+    def wait(self, want: int) -> None:
+        """Until the count reaches want (yielding the GIL between looks; a step read late finds it there at once)."""
+        while self.count_np[0] < want:
+            time.sleep(0)
+
+
 @dataclass
 class Launched:
-    """A decode step queued on the device: its output's copy for the host (pinned on CUDA), the event that says
-    the copy is done, and the timing events around its graph's replay."""
+    """A decode step queued on the device: its output's copy for the host (pinned on CUDA), what says the copy is
+    done (an eager step's event, or a captured step's mailbox count), and the timing events around a replay."""
     host: torch.Tensor  # [live, k + 3]
     done: torch.cuda.Event | None
     live: int
     ms: float | None  # the graph's replay time measured at capture (None: it ran eagerly)
     timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # (before, after) the replay on the stream
     device_ms: float | None = None  # set by the read: the replay's time on the device in this step
+    mailbox: Mailbox | None = None  # a captured step's: its output is there once its count reaches `want`
+    want: int = 0
 
 
 def chain_inputs(ints: torch.Tensor, prev: torch.Tensor) -> None:
@@ -91,8 +132,9 @@ def chain_inputs(ints: torch.Tensor, prev: torch.Tensor) -> None:
 class StepBuffers:
     """The static buffers, the CUDA graph (if any) and the output of one StepKey."""
 
-    def __init__(self, key: StepKey, device):
+    def __init__(self, key: StepKey, device, mailbox: bool = False):
         self.key = key
+        self.mailbox = Mailbox(key.rows, key.k + 3, device) if mailbox else None  # a captured step's (CUDA)
         self.ints = torch.zeros(key.rows, NI + key.width, dtype=torch.long, device=device)
         self.floats = torch.zeros(key.rows, 2, dtype=torch.float32, device=device)  # temperature, top_p
         # host staging (pinned on CUDA), filled in place each step through numpy views; its padding rows are set

@@ -15,16 +15,19 @@ def test_step_timeline_phases_add_up(models, tmp_path):
     out = tmp_path / "timeline.json"
     cmd = [sys.executable, "bench/step_timeline.py", "--target", str(target), "--drafter", str(drafter),
            "--runs", "ar,k2,auto", "--temperatures", "0,0.7", "--batches", "1,2", "--prompts", "2",
-           "--max-tokens", "40", "--device", "cpu", "--per-step", "--out", str(out)]
+           "--max-tokens", "40", "--device", "cpu", "--per-step", "--kernels", "3", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
-    runs = json.loads(out.read_text())["runs"]
+    res_json = json.loads(out.read_text())
+    runs = res_json["runs"]
     assert {(r["run"], r["temperature"], r["batch"]) for r in runs} == {
         (n, t, b) for n in ("ar", "k2", "auto") for t in (0.0, 0.7) for b in (1, 2)}
     for r in runs:
         assert r["tok_s"] > 0 and r["steps"] > 0 and len(r["per_step"]) == r["steps"]
         parts = r["launch"] + r["flush"] + r["read_wait"] + r["read_rest"] + r["other"]
         assert abs(parts - r["step"]) < 1e-6 and r["other"] >= 0 and r["cycle"] >= r["step"] > 0
+        # the unprobed pass: the host's own work within its cycle; the probed step holds its own host work
+        assert 0 < r["host"] <= r["cycle_bare"] and 0 < r["host_probed"] <= r["step"]
         ks = {key[1] for s in r["per_step"] for key in s["keys"]}
         assert ks == ({0} if r["run"] == "ar" else {2} if r["run"] == "k2" else {4})  # CPU: the whole block
         assert (r["tau"] is None) == (r["run"] == "ar")
@@ -35,6 +38,12 @@ def test_step_timeline_phases_add_up(models, tmp_path):
             want = 1.0 if r["tau"] is None else r["tau"]
             assert abs(r["per_k"][str(max(ks))]["tokens_per_row_step"] - want) < 0.35
     assert "| k2 | 0.7 | 2 |" in res.stdout
+    # the profiled steps (one per run and temperature): the host's time per step, split into waits and its own work
+    prof = res_json["kernels"]
+    assert [(k["run"], k["temperature"]) for k in prof] == [(n, t) for n in ("ar", "k2", "auto") for t in (0.0, 0.7)]
+    for k in prof:
+        assert k["host_step_us"] > 0 and 0 < k["host_own_us"] <= k["host_step_us"] and k["host_top"]
+        assert k["kernels_per_step"] == 0  # no device on the CPU
 
 
 def test_pair_profile_has_the_prefill_then_the_decode_steps(models):

@@ -1,0 +1,117 @@
+"""How a captured decode step hands its output to the host (dspark.step_buffers.Mailbox, dspark/kernels/publish.py):
+the publish kernel against its reference (under the Triton interpreter, and on CUDA), the two turns of the ring on
+CPU, and on CUDA a captured graph whose replays the host reads from the mailbox alone, two in flight at a time."""
+import pytest
+import torch
+
+from dspark.kernels.publish import publish_ref
+from dspark.step_buffers import Mailbox
+from tests.interp import interpreter_checks
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _publish_case(device, seed: int, op, rows: int, cols: int, posts: int = 3):
+    """`posts` random outputs [rows, cols] through op (None: the reference) into a wider carry, a ring and a count
+    that starts at seed % 5 -> (carry, ring, count) on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    carry = torch.randint(-9, 9, (rows + 3, cols + 4), generator=gen).to(device)
+    ring = torch.zeros(2, rows, cols, dtype=torch.long, device=device)
+    count = torch.full((1,), seed % 5, dtype=torch.long, device=device)
+    for _ in range(posts):
+        out = torch.randint(0, 1 << 40, (rows, cols), generator=gen).to(device)
+        (op or publish_ref)(out, carry, ring, count)
+    return carry.cpu(), ring.cpu(), count.cpu()
+
+
+def _interp_checks() -> dict:
+    """Runs with TRITON_INTERPRET=1: name -> [mismatched values, tolerance]."""
+    from dspark.kernels.publish import publish_triton
+
+    res = {}
+    for seed, rows, cols in ((0, 1, 3), (1, 37, 11), (2, 100, 11)):  # the last: more than one 1024-value block
+        got, want = _publish_case("cpu", seed, publish_triton, rows, cols), _publish_case("cpu", seed, None, rows, cols)
+        res[f"publish_{rows}x{cols}"] = [float(sum(int((a != b).sum()) for a, b in zip(got, want))), 0.0]
+    return res
+
+
+def test_publish_kernel_interpreted():
+    res = interpreter_checks("tests.test_mailbox")
+    assert set(res) == {"publish_1x3", "publish_37x11", "publish_100x11"}
+    for name, (err, tol) in res.items():
+        assert err <= tol, name
+
+
+def test_publish_reference_turns():
+    """Post n lands in turn (count before it) % 2, the carry holds the last post, the count counts posts."""
+    carry, ring = torch.zeros(4, 6, dtype=torch.long), torch.zeros(2, 2, 3, dtype=torch.long)
+    count = torch.tensor([7])
+    outs = [torch.arange(6).view(2, 3) + 10 * i for i in range(3)]
+    for o in outs:
+        publish_ref(o, carry, ring, count)
+    assert int(count) == 10 and torch.equal(carry[:2, :3], outs[2]) and not carry[2:].any() and not carry[:, 3:].any()
+    assert torch.equal(ring[1], outs[2]) and torch.equal(ring[0], outs[1])  # posts at counts 7, 8, 9 -> turns 1, 0, 1
+
+
+def test_mailbox_turns_on_cpu():
+    """The host's mirror of the count: each replay's turn holds that post's rows and stays intact after the next
+    post (two steps in flight); sync() takes the device's count after posts the host did not count."""
+    mb, carry = Mailbox(2, 3, "cpu"), torch.zeros(2, 3, dtype=torch.long)
+    mb.post(torch.full((2, 3), -1), carry)  # an uncounted post (a capture's warm-up)
+    mb.sync()
+    assert mb.posted == 1
+    seen = []
+    for i in range(4):
+        out = torch.arange(6).view(2, 3) + 100 * i
+        mb.post(out, carry)
+        turn, want = mb.replayed()
+        mb.wait(want)  # posted already: returns at once
+        assert want == i + 2 and torch.equal(turn, out) and torch.equal(carry, out)
+        if seen:
+            assert torch.equal(seen[-1][0], seen[-1][1])  # the step before's turn: untouched by this post
+        seen.append((turn, out))
+
+
+@cuda
+def test_cuda_publish_kernel():
+    from dspark.kernels.publish import publish_triton
+
+    for seed, rows, cols in ((0, 1, 3), (1, 512, 11)):
+        got, want = _publish_case("cuda", seed, publish_triton, rows, cols), _publish_case("cpu", seed, None, rows, cols)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@cuda
+def test_cuda_mailbox_in_a_graph():
+    """A captured step (x + its input, posted) replayed with new inputs, each launched before the one before it is
+    read, as the engine's overlap does: every read through the mailbox's count alone gives that replay's rows."""
+    rows, cols = 3, 5
+    mb, carry = Mailbox(rows, cols, "cuda"), torch.zeros(4, 8, dtype=torch.long, device="cuda")
+    inp = torch.zeros(rows, cols, dtype=torch.long, device="cuda")
+    base = torch.arange(rows * cols, device="cuda").view(rows, cols)
+
+    def step():
+        mb.post(base + inp, carry)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up (Triton's compile): a post the host did not count
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    mb.sync()
+    pending = None
+    for i in range(1, 9):
+        inp.fill_(1000 * i)  # queued before the replay, after the last one on the stream
+        graph.replay()
+        launched = (i, *mb.replayed())
+        if pending is not None:  # read the step before, this one in flight
+            j, turn, want = pending
+            mb.wait(want)
+            assert torch.equal(turn, (base + 1000 * j).cpu())
+        pending = launched
+    j, turn, want = pending
+    mb.wait(want)
+    assert torch.equal(turn, (base + 1000 * j).cpu()) and torch.equal(carry[:rows, :cols].cpu(), turn)
