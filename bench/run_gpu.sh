@@ -65,7 +65,8 @@
 #                  1`
 #   quickstart     the quickstart pair's figures on a quiet GPU, as one detached run (its own OUT; carry
 #                  runs/quickstart/{target,drafter}/final): the kernel and engine CUDA tests first; the step timeline
-#                  (TIMELINE_ARGS replace `--batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 --kernels 8`);
+#                  (TIMELINE_ARGS replace `--batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 --kernels 8`),
+#                  and without the steps' mailboxes (DSPARK_MAILBOX=0 -> $OUT/timeline-event.json);
 #                  python -m serve (QUICKSTART_SERVE_S, default 240; QUICKSTART_ARGS); where BLOCK8_DIR names a block-8
 #                  drafter, its timeline (`--runs k4,k8,auto --temperatures 0`) -> $OUT/timeline-block8.json and its
 #                  served run (BLOCK8_SERVE_S, default 150, `--concurrency 1`) -> $OUT/serve-block8.json; then the rest
@@ -347,6 +348,9 @@ case "$target" in
     # shellcheck disable=SC2086 # TIMELINE_ARGS and QUICKSTART_ARGS are word lists
     "${qs[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 \
       --kernels 8} || rc=1
+    # the same steps with each captured step's output through a queued copy and an event (no mailbox)
+    "${qs[@]}" DSPARK_MAILBOX=0 bash "$0" timeline --batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 \
+      --out "$OUT/timeline-event.json" || rc=1
     # shellcheck disable=SC2086
     "${qs[@]}" bash "$0" serve --time-limit "${QUICKSTART_SERVE_S:-240}" ${QUICKSTART_ARGS:-} \
       --out "$OUT/serve-quickstart.json" || rc=1

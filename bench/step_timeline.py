@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_decode import encode  # noqa: E402  (bench/pair_decode.py: prompts encoded as python -m eval does)
@@ -163,14 +164,17 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     engine.generate(groups[0], SamplingParams(max_tokens=min(16, max_tokens), temperature=temperature,
                                               ignore_eos=True))
-    bare = Timeline(engine, bare=True)  # first the same requests with no probes but the step's own time
+    bare, toks, wall = Timeline(engine, bare=True), 0, 0.0  # first the same requests, unprobed but for step()
     try:
         for g in groups:
             bare.group += 1
-            engine.generate(g, params)
+            t0 = time.perf_counter()
+            toks += sum(len(o.token_ids) for o in engine.generate(g, params))
+            wall += time.perf_counter() - t0
         plain = bare.summary()
     finally:
         bare.close()
+    plain["tok_s"] = toks / wall
     c = engine.counters
     before, tokens_before = list(c["decode_steps_per_k"]), list(c["tokens_per_k"])
     tl, outs, wall = Timeline(engine), [], 0.0
@@ -187,7 +191,8 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
     acc = [a for o in outs for a in o.accepted_per_step]
     steps = [a - b for a, b in zip(c["decode_steps_per_k"], before)]
     tokens = [a - b for a, b in zip(c["tokens_per_k"], tokens_before)]
-    res.update(host=plain["host"], cycle_bare=plain["cycle"], tok_s=toks / wall, tau=1 + statistics.fmean(acc) if acc else None, steps_per_k=steps,
+    res.update(host=plain["host"], cycle_bare=plain["cycle"], tok_s_bare=plain["tok_s"], tok_s=toks / wall,
+               tau=1 + statistics.fmean(acc) if acc else None, steps_per_k=steps,
                # per k that ran: tokens per row-step, the mean cycle (ms), so tokens per ms as it happened
                per_k={k: {"steps": n, "tokens_per_row_step": tokens[k] / n / len(groups[0]),
                           "cycle_ms": res["cycle_per_k"].get(k)} for k, n in enumerate(steps) if n})
@@ -225,7 +230,10 @@ def kernels(engine: Engine, prompts: list[list[int]], temperature: float, steps:
     while engine.has_work():
         engine.step()
     ev = prof.key_averages()
-    dev = [e for e in ev if e.self_device_time_total > 0]
+    # the kernels and copies (not the CPU ops over them, nor the engine's ranges, which the profiler times on the
+    # device too)
+    dev = [e for e in ev if e.self_device_time_total > 0 and e.device_type != DeviceType.CPU
+           and not e.key.startswith("engine.")]
     top = sorted(dev, key=lambda e: -e.self_device_time_total)[:15]
     host = [e for e in ev if e.self_cpu_time_total > 0 and e.key != "engine.step"]
     step_us = sum(e.cpu_time_total for e in ev if e.key == "engine.step") / steps
@@ -284,9 +292,9 @@ def main(argv=None) -> None:
     batches = [int(b) for b in a.batches.split(",")]
     mml = max(len(p) for p in prompts) + a.max_tokens + drafter.config.num_drafts + 1
     res = {"command": "python3 bench/step_timeline.py " + " ".join(argv or sys.argv[1:]), "runs": []}
-    cols = ("host", "cycle_bare", "cycle", "device_busy", "device_idle", "step", "launch", "replay_call", "staging_wait", "flush",
-            "read_wait", "read_rest", "other", "between_steps", "captures")
-    print("| run | T | batch | tok/s | τ | steps per k | " + " | ".join(cols) + " |\n|---|--:|--:|--:|--:|---|"
+    cols = ("tok_s_bare", "host", "cycle_bare", "cycle", "device_busy", "device_idle", "step", "launch", "replay_call",
+            "staging_wait", "flush", "read_wait", "read_rest", "other", "between_steps", "captures")
+    print("| run | T | batch | tok/s (probed) | τ | steps per k | " + " | ".join(cols) + " |\n|---|--:|--:|--:|--:|---|"
           + "--:|" * len(cols))
     for name in a.runs.split(","):
         k = None if name in ("ar", "auto") else int(name[1:])
@@ -302,7 +310,8 @@ def main(argv=None) -> None:
                 res["runs"].append(r)
                 if not a.per_step:
                     r.pop("per_step")
-                cells = " | ".join("—" if r.get(c) is None else f"{r[c]:.3f}" for c in cols)
+                cells = " | ".join("—" if r.get(c) is None else f"{r[c]:.0f}" if c == "tok_s_bare" else f"{r[c]:.3f}"
+                                   for c in cols)
                 tau = "—" if r["tau"] is None else f"{r['tau']:.2f}"
                 print(f"| {name} | {t:g} | {b} | {r['tok_s']:.0f} | {tau} | {r['steps_per_k']} | {cells} |", flush=True)
                 if "policy" in r:  # as it ran, against what the policy expected at the end

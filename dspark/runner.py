@@ -8,7 +8,7 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
 eagerly. A captured step ends by posting its packed output to its mailbox (step_buffers.Mailbox): the graph copies
 it to pinned memory with a count the host reads, so launching a step is its replay alone and reading a finished one
-makes no CUDA call. Its first op completes the inputs of rows that continue a row of the step before (chain_inputs, from that
+makes no CUDA call (DSPARK_MAILBOX=0: a queued copy and an event per step instead, as an eager step has). Its first op completes the inputs of rows that continue a row of the step before (chain_inputs, from that
 step's output kept in `carry`), so a step can be queued while the one before is still in flight; a step whose rows
 all continue the same rows of the step just launched, in the same buffers and blocks, finds its inputs on the device
 already and stages nothing. k = 0 is plain decoding: of the drafter's context it writes only the projection of aux
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import os
 import time
 import warnings
 
@@ -83,6 +84,7 @@ FLUSH_MIN = 16  # the narrowest context-flush graph (its widths are powers of tw
 # batched (a regeneration's waves of hundreds): an eager forward's first shape may autotune kernels for seconds
 PREFILL_GRAPH_ROWS = 64
 PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
+MAILBOX = os.environ.get("DSPARK_MAILBOX", "1") != "0"  # 0: captured steps' outputs go through a copy and an event
 TIME_EVERY = 8  # launches per graph replay timed on the device (events around it: host time on every step)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
 
@@ -446,7 +448,7 @@ class ModelRunner:
     def _get(self, key: StepKey) -> StepBuffers:
         st = self.steps.get(key)
         if st is None:
-            st = self.steps[key] = StepBuffers(key, self.device, mailbox=self.graphs)
+            st = self.steps[key] = StepBuffers(key, self.device, mailbox=self.graphs and MAILBOX)
             st.ints_np[:] = self._pad_row(key.width)
             st.floats_np[:] = (0.0, 1.0)
             if self.graphs:
@@ -498,7 +500,8 @@ class ModelRunner:
             end.synchronize()
             best = min(best, start.elapsed_time(end))
         st.ms = best
-        st.mailbox.sync()  # the runs above posted too
+        if st.mailbox is not None:
+            st.mailbox.sync()  # the runs above posted too
         self.carry.copy_(carry)
 
     def step_ms(self, key: StepKey) -> float | None:
@@ -522,28 +525,32 @@ class ModelRunner:
         if not self.cuda:
             return Launched(self._run(st), None, B, st.ms)
         self._launches += 1
-        if st.graph is not None:  # the graph posts its output to its mailbox (step_buffers.Mailbox)
+        if st.graph is not None:
             timing = self._timing() if self._launches % TIME_EVERY == 0 else None
             if timing is not None:
                 timing[0].record()
             st.graph.replay()
             if timing is not None:
                 timing[1].record()
-            host, want = st.mailbox.replayed()
-            return Launched(host, None, B, st.ms, timing, mailbox=st.mailbox, want=want)
-        # an eager step's copy for the host goes to one of two pinned buffers (a step's read while the next one's fills)
+            if st.mailbox is not None:  # the graph posted its output (step_buffers.Mailbox)
+                host, want = st.mailbox.replayed()
+                return Launched(host, None, B, st.ms, timing, mailbox=st.mailbox, want=want)
+            out = st.out
+        else:
+            out, timing = self._run(st), None
+        # else the output's copy for the host goes to one of two pinned buffers (a step's read while the next one's
+        # fills), and an event says when it is there
         self._flip ^= 1
         if self._outs[self._flip] is None:
             self._outs[self._flip] = (torch.empty(self.buckets[-1] * (self.max_k + 3), dtype=torch.long,
                                                   pin_memory=True), torch.cuda.Event())
         buf, done = self._outs[self._flip]
-        out = self._run(st)
         host = st.hosts[self._flip]
         if host is None:  # the whole bucket's rows [rows, k + 3]: one copy into a view made once
             host = st.hosts[self._flip] = pinned_rows(buf, *out.shape)
         host.copy_(out, non_blocking=True)
         done.record()
-        return Launched(host, done, B, st.ms)
+        return Launched(host, done, B, st.ms, timing)
 
     def _timing(self) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         if self._timer is None:

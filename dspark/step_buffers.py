@@ -70,25 +70,32 @@ class RowInput:
     src: int = -1  # this row's row in the step in flight, or -1
 
 
+WAIT_LIMIT_S = 120.0  # a decode step not posted after this long: the device or the mailbox's count is out of order
+
+
 class Mailbox:
-    """Where a captured step posts its output for the host (dspark/kernels/publish.py): a two-turn ring of its rows
-    and the count of posts, on the device, and their pinned copies, which the graph makes after the post (the ring,
-    then the count). `posted` mirrors the device's count, so the host knows the turn each replay writes and the
-    count that says it is there: no event to record, no copy to queue, and no CUDA call to read a finished step."""
+    """Where a captured step posts its output for the host (dspark/kernels/publish.py): a two-turn ring of its rows,
+    each turn stamped with its post's number, and the count of posts, on the device; their pinned copies, which the
+    graph makes after the post (ring and stamps, then the count). `posted` mirrors the device's count, so the host
+    knows the turn each replay writes and the count that says it is there: no event to record, no copy to queue, and
+    no CUDA call to read a finished step. A turn whose stamp is not its post's number raises (never stale rows)."""
 
     def __init__(self, rows: int, cols: int, device):
-        self.ring = torch.zeros(2, rows, cols, dtype=torch.long, device=device)
+        n = 2 * rows * cols
+        self.box = torch.zeros(n + 2, dtype=torch.long, device=device)  # [ring | stamps]: one copy for both
+        self.ring, self.stamps = self.box[:n].view(2, rows, cols), self.box[n:]
         self.count = torch.zeros(1, dtype=torch.long, device=device)
         pin = torch.device(device).type == "cuda"
-        self.ring_host = torch.zeros(2, rows, cols, dtype=torch.long, pin_memory=pin)
+        self.box_host = torch.zeros(n + 2, dtype=torch.long, pin_memory=pin)
+        self.ring_host = self.box_host[:n].view(2, rows, cols)
         self.count_host = torch.zeros(1, dtype=torch.long, pin_memory=pin)
-        self.count_np = self.count_host.numpy()
+        self.stamps_np, self.count_np = self.box_host[n:].numpy(), self.count_host.numpy()
         self.posted = 0
 
     def post(self, out: torch.Tensor, carry: torch.Tensor) -> None:
-        """Device ops (the end of the captured step): out [rows, cols] into carry and the ring, then both copied."""
-        publish(out, carry, self.ring, self.count)
-        self.ring_host.copy_(self.ring, non_blocking=True)
+        """Device ops (the end of the captured step): out [rows, cols] into carry and the ring, then the copies."""
+        publish(out, carry, self.ring, self.stamps, self.count)
+        self.box_host.copy_(self.box, non_blocking=True)
         self.count_host.copy_(self.count, non_blocking=True)
 
     def sync(self) -> None:
@@ -102,9 +109,19 @@ class Mailbox:
         return turn, self.posted
 
     def wait(self, want: int) -> None:
-        """Until the count reaches want (yielding the GIL between looks; a step read late finds it there at once)."""
-        while self.count_np[0] < want:
-            time.sleep(0)
+        """Until the count reaches want (yielding the GIL between looks; a step read late finds it there at once),
+        then check that want's turn holds post want."""
+        if self.count_np[0] < want:
+            deadline = time.monotonic() + WAIT_LIMIT_S
+            while self.count_np[0] < want:
+                time.sleep(0)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"decode step: post {want} not seen after {WAIT_LIMIT_S:.0f} s (the device's "
+                                       f"count reads {int(self.count_np[0])})")
+        stamp = int(self.stamps_np[(want - 1) % 2])
+        if stamp != want:
+            raise RuntimeError(f"decode step: its output's turn holds post {stamp}, not {want} (the host's count of "
+                               "replays is out of step with the device's)")
 
 
 @dataclass

@@ -12,16 +12,17 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _publish_case(device, seed: int, op, rows: int, cols: int, posts: int = 3):
-    """`posts` random outputs [rows, cols] through op (None: the reference) into a wider carry, a ring and a count
-    that starts at seed % 5 -> (carry, ring, count) on the CPU."""
+    """`posts` random outputs [rows, cols] through op (None: the reference) into a wider carry, a ring, its stamps
+    and a count that starts at seed % 5 -> (carry, ring, stamps, count) on the CPU."""
     gen = torch.Generator().manual_seed(seed)
     carry = torch.randint(-9, 9, (rows + 3, cols + 4), generator=gen).to(device)
     ring = torch.zeros(2, rows, cols, dtype=torch.long, device=device)
+    stamps = torch.zeros(2, dtype=torch.long, device=device)
     count = torch.full((1,), seed % 5, dtype=torch.long, device=device)
     for _ in range(posts):
         out = torch.randint(0, 1 << 40, (rows, cols), generator=gen).to(device)
-        (op or publish_ref)(out, carry, ring, count)
-    return carry.cpu(), ring.cpu(), count.cpu()
+        (op or publish_ref)(out, carry, ring, stamps, count)
+    return carry.cpu(), ring.cpu(), stamps.cpu(), count.cpu()
 
 
 def _interp_checks() -> dict:
@@ -45,12 +46,13 @@ def test_publish_kernel_interpreted():
 def test_publish_reference_turns():
     """Post n lands in turn (count before it) % 2, the carry holds the last post, the count counts posts."""
     carry, ring = torch.zeros(4, 6, dtype=torch.long), torch.zeros(2, 2, 3, dtype=torch.long)
-    count = torch.tensor([7])
+    stamps, count = torch.zeros(2, dtype=torch.long), torch.tensor([7])
     outs = [torch.arange(6).view(2, 3) + 10 * i for i in range(3)]
     for o in outs:
-        publish_ref(o, carry, ring, count)
+        publish_ref(o, carry, ring, stamps, count)
     assert int(count) == 10 and torch.equal(carry[:2, :3], outs[2]) and not carry[2:].any() and not carry[:, 3:].any()
     assert torch.equal(ring[1], outs[2]) and torch.equal(ring[0], outs[1])  # posts at counts 7, 8, 9 -> turns 1, 0, 1
+    assert stamps.tolist() == [9, 10]  # each turn stamped with its post's number (the count after it)
 
 
 def test_mailbox_turns_on_cpu():
@@ -70,6 +72,27 @@ def test_mailbox_turns_on_cpu():
         if seen:
             assert torch.equal(seen[-1][0], seen[-1][1])  # the step before's turn: untouched by this post
         seen.append((turn, out))
+
+
+def test_mailbox_out_of_step_raises():
+    """A host count behind the device's reads a turn stamped with another post: an error, never stale rows; a post
+    never seen fails after the wait limit with the device's count."""
+    import dspark.step_buffers as sb
+
+    mb, carry = Mailbox(1, 3, "cpu"), torch.zeros(1, 3, dtype=torch.long)
+    for _ in range(3):
+        mb.post(torch.ones(1, 3, dtype=torch.long), carry)  # the host counted none of them
+    _, want = mb.replayed()
+    with pytest.raises(RuntimeError, match="holds post 3, not 1"):
+        mb.wait(want)
+    mb.sync()
+    _, want = mb.replayed()  # a replay that never ran
+    limit, sb.WAIT_LIMIT_S = sb.WAIT_LIMIT_S, 0.05
+    try:
+        with pytest.raises(RuntimeError, match="post 4 not seen after"):
+            mb.wait(want)
+    finally:
+        sb.WAIT_LIMIT_S = limit
 
 
 @cuda

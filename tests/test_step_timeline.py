@@ -27,7 +27,7 @@ def test_step_timeline_phases_add_up(models, tmp_path):
         parts = r["launch"] + r["flush"] + r["read_wait"] + r["read_rest"] + r["other"]
         assert abs(parts - r["step"]) < 1e-6 and r["other"] >= 0 and r["cycle"] >= r["step"] > 0
         # the unprobed pass: the host's own work within its cycle; the probed step holds its own host work
-        assert 0 < r["host"] <= r["cycle_bare"] and 0 < r["host_probed"] <= r["step"]
+        assert 0 < r["host"] <= r["cycle_bare"] and 0 < r["host_probed"] <= r["step"] and r["tok_s_bare"] > 0
         ks = {key[1] for s in r["per_step"] for key in s["keys"]}
         assert ks == ({0} if r["run"] == "ar" else {2} if r["run"] == "k2" else {4})  # CPU: the whole block
         assert (r["tau"] is None) == (r["run"] == "ar")

@@ -1,12 +1,14 @@
 """A captured decode step's last kernel: its output kept for the next step and posted for the host.
 
 Shapes: out [R, C] int64 (the step's [a, n, t_0 .. t_k] rows); carry [R', C'] int64 with R' >= R, C' >= C (what the
-next step's chain_inputs read); ring [2, R, C] int64 on the device; count [1] int64, the number of posts so far.
-    carry[:R, :C] = out    ring[count % 2] = out    count += 1
-The graph then copies ring and count to pinned host memory, in that order: once the host sees count reach a step's
-number, that step's rows are in its turn of the ring, and the next post of the same graph writes the other turn
-(runner.read waits on the count instead of an event: no event to record and no copy to queue per step). One program:
-R * C is at most a few thousand values, and the count must move after every value is written.
+next step's chain_inputs read); ring [2, R, C] and stamps [2] int64 on the device; count [1] int64, the number of
+posts so far. With t = count % 2:
+    carry[:R, :C] = out    ring[t] = out    stamps[t] = count + 1    count += 1
+The graph then copies ring and stamps (one buffer), then count, to pinned host memory: once the host sees count reach
+a post's number, that post's rows are in its turn of the ring, stamped with that number, and the next post of the same
+graph writes the other turn (runner.read waits on the count instead of an event: no event to record and no copy to
+queue per step). One program: R * C is at most a few thousand values, and the count moves after every value is
+written.
 """
 from __future__ import annotations
 
@@ -15,16 +17,19 @@ import torch
 from dspark.kernels import tl, triton, use_triton
 
 
-def publish_ref(out: torch.Tensor, carry: torch.Tensor, ring: torch.Tensor, count: torch.Tensor) -> None:
-    """Torch reference, in place on carry, ring and count (graph-safe: the turn is read on the device)."""
+def publish_ref(out: torch.Tensor, carry: torch.Tensor, ring: torch.Tensor, stamps: torch.Tensor,
+                count: torch.Tensor) -> None:
+    """Torch reference, in place on carry, ring, stamps and count (graph-safe: the turn is read on the device)."""
     R, C = out.shape
     carry[:R, :C].copy_(out)
-    ring.index_copy_(0, count % 2, out[None])
+    turn = count % 2
+    ring.index_copy_(0, turn, out[None])
+    stamps.index_copy_(0, turn, count + 1)
     count.add_(1)
 
 
 @triton.jit
-def _publish_kernel(out, carry, ring, count, n, C, stride_c, BLOCK: tl.constexpr):
+def _publish_kernel(out, carry, ring, stamps, count, n, C, stride_c, BLOCK: tl.constexpr):
     c = tl.load(count)
     dst = ring + (c % 2) * n
     for start in range(0, n, BLOCK):
@@ -33,18 +38,22 @@ def _publish_kernel(out, carry, ring, count, n, C, stride_c, BLOCK: tl.constexpr
         x = tl.load(out + i, mask=m)
         tl.store(carry + (i // C) * stride_c + i % C, x, mask=m)
         tl.store(dst + i, x, mask=m)
+    tl.store(stamps + c % 2, c + 1)
     tl.debug_barrier()
     tl.store(count, c + 1)
 
 
-def publish_triton(out: torch.Tensor, carry: torch.Tensor, ring: torch.Tensor, count: torch.Tensor) -> None:
+def publish_triton(out: torch.Tensor, carry: torch.Tensor, ring: torch.Tensor, stamps: torch.Tensor,
+                   count: torch.Tensor) -> None:
     R, C = out.shape
-    _publish_kernel[(1,)](out, carry, ring, count, R * C, C, carry.stride(0), BLOCK=1024)
+    _publish_kernel[(1,)](out, carry, ring, stamps, count, R * C, C, carry.stride(0), BLOCK=1024)
 
 
-def publish(out: torch.Tensor, carry: torch.Tensor, ring: torch.Tensor, count: torch.Tensor) -> None:
+def publish(out: torch.Tensor, carry: torch.Tensor, ring: torch.Tensor, stamps: torch.Tensor,
+            count: torch.Tensor) -> None:
     """In place (module doc): Triton on CUDA (or under TRITON_INTERPRET=1), else the reference."""
-    if out.is_contiguous() and ring.is_contiguous() and carry.stride(1) == 1 and use_triton(out, carry, ring, count):
-        publish_triton(out, carry, ring, count)
+    if (out.is_contiguous() and ring.is_contiguous() and carry.stride(1) == 1
+            and use_triton(out, carry, ring, stamps, count)):
+        publish_triton(out, carry, ring, stamps, count)
     else:
-        publish_ref(out, carry, ring, count)
+        publish_ref(out, carry, ring, stamps, count)
