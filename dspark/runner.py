@@ -8,18 +8,16 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
 eagerly. A captured step ends by posting its packed output to its mailbox (step_buffers.Mailbox): the graph copies
 it to pinned memory with a count the host reads, so launching a step is its replay alone and reading a finished one
-makes no CUDA call (DSPARK_MAILBOX=0: a queued copy and an event per step instead, as an eager step has). Its first op completes the inputs of rows that continue a row of the step before (chain_inputs, from that
-step's output kept in `carry`), so a step can be queued while the one before is still in flight; a step whose rows
-all continue the same rows of the step just launched, in the same buffers and blocks, finds its inputs on the device
-already and stages nothing. k = 0 is plain decoding: of the drafter's context it writes only the projection of aux
-per position (one GEMM and a copy, where the full context write is some 30 kernels); flush_context turns the stashed
-positions into context rows (a captured graph per row) before a request drafts again.
+makes no CUDA call (DSPARK_MAILBOX=0: a queued copy and an event per step instead, as an eager step has). Its first
+op completes the inputs of rows that continue a row of the step before (chain_inputs, from that step's output kept
+in `carry`), so a step can be queued while the one before is still in flight; a step whose rows all continue the
+same rows of the step just launched, in the same buffers and blocks, finds its inputs on the device already and
+stages nothing. k = 0 is plain decoding: of the drafter's context it writes only the projection of aux per position
+(one GEMM and a copy, where the full context write is some 30 kernels); flush_context turns the stashed positions
+into context rows (a captured graph per row) before a request drafts again.
 
-A prefill chunk goes through the same DeviceView: on CUDA each request's chunk is one graph replay, keyed by its
-padded width (a power of two >= PREFILL_MIN) and the context it sees, while the forward is graph-safe (no MoE host
-reads), for up to PREFILL_GRAPH_ROWS requests a step; otherwise, and on CPU, the chunks of a step run eagerly,
-batched into forwards of up to PREFILL_BATCH_TOKENS tokens. The first token is sampled on the device from the last
-chunk's last logits.
+Prefill, the context flush and graph capture live in dspark/prefill_runner.py (PrefillRunner, which ModelRunner
+builds on).
 
 compile=True (opt-in): the target forward and the drafter's parallel pass inside the step go through torch.compile
 (dynamic shapes: batch, tokens and context are symbols; the Triton launches stay graph breaks) before the graph
@@ -32,28 +30,23 @@ Random numbers: a request's uniforms are a pure function of its seed and positio
 """
 from __future__ import annotations
 
-import functools
-import gc
 import os
 import time
 import warnings
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.cache.paged import PagedCache
 from dspark.kernels.greedy_verify import greedy_step, pack_step
-from dspark.models.k3.moe import LatentMoE, moe_graph_safe, set_static_moe
+from dspark.models.k3.moe import LatentMoE, set_static_moe
+from dspark.prefill_runner import COUNTER_STRIDE, MIN_CONTEXT, PrefillRunner, without_grad
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
 from dspark.spec.verify import choose_verify_lengths_device, verify_sampled
 from dspark.step_buffers import (
     INT_COLS,
     NI,
-    PREFILL_COLS,
     Launched,
-    PrefillBuffers,
-    PrefillKey,
     RowInput,
     StepBuffers,
     StepKey,
@@ -62,28 +55,6 @@ from dspark.step_buffers import (
     pow2_at_least,
 )
 
-
-def without_grad(fn):
-    """torch.no_grad() around fn, entered only where grad is on: entering it costs microseconds, a share of a decode
-    step's host time, and the engine's loops (generate, the server's engine thread) already run with grad off."""
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return fn(*a, **kw)
-        return fn(*a, **kw)
-    return wrapper
-
-
-PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one
-MIN_CONTEXT = 128  # the smallest context bucket (positions a step sees)
-PREFILL_MIN = 64  # the narrowest prefill graph (prefill widths are powers of two from here)
-FLUSH_MIN = 16  # the narrowest context-flush graph (its widths are powers of two from here)
-# a step's prefills replay one graph per request up to this many requests (a server's burst of arrivals), else run
-# batched (a regeneration's waves of hundreds): an eager forward's first shape may autotune kernels for seconds
-PREFILL_GRAPH_ROWS = 64
-PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
 MAILBOX = os.environ.get("DSPARK_MAILBOX", "1") != "0"  # 0: captured steps' outputs go through a copy and an event
 TIME_EVERY = 8  # launches per graph replay timed on the device (events around it: host time on every step)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
@@ -102,16 +73,11 @@ def _dense(x: torch.Tensor, own: bool) -> torch.Tensor:
     return x.clone(memory_format=torch.contiguous_format) if own else x.contiguous()
 
 
-class ModelRunner:
+class ModelRunner(PrefillRunner):
     def __init__(self, target, drafts: DraftRunner | None, cache: PagedCache, max_batch_size: int, max_k: int,
                  rejection: str = "standard", draft_sample: bool = False, adaptive: bool = False,
                  graphs: bool | None = None, compile: bool = False):
-        self.target, self.drafts, self.cache = target, drafts, cache
-        self.device = cache.device
-        self.cuda = self.device.type == "cuda"
-        self.graphs = self.cuda if graphs is None else graphs
-        if self.graphs and not self.cuda:
-            raise ValueError("graphs: CUDA graphs need the model on a CUDA device")
+        super().__init__(target, drafts, cache, graphs)
         self.compiled = False
         # the step's compiled target forward (None: self.forward). Not a stored bound method when uncompiled: that
         # would put the runner in a reference cycle, and a dead engine's graphs would wait for the garbage collector
@@ -120,14 +86,9 @@ class ModelRunner:
             self._compile()
         self.buckets = buckets(max_batch_size)
         self.rejection, self.draft_sample, self.adaptive = rejection, draft_sample, adaptive
-        self.aux_ids = list(drafts.drafter.config.target_layer_ids) if drafts is not None else None
         self.steps: dict[StepKey, StepBuffers] = {}
+        self.mailbox = self.graphs and MAILBOX  # captured steps post their output (step_buffers.Mailbox)
         self._keys: dict[tuple[int, int, str], tuple[int, int, StepKey]] = {}  # key_for's last key per rows, k, mode
-        self.prefills: dict[PrefillKey, PrefillBuffers] = {}
-        self.prefill_failed: set[PrefillKey] = set()
-        self.flushes: dict[PrefillKey, PrefillBuffers] = {}  # context flushes, keyed like prefills
-        self.flush_failed: set[PrefillKey] = set()
-        self.pool = None  # one memory pool for every graph (they never run concurrently)
         # MoE forwards up to the largest step's size take the gathered, graph-safe expert path; the setting lives on
         # the model, so an engine never lowers what another engine on the same target needs
         moes = [m for m in target.modules() if isinstance(m, LatentMoE)]
@@ -146,16 +107,7 @@ class ModelRunner:
         # host seconds spent waiting for the device: in decode steps' reads, and before refilling a step's staging
         self.wait_s, self.launch_wait_s = 0.0, 0.0
 
-    # ------------------------------------------------------------------ forward pieces
-    def forward(self, ids: torch.Tensor, batch, stash: bool = False) -> torch.Tensor:
-        """Target forward (+ the drafter's context rows of the same positions; stash: only their ctx, the rows
-        left to flush_context) -> logits [B, T, V]."""
-        if self.aux_ids is None:
-            return self.target(ids, batch=batch)
-        logits, aux = self.target(ids, batch=batch, aux_layer_ids=self.aux_ids)
-        (self.drafts.stash_context if stash else self.drafts.write_context)(batch, aux)
-        return logits
-
+    # ------------------------------------------------------------------ compile
     def _compile(self) -> None:
         dyn = torch._dynamo.config  # room for the variants (module doc) beside other compiled code
         for name, n in (("recompile_limit", 64), ("cache_size_limit", 64), ("accumulated_recompile_limit", 1024),
@@ -185,157 +137,6 @@ class ModelRunner:
             self._uncompile(err)
             st.ints.copy_(st.ints_host)  # as launched: chain_inputs changed it in place
             return self._step_fn(st)
-
-    # ------------------------------------------------------------------ prefill
-    def prefill_key(self, num_tokens: int, num_cached: int, align: int = 1) -> PrefillKey:
-        """The key of a chunk of num_tokens tokens after num_cached cached ones: with graphs a power-of-two width and
-        context; else the width rounded up to `align`, the exact context."""
-        if self.graphs:
-            return self._graph_key(num_tokens, num_cached, PREFILL_MIN)
-        T = -(-num_tokens // align) * align
-        return PrefillKey(T, -(-(num_cached + T) // self.cache.block_size))
-
-    def _graph_key(self, num_tokens: int, num_cached: int, t_min: int) -> PrefillKey:
-        """A one-request graph's key (a prefill's, a flush's): a power-of-two width from t_min and context."""
-        bs, T = self.cache.block_size, pow2_at_least(num_tokens, t_min)
-        return PrefillKey(T, pow2_at_least(num_cached + T, max(MIN_CONTEXT, bs)) // bs)
-
-    def _graph_keys(self, t_min: int, max_tokens: int, max_len: int) -> list[PrefillKey]:
-        """Every such key of up to max_tokens new tokens in requests up to max_len tokens."""
-        bs, keys = self.cache.block_size, []
-        T = t_min
-        while T <= pow2_at_least(max_tokens, t_min):
-            L = pow2_at_least(T, max(MIN_CONTEXT, bs))
-            while L <= pow2_at_least(max_len, max(MIN_CONTEXT, bs)):
-                keys.append(PrefillKey(T, L // bs))
-                L *= 2
-            T *= 2
-        return keys
-
-    def prefill_graph_safe(self, key: PrefillKey) -> bool:
-        return self.graphs and key not in self.prefill_failed and moe_graph_safe(self.target, key.T)
-
-    @torch.no_grad()
-    def prefill(self, chunks: list[list[int]], num_cached: list[int], tables: list[list[int]], slots: list[int],
-                align: int = 1) -> torch.Tensor:
-        """Forward each request's next prompt chunk (its blocks already reserved) -> each row's logits at its chunk's
-        last token [n, V]. A few chunks (up to PREFILL_GRAPH_ROWS) replay their key's graph one request at a time; the
-        rest run eagerly, batched: chunks sorted by width, in forwards of at most PREFILL_BATCH_TOKENS padded tokens
-        (a regeneration admits hundreds of requests at once, and hundreds of replays cost several times one batch)."""
-        out: list[torch.Tensor | None] = [None] * len(chunks)
-        eager = []
-        for i, (c, n) in enumerate(zip(chunks, num_cached)):
-            pf = self._prefill_graph_for(len(c), n, align) if len(chunks) <= PREFILL_GRAPH_ROWS else None
-            if pf is None:
-                eager.append(i)
-                continue
-            self._fill(pf, [c], [n], [tables[i]], [slots[i]])
-            pf.graph.replay()
-            out[i] = pf.out.clone()  # the pool is shared: the next replay may reuse this memory
-        padded = [-(-len(c) // align) * align for c in chunks]  # an eager forward's width: few shapes on CUDA
-        groups: list[list[int]] = []  # widest last in each: sorted by width, each within the token budget
-        for i in sorted(eager, key=padded.__getitem__):
-            if not groups or (len(groups[-1]) + 1) * padded[i] > PREFILL_BATCH_TOKENS:
-                groups.append([])
-            groups[-1].append(i)
-        for group in groups:
-            last = self._prefill_eager(group, chunks, num_cached, tables, slots, padded[group[-1]])
-            for j, i in enumerate(group):
-                out[i] = last[j: j + 1]
-        return torch.cat(out)
-
-    def _prefill_graph_for(self, num_tokens: int, num_cached: int, align: int) -> PrefillBuffers | None:
-        """The captured prefill of a chunk's key (captured now if graph-safe), else None."""
-        key = self.prefill_key(num_tokens, num_cached, align)
-        pf = self.prefills.get(key)  # captured: no need to walk the model's modules again
-        return pf if pf is not None or not self.prefill_graph_safe(key) else self.prefill_graph(key)
-
-    def _prefill_eager(self, rows: list[int], chunks, num_cached, tables, slots, T: int) -> torch.Tensor:
-        """One eager forward over the chunks `rows`, right-padded to T tokens -> their last logits [len(rows), V]."""
-        width = max(-(-(num_cached[i] + T) // self.cache.block_size) for i in rows)
-        pf = PrefillBuffers(len(rows), PrefillKey(T, width), self.device)
-        self._fill(pf, [chunks[i] for i in rows], [num_cached[i] for i in rows], [tables[i] for i in rows],
-                   [slots[i] for i in rows])
-        return self._prefill_fn(pf)
-
-    def _row_ints(self, num_cached, num_new, slots, tables, width: int) -> torch.Tensor:
-        """Host rows [num_cached, num_new, slot | block table padded with the scratch block to width]
-        [n, PREFILL_COLS + width] (what a prefill or a context flush hands its DeviceView)."""
-        P = PREFILL_COLS
-        ints = torch.full((len(tables), P + width), self.cache.scratch_block, dtype=torch.long)
-        ints[:, :P] = torch.tensor(list(zip(num_cached, num_new, slots)), dtype=torch.long).view(-1, P)
-        for b, t in enumerate(tables):
-            ints[b, P: P + min(len(t), width)] = torch.tensor(t[:width], dtype=torch.long)
-        return ints
-
-    def _fill(self, pf: PrefillBuffers, chunks, num_cached, tables, slots) -> None:
-        """Host values -> the prefill's device buffers (one copy each); tables padded with the scratch block."""
-        ids = torch.zeros(len(chunks), pf.key.T, dtype=torch.long)
-        for b, c in enumerate(chunks):
-            ids[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-        pin = self.device.type == "cuda"
-        pf.ids.copy_(ids.pin_memory() if pin else ids, non_blocking=pin)
-        self._fill_ints(pf, num_cached, [len(c) for c in chunks], slots, tables)
-
-    def _fill_ints(self, pf: PrefillBuffers, num_cached, num_new, slots, tables) -> None:
-        """The rows' ints -> pf.ints, from pinned memory on CUDA (queued: no wait for the device)."""
-        ints = self._row_ints(num_cached, num_new, slots, tables, pf.key.width)
-        pin = self.device.type == "cuda"
-        pf.ints.copy_(ints.pin_memory() if pin else ints, non_blocking=pin)
-
-    def _row_view(self, ints: torch.Tensor, T: int):
-        """The DeviceView of rows [num_cached, num_new, slot | block table] (a prefill's or a flush's)."""
-        num_cached, num_new, slots = (ints[:, i].contiguous() for i in range(PREFILL_COLS))
-        return self.cache.device_view(num_cached, num_new, ints[:, PREFILL_COLS:], slots, T, False)
-
-    def _prefill_fn(self, pf: PrefillBuffers) -> torch.Tensor:
-        """The prefill forward (device ops only) -> each row's logits at its last valid token [rows, V]. Without
-        cuDNN's attention: it builds an execution graph for every new shape."""
-        view = self._row_view(pf.ints, pf.key.T)
-        with sdpa_kernel(PREFILL_ATTENTION):
-            logits = self.forward(pf.ids, view)  # [rows, T, V]
-        last = (view.num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, logits.shape[-1])
-        return logits.gather(1, last)[:, 0]
-
-    def prefill_keys(self, max_chunk: int, max_len: int) -> list[PrefillKey]:
-        """The graph-safe prefill keys of chunks up to max_chunk tokens in requests up to max_len tokens."""
-        return [k for k in self._graph_keys(PREFILL_MIN, max_chunk, max_len) if self.prefill_graph_safe(k)]
-
-    def prefill_graph(self, key: PrefillKey) -> PrefillBuffers | None:
-        """The captured prefill of one request for this key (captured at its first use; Engine.warmup captures the
-        usual ones before a server takes requests). A capture that fails leaves the key to the eager forward (None),
-        with a warning."""
-        return self._row_graph(self.prefills, self.prefill_failed, key, self._prefill_fn, "prefill")
-
-    def flush_graph(self, key: PrefillKey) -> PrefillBuffers | None:
-        """The captured context flush of one request for this key (flush_keys), as prefill_graph."""
-        return self._row_graph(self.flushes, self.flush_failed, key, self._flush_fn, "context flush")
-
-    @torch.no_grad()
-    def _row_graph(self, store: dict, failed: set, key: PrefillKey, fn, what: str) -> PrefillBuffers | None:
-        """One request's graph of fn over a PrefillBuffers of this key, from store or captured now (the capture waits
-        for the device); None where it failed to capture (then, with a warning, that shape runs eagerly)."""
-        pf = store.get(key)
-        if pf is None and key not in failed:
-            pf = PrefillBuffers(1, key, self.device)
-            pf.ints.fill_(self.cache.scratch_block)
-            pf.ints[:, :PREFILL_COLS] = torch.tensor([0, 1, self.cache.scratch_slot])
-            try:
-                pf.out = self._capture_fn(lambda: fn(pf), pf, warmup=1)
-            except Exception as err:  # noqa: BLE001 - a kernel that cannot be captured: the eager forward serves
-                warnings.warn(f"{what} graph {key} failed to capture ({type(err).__name__}: {err}); that shape runs "
-                              "eagerly", RuntimeWarning, stacklevel=3)
-                failed.add(key)
-                return None
-            store[key] = pf
-        return pf
-
-    @staticmethod
-    def sample_first(logits: torch.Tensor, sampling: RowSampling, seed: torch.Tensor, position: torch.Tensor
-                     ) -> torch.Tensor:
-        """The token after a prefill: logits [B, V] -> [B] (greedy rows: the argmax)."""
-        u = counter_uniform(seed, position * COUNTER_STRIDE + COUNTER_STRIDE - 1, 1)[:, 0]
-        return sample_from(process_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p), u)
 
     # ------------------------------------------------------------------ the step (device ops only)
     def _step_fn(self, st: StepBuffers) -> torch.Tensor:
@@ -392,37 +193,6 @@ class ModelRunner:
         view.commit(a + 1)
         return pack_step(drafts, a, nxt, n)
 
-    def flush_keys(self, max_len: int) -> list[PrefillKey]:
-        """The flush keys of requests up to max_len tokens."""
-        return self._graph_keys(FLUSH_MIN, max_len, max_len)
-
-    @torch.no_grad()
-    def flush_context(self, starts: list[int], counts: list[int], tables: list[list[int]], slots: list[int]) -> None:
-        """The drafter's context rows of positions starts[b] .. starts[b] + counts[b] - 1 from their stashed ctx
-        (tables: each row's blocks, unpadded). With graphs each row replays its key's captured flush; else, and for a
-        key that failed to capture, one eager forward of the context write over those rows. Queued behind a step in
-        flight without waiting for it: the row ints go up from pinned memory."""
-        eager = []
-        for b, (start, count) in enumerate(zip(starts, counts)):
-            fl = self.flush_graph(self._graph_key(count, start, FLUSH_MIN)) if self.graphs else None
-            if fl is None:
-                eager.append(b)
-                continue
-            self._fill_ints(fl, [start], [count], [slots[b]], [tables[b]])
-            fl.graph.replay()
-        if not eager:
-            return
-        starts, counts = [starts[b] for b in eager], [counts[b] for b in eager]
-        T, bs = max(counts), self.cache.block_size
-        ints = self._row_ints(starts, counts, [slots[b] for b in eager], [tables[b] for b in eager],
-                              max(-(-(s + T) // bs) for s in starts))
-        ints = (ints.pin_memory() if self.cuda else ints).to(self.device, non_blocking=self.cuda)
-        self.drafts.flush_context(self._row_view(ints, T))
-
-    def _flush_fn(self, fl: PrefillBuffers) -> None:
-        """The context flush of fl's rows (device ops only: what its graph captures)."""
-        self.drafts.flush_context(self._row_view(fl.ints, fl.key.T))
-
     # ------------------------------------------------------------------ host side
     def key_for(self, num_rows: int, k: int, max_len: int, mode: str) -> StepKey:
         """The step key of num_rows rows whose longest sees max_len positions (cached + k + 1). Each (rows, k, mode)
@@ -448,7 +218,7 @@ class ModelRunner:
     def _get(self, key: StepKey) -> StepBuffers:
         st = self.steps.get(key)
         if st is None:
-            st = self.steps[key] = StepBuffers(key, self.device, mailbox=self.graphs and MAILBOX)
+            st = self.steps[key] = StepBuffers(key, self.device, mailbox=self.mailbox)
             st.ints_np[:] = self._pad_row(key.width)
             st.floats_np[:] = (0.0, 1.0)
             if self.graphs:
@@ -459,38 +229,22 @@ class ModelRunner:
         """A padding row's ints: one valid token at position 0, writes to the scratch block and slot only."""
         return [0, 0, 1, self.cache.scratch_slot, 0, 0, 1, -1] + [self.cache.scratch_block] * width
 
-    def _capture_fn(self, fn, holder, warmup: int) -> torch.Tensor:
-        """Run fn `warmup` times on a side stream (lazy loading, Triton autotuning), then capture it into
-        holder.graph (the runner's one memory pool); returns its output tensor."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(warmup):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        holder.graph = torch.cuda.CUDAGraph()
-        # no garbage collection inside the capture: a dead engine's graphs (a compiled runner sits in a reference
-        # cycle) would be destroyed there, a CUDA call a capture does not permit, and the capture would fail. No
-        # gc.collect() per capture either: with the heap of a server (torch, transformers, the web stack) one costs
-        # about 0.1 s, a sixth of a capture; Engine.warmup collects once before its captures
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(holder.graph, pool=self.pool), torch.no_grad():
-                out = fn()
-        finally:
-            if enabled:
-                gc.enable()
-        self.pool = holder.graph.pool()
-        return out
-
     @torch.no_grad()
     def _capture(self, st: StepBuffers, warmup: int = 2, timed: int = 3) -> None:
         carry = self.carry.clone()  # a step may be in flight: the next one reads its output, which these runs overwrite
         st.ints.copy_(st.ints_host)  # padding rows only
         st.floats.copy_(st.floats_host)
         self._run(st)  # a compiled step that fails falls back to eager here, before the capture
-        st.out = self._capture_fn(lambda: self._step_fn(st), st, warmup - 1)
+        try:
+            st.out = self._capture_fn(lambda: self._step_fn(st), st, warmup - 1)
+        except Exception as err:  # noqa: BLE001 - the CUDA runtime's refusals have no common type
+            if st.mailbox is None:
+                raise
+            warnings.warn(f"decode step graph {st.key} failed to capture with its mailbox ({type(err).__name__}: "
+                          f"{err}); captured steps copy their output and record an event instead", RuntimeWarning,
+                          stacklevel=3)
+            self.mailbox, st.mailbox = False, None
+            st.out = self._capture_fn(lambda: self._step_fn(st), st, warmup - 1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         best = float("inf")
         for _ in range(timed):

@@ -138,3 +138,38 @@ def test_cuda_mailbox_in_a_graph():
     j, turn, want = pending
     mb.wait(want)
     assert torch.equal(turn, (base + 1000 * j).cpu()) and torch.equal(carry[:rows, :cols].cpu(), turn)
+
+
+@cuda
+@pytest.mark.parametrize("mailbox", [True, False])
+def test_cuda_engine_greedy_through_the_mailbox(mailbox, monkeypatch):
+    """Greedy speculation through captured steps equals the target's plain greedy, reading each step from its
+    mailbox, or (a mailbox that fails to capture) through the copy and event after a warning."""
+    from dspark.engine import Engine
+    from dspark.request import SamplingParams
+    from dspark.step_buffers import Mailbox as MB
+    from tests.targets import make_target
+    from tests.test_engine import make_drafter, reference_greedy
+
+    target = make_target("qwen3", device="cuda")
+    if not mailbox:
+        monkeypatch.setattr(MB, "post", _refusing(MB.post))
+    prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
+    engine = Engine(target, make_drafter(target), max_model_len=128)
+    if mailbox:
+        outs = engine.generate(prompts, SamplingParams(max_tokens=24))
+    else:
+        with pytest.warns(RuntimeWarning, match="failed to capture with its mailbox"):
+            outs = engine.generate(prompts, SamplingParams(max_tokens=24))
+    assert [o.token_ids for o in outs] == [reference_greedy(target, p, 24) for p in prompts]
+    steps = engine.runner.steps.values()
+    assert steps and all((st.mailbox is not None) == mailbox and st.graph is not None for st in steps)
+
+
+def _refusing(post):
+    """Mailbox.post that raises inside a stream capture (as a runtime that cannot capture its copies would)."""
+    def refusing(self, out, carry):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("no copies in this capture")
+        post(self, out, carry)
+    return refusing

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-import dspark.runner as runner_mod
+import dspark.prefill_runner as prefill_mod
 from dspark.engine import Engine
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.config import k3_tiny_config
@@ -19,7 +19,8 @@ from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
 from dspark.policy import ACCEPT_WINDOW, DRAFT_GAIN, MIN_CYCLES, PROBE_EVERY, PROBE_MAX, REPICK_EVERY
 from dspark.request import SamplingParams
-from dspark.runner import MODES, PrefillBuffers
+from dspark.runner import MODES
+from dspark.step_buffers import PrefillBuffers
 from tests.targets import make_target
 from tests.test_drafter_k3 import make_k3_drafter
 from tests.test_engine import make_drafter, reference_greedy
@@ -510,8 +511,8 @@ def test_many_prefills_run_batched_by_a_token_budget(targets, pair, monkeypatch)
     lens = [3, 17, 5, 12, 9, 20, 4, 15, 7, 11, 6, 18]  # more than PREFILL_GRAPH_ROWS, of mixed widths
     prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in lens]
     engine = Engine(target, make(target), max_batch_size=len(prompts))
-    monkeypatch.setattr(runner_mod, "PREFILL_BATCH_TOKENS", 40)
-    monkeypatch.setattr(runner_mod, "PREFILL_GRAPH_ROWS", 8)  # on CUDA too: 12 requests run batched
+    monkeypatch.setattr(prefill_mod, "PREFILL_BATCH_TOKENS", 40)
+    monkeypatch.setattr(prefill_mod, "PREFILL_GRAPH_ROWS", 8)  # on CUDA too: 12 requests run batched
     forwards = []
     eager = engine.runner._prefill_eager
     monkeypatch.setattr(engine.runner, "_prefill_eager",
