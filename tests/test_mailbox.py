@@ -1,6 +1,8 @@
 """How a captured decode step hands its output to the host (dspark.step_buffers.Mailbox, dspark/kernels/publish.py):
 the publish kernel against its reference (under the Triton interpreter, and on CUDA), the two turns of the ring on
-CPU, and on CUDA a captured graph whose replays the host reads from the mailbox alone, two in flight at a time."""
+CPU, and on CUDA a captured graph whose replays the host reads from the mailbox alone, two in flight at a time; the
+engine's greedy speculation through it (and through the fallback when it fails to capture); and the CUDA calls a
+chained AR step costs the host with it and without it."""
 import pytest
 import torch
 
@@ -173,3 +175,38 @@ def _refusing(post):
             raise RuntimeError("no copies in this capture")
         post(self, out, carry)
     return refusing
+
+
+@cuda
+@pytest.mark.parametrize("mailbox", [True, False])
+def test_cuda_chained_ar_steps_make_one_cuda_call(mailbox, monkeypatch):
+    """At one row, AR steps that continue the step before (async scheduling, inputs kept on the device) cost the host
+    one CUDA call each with the mailbox: the graph's launch; the timing events of every TIME_EVERY-th step and a new
+    block's staging aside, no copy is queued and no event is waited on. Without it (DSPARK_MAILBOX=0's path) every
+    step queues its output's copy and waits on its event."""
+    import dspark.runner as runner_mod
+    from dspark.engine import Engine
+    from dspark.request import SamplingParams
+    from tests.targets import make_target
+
+    monkeypatch.setattr(runner_mod, "MAILBOX", mailbox)
+    engine = Engine(make_target("qwen3", device="cuda"), None, max_model_len=512)
+    engine.add_request([5, 6, 7, 8], SamplingParams(max_tokens=300, ignore_eos=True))
+    for _ in range(40):  # prefill, the first captures, steps up to a steady state
+        engine.step()
+    n = 64
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            engine.step()
+    calls = {e.key: e.count for e in prof.key_averages()}
+    while engine.has_work():
+        engine.step()
+    blocks = n // engine.cache.block_size + 2  # a new block's rows are staged: two copies, an event and its wait
+    assert calls.get("cudaGraphLaunch", 0) == n
+    if mailbox:
+        assert calls.get("cudaMemcpyAsync", 0) <= 2 * blocks
+        # the timing reads, and a staging buffer's last copy awaited before it is refilled
+        assert calls.get("cudaEventSynchronize", 0) <= n // runner_mod.TIME_EVERY + blocks
+    else:
+        assert calls.get("cudaMemcpyAsync", 0) >= n and calls.get("cudaEventSynchronize", 0) >= n
