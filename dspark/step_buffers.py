@@ -71,6 +71,7 @@ class RowInput:
 
 
 WAIT_LIMIT_S = 120.0  # a decode step not posted after this long: the device or the mailbox's count is out of order
+SPIN_LOOKS = 512  # looks at a mailbox's count before each further look yields the GIL
 
 
 class Mailbox:
@@ -109,15 +110,20 @@ class Mailbox:
         return turn, self.posted
 
     def wait(self, want: int) -> None:
-        """Until the count reaches want (yielding the GIL between looks; a step read late finds it there at once),
-        then check that want's turn holds post want."""
-        if self.count_np[0] < want:
-            deadline = time.monotonic() + WAIT_LIMIT_S
-            while self.count_np[0] < want:
+        """Until the count reaches want (a step read late finds it there at once), then check that want's turn holds
+        post want. The first SPIN_LOOKS looks spin (tens of microseconds: a step's end is seen at once, where a
+        system call per look would add its own cost), the later ones yield the GIL between looks."""
+        count = self.count_np
+        looks, deadline = 0, None
+        while count[0] < want:
+            looks += 1
+            if looks > SPIN_LOOKS:
                 time.sleep(0)
-                if time.monotonic() > deadline:
+                if deadline is None:
+                    deadline = time.monotonic() + WAIT_LIMIT_S
+                elif time.monotonic() > deadline:
                     raise RuntimeError(f"decode step: post {want} not seen after {WAIT_LIMIT_S:.0f} s (the device's "
-                                       f"count reads {int(self.count_np[0])})")
+                                       f"count reads {int(count[0])})")
         stamp = int(self.stamps_np[(want - 1) % 2])
         if stamp != want:
             raise RuntimeError(f"decode step: its output's turn holds post {stamp}, not {want} (the host's count of "
