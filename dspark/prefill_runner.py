@@ -45,6 +45,10 @@ FLUSH_MIN = 16  # the narrowest context-flush graph (its widths are powers of tw
 # batched (a regeneration's waves of hundreds): an eager forward's first shape may autotune kernels for seconds
 PREFILL_GRAPH_ROWS = 64
 PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
+# a context flush replays one captured graph per row up to this many rows, else runs as one batched eager forward:
+# each row's graph costs the host a copy and a replay, on an H200 host tens of microseconds each (the k3-mini server's
+# flushes at 16 rows took 1.7 ms of host time), where the batched forward's launches do not grow with the rows
+FLUSH_GRAPH_ROWS = 4
 
 
 class PrefillRunner:
@@ -259,12 +263,12 @@ class PrefillRunner:
     @torch.no_grad()
     def flush_context(self, starts: list[int], counts: list[int], tables: list[list[int]], slots: list[int]) -> None:
         """The drafter's context rows of positions starts[b] .. starts[b] + counts[b] - 1 from their stashed ctx
-        (tables: each row's blocks, unpadded). With graphs each row replays its key's captured flush; else, and for a
-        key that failed to capture, one eager forward of the context write over those rows. Queued behind a step in
-        flight without waiting for it: the row ints go up from pinned memory."""
-        eager = []
+        (tables: each row's blocks, unpadded). With graphs and up to FLUSH_GRAPH_ROWS rows each row replays its key's
+        captured flush; else, and for a key that failed to capture, one eager forward of the context write over those
+        rows. Queued behind a step in flight without waiting for it: the row ints go up from pinned memory."""
+        eager, graphed = [], self.graphs and len(starts) <= FLUSH_GRAPH_ROWS
         for b, (start, count) in enumerate(zip(starts, counts)):
-            fl = self.flush_graph(self._graph_key(count, start, FLUSH_MIN)) if self.graphs else None
+            fl = self.flush_graph(self._graph_key(count, start, FLUSH_MIN)) if graphed else None
             if fl is None:
                 eager.append(b)
                 continue

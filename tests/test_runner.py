@@ -479,25 +479,60 @@ def test_plain_steps_stash_the_context_and_drafting_flushes_it(targets, prompts,
     checked = 0
     while engine.has_work():
         engine.step()
-        if req.finish_reason is not None or req.num_context < req.num_computed:
-            continue
-        n = req.num_computed
-        seq = (req.prompt_ids + req.output_ids)[:n]
-        with torch.no_grad():
-            _, aux = target(torch.tensor([seq], device=engine.device), aux_layer_ids=drafter.config.target_layer_ids)
-            want = drafter.context_rows(drafter.context(aux), torch.arange(n, device=engine.device))
-        cache = engine.cache
-        where = cache._token_rows(cache.reqs[req.id], n)
-        for layer, rows in zip(engine.drafts.layers, want):
-            got = cache.kv[layer].view(-1, cache.kv[layer].shape[-1])[where]
-            torch.testing.assert_close(got, rows[0].to(got.dtype), atol=1e-4, rtol=1e-4)
-        checked += 1
+        checked += _context_rows_match(engine, target, drafter, req)
     assert req.output().token_ids == reference_greedy(target, prompts[2], N_NEW)
     assert checked >= 3 and flushed and all(max(n) >= 1 for n in flushed)
     assert engine.metrics()["decode_steps_per_k"][0] > 0
     # with overlap every switch is queued behind the plain step in flight, its flush through that step's position
     assert (len(behind) == len(flushed) and all(end == pos + 1 for end, pos in behind)) if overlap else not behind
     assert bool(engine.runner.flushes) == engine.runner.graphs  # on CUDA each row's flush replays a captured graph
+
+
+def _context_rows_match(engine, target, drafter, req) -> bool:
+    """For a live request whose context is complete (it just drafted): its drafter rows of every committed position
+    equal those of one plain forward over its sequence (asserted) -> True; else nothing to check -> False."""
+    if req.finish_reason is not None or req.num_context < req.num_computed:
+        return False
+    n = req.num_computed
+    seq = (req.prompt_ids + req.output_ids)[:n]
+    with torch.no_grad():
+        _, aux = target(torch.tensor([seq], device=engine.device), aux_layer_ids=drafter.config.target_layer_ids)
+        want = drafter.context_rows(drafter.context(aux), torch.arange(n, device=engine.device))
+    cache = engine.cache
+    where = cache._token_rows(cache.reqs[req.id], n)
+    for layer, rows in zip(engine.drafts.layers, want):
+        got = cache.kv[layer].view(-1, cache.kv[layer].shape[-1])[where]
+        torch.testing.assert_close(got, rows[0].to(got.dtype), atol=1e-4, rtol=1e-4)
+    return True
+
+
+@pytest.mark.parametrize("pair", ["qwen3", "k3"])
+def test_a_flush_of_many_rows_runs_as_one_forward(targets, pair, monkeypatch):
+    """A switch to drafting with more rows than FLUSH_GRAPH_ROWS flushes their stashed context in one batched eager
+    forward (with fewer rows, on CUDA, a captured graph per row): after every drafting step each request's drafter
+    rows of every committed position equal those of one plain forward over its sequence, and every output is the
+    target's greedy."""
+    kind, make = PAIRS[pair]
+    target = targets[kind]
+    drafter = make(target)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    engine = Engine(target, drafter, max_batch_size=4, prefill_chunk=16)
+    k = engine.k
+    schedule = iter([0, 0, 0, k, 0, 0, k, k] * 20)
+    monkeypatch.setattr(engine.policy, "choose", lambda *a: next(schedule))
+    monkeypatch.setattr(prefill_mod, "FLUSH_GRAPH_ROWS", 2)
+    rows = []  # the rows of each eager context flush (a graph's capture runs one row)
+    flush = engine.drafts.flush_context
+    monkeypatch.setattr(engine.drafts, "flush_context",
+                        lambda view: (rows.append(view.num_new.shape[0]), flush(view))[1])
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=N_NEW, ignore_eos=True)) for p in prompts]
+    checked = 0
+    while engine.has_work():
+        engine.step()
+        checked += sum(_context_rows_match(engine, target, drafter, r) for r in reqs)
+    assert [r.output().token_ids for r in reqs] == [reference_greedy(target, p, N_NEW) for p in prompts]
+    assert checked >= 8 and max(rows) == len(prompts)  # the four rows' switch: one forward
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
