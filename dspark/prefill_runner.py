@@ -6,11 +6,11 @@ its padded width (a power of two >= PREFILL_MIN) and the context it sees, while 
 reads), for up to PREFILL_GRAPH_ROWS requests a step; otherwise, and on CPU, the chunks of a step run eagerly,
 batched into forwards of up to PREFILL_BATCH_TOKENS tokens. The first token is sampled on the device from the last
 chunk's last logits. A context flush turns the positions a plain step stashed into the drafter's context rows (a
-captured graph per row, keyed like a prefill) before a request drafts again.
+captured graph per row, keyed like a prefill, for a few rows; one batched eager forward for more) before a request
+drafts again.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import warnings
 
@@ -22,19 +22,6 @@ from dspark.models.k3.moe import moe_graph_safe
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
 from dspark.step_buffers import PREFILL_COLS, PrefillBuffers, PrefillKey, pow2_at_least
-
-
-def without_grad(fn):
-    """torch.no_grad() around fn, entered only where grad is on: entering it costs microseconds, a share of a decode
-    step's host time, and the engine's loops (generate, the server's engine thread) already run with grad off."""
-    @functools.wraps(fn)
-    def wrapper(*a, **kw):
-        if torch.is_grad_enabled():
-            with torch.no_grad():
-                return fn(*a, **kw)
-        return fn(*a, **kw)
-    return wrapper
-
 
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 COUNTER_STRIDE = 64  # uniforms a request may draw per position: 2k + 1 per step (k <= 31), the prefill's last one

@@ -14,7 +14,8 @@ in `carry`), so a step can be queued while the one before is still in flight; a 
 same rows of the step just launched, in the same buffers and blocks, finds its inputs on the device already and
 stages nothing. k = 0 is plain decoding: of the drafter's context it writes only the projection of aux per position
 (one GEMM and a copy, where the full context write is some 30 kernels); flush_context turns the stashed positions
-into context rows (a captured graph per row) before a request drafts again.
+into context rows (a captured graph per row for a few rows, one batched forward for more) before a request drafts
+again.
 
 Prefill, the context flush and graph capture live in dspark/prefill_runner.py (PrefillRunner, which ModelRunner
 builds on).
@@ -30,6 +31,7 @@ Random numbers: a request's uniforms are a pure function of its seed and positio
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -39,7 +41,7 @@ import torch
 from dspark.cache.paged import PagedCache
 from dspark.kernels.greedy_verify import greedy_step, pack_step
 from dspark.models.k3.moe import LatentMoE, set_static_moe
-from dspark.prefill_runner import COUNTER_STRIDE, MIN_CONTEXT, PrefillRunner, without_grad
+from dspark.prefill_runner import COUNTER_STRIDE, MIN_CONTEXT, PrefillRunner
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
 from dspark.spec.verify import choose_verify_lengths_device, verify_sampled
@@ -54,6 +56,19 @@ from dspark.step_buffers import (
     chain_inputs,
     pow2_at_least,
 )
+
+
+def without_grad(fn):
+    """torch.no_grad() around fn, entered only where grad is on: entering it costs microseconds, a share of a decode
+    step's host time, and the engine's loops (generate, the server's engine thread) already run with grad off."""
+    @functools.wraps(fn)
+    def wrapper(*a, **kw):
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return fn(*a, **kw)
+        return fn(*a, **kw)
+    return wrapper
+
 
 MAILBOX = os.environ.get("DSPARK_MAILBOX", "1") != "0"  # 0: captured steps' outputs go through a copy and an event
 TIME_EVERY = 8  # launches per graph replay timed on the device (events around it: host time on every step)
