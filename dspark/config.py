@@ -390,6 +390,9 @@ class DrafterRecipe:
     block_mask: Literal["auto", "flex", "dense"] = doc(
         "auto", "flex: flex-attention BlockMask (compiled, CUDA); dense: SDPA bool mask; auto: flex on CUDA "
         "(dense if its first step fails to compile, with a warning), dense on CPU")
+    compile: bool = doc(False, "torch.compile the step's forward (the target's features, the drafter, the loss) and "
+                                "its backward: a few fused kernels where eager launches some 600 ops a step (the "
+                                "step of a small drafter is bound by its launches); the first step compiles")
     target_sharding: Literal["none", "fsdp"] = doc(
         "none", "fsdp: shard the frozen target over the data-parallel processes (FSDP2, one unit per layer) for "
         "targets that do not fit one GPU; needs pre-regenerated data (data.regenerate.enabled=false)")

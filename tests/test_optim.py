@@ -6,7 +6,7 @@ import torch
 
 from dspark.config import OptimConfig
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
-from train.optim import Muon, build_optimizers, cosine_lr, ns_dtype, orthogonalize
+from train.optim import Muon, build_optimizers, cosine_lr, ns_dtype, orthogonalize, orthogonalize_many
 
 DEVICE = os.environ.get("DSPARK_TEST_DEVICE", "cpu")
 
@@ -37,6 +37,37 @@ def test_muon_on_row_blocks_equals_torch_muon_on_the_separate_matrices():
     one.step()
     ours.step()
     assert not torch.allclose(whole.detach() - before, merged.detach() - before, atol=1e-4)
+
+
+def test_matrices_of_one_shape_iterate_together_as_each_alone():
+    """Blocks and parameters of one shape up to a transpose ([16, 32] twice in a merged weight, a [32, 16] parameter)
+    go through one batched iteration: each result equals orthogonalize of that matrix alone (fp32), and five Muon
+    steps equal torch.optim.Muon on the separate matrices up to bf16 rounding (on DSPARK_TEST_DEVICE)."""
+    g = torch.Generator().manual_seed(1)
+    mats = [torch.randn(16, 32, generator=g), torch.randn(32, 16, generator=g), torch.randn(16, 32, generator=g)]
+    batched = orthogonalize_many([m.to(DEVICE) for m in mats], 5, dtype=torch.float32)
+    for m, o in zip(mats, batched):
+        assert o.shape == m.shape
+        torch.testing.assert_close(o.cpu(), orthogonalize(m, 5, dtype=torch.float32), rtol=1e-5, atol=1e-5)
+    sizes = [16, 16, 40]
+    parts = [torch.nn.Parameter(torch.randn(n, 32, generator=g).to(DEVICE)) for n in sizes]
+    tall = torch.nn.Parameter(torch.randn(32, 16, generator=g).to(DEVICE))
+    merged = torch.nn.Parameter(torch.cat([p.detach() for p in parts]))
+    mine = torch.nn.Parameter(tall.detach().clone())
+    ref = torch.optim.Muon(parts + [tall], lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    ours = Muon([{"params": [merged], "row_sizes": sizes}, {"params": [mine]}], lr=0.02, weight_decay=0.1,
+                momentum=0.95, ns_dtype=torch.bfloat16)
+    start = torch.cat([p.detach() for p in parts]).clone()
+    for _ in range(5):
+        grad, grad_tall = torch.randn(sum(sizes), 32, generator=g).to(DEVICE), torch.randn(32, 16, generator=g).to(DEVICE)
+        merged.grad, mine.grad, tall.grad = grad.clone(), grad_tall.clone(), grad_tall.clone()
+        for p, gp in zip(parts, grad.split(sizes)):
+            p.grad = gp.clone()
+        ref.step()
+        ours.step()
+    moved = torch.cat([p.detach() for p in parts]) - start
+    assert (merged.detach() - start - moved).norm() / moved.norm() < 0.02
+    torch.testing.assert_close(mine.detach(), tall.detach(), rtol=0.02, atol=1e-3)
 
 
 def test_newton_schulz_in_fp32_where_the_cpu_emulates_bf16():

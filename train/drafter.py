@@ -139,14 +139,20 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
 
     mask = {"flex": True, "dense": False}.get(recipe.block_mask, accelerator.device.type == "cuda")
 
-    def forward(m, x, anchors, flex=None):
-        """-> (loss, metrics, accepted [B, A])."""
-        x, anchors = to_device(x, accelerator.device), to_device(anchors, accelerator.device)
+    def step_loss(m, x, anchors, flex: bool):
+        """-> (loss, metrics, accepted [B, A]): the target's features, the drafter's blocks, the loss."""
         with torch.no_grad():
             logits, aux = target(x, aux_layer_ids=ids)
         lab, tl = block_targets(logits, x, anchors, D, recipe.data.labels, with_logits=weights.needs_target_logits)
-        h = m(aux, x, anchors, flex=mask if flex is None else flex)  # through the DDP-wrapped module: synced grads
+        h = m(aux, x, anchors, flex=flex)  # through the DDP-wrapped module: synced grads
         return drafter_loss(accelerator.unwrap_model(m), h, x.gather(1, anchors), lab, tl, weights)
+
+    if recipe.compile:  # one graph for the forward, one for its backward (and one for the holdout's no-grad pass)
+        step_loss = torch.compile(step_loss)
+
+    def forward(m, x, anchors, flex=None):
+        x, anchors = to_device(x, accelerator.device), to_device(anchors, accelerator.device)
+        return step_loss(m, x, anchors, mask if flex is None else flex)
 
     starts = None
     if recipe.anchors == "rejection":

@@ -58,10 +58,29 @@ def orthogonalize(g: torch.Tensor, steps: int, eps: float = 1e-7, dtype: torch.d
     return x.T if tall else x
 
 
+def orthogonalize_many(gs: list[torch.Tensor], steps: int, eps: float = 1e-7, dtype: torch.dtype | None = None,
+                       out_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """orthogonalize of each of several matrices whose shapes are equal up to a transpose, in one batched iteration
+    (a step's ops once for all of them, not once per matrix: the optimizer step of a small model is bound by its op
+    launches), cast to out_dtype (None: the iteration's). One matrix takes orthogonalize itself."""
+    if len(gs) == 1:
+        return [orthogonalize(gs[0], steps, eps, dtype).to(out_dtype or gs[0].dtype)]
+    a, b, c = NS_COEFFICIENTS
+    tall = [g.size(0) > g.size(1) for g in gs]
+    x = torch.stack([g.T if t else g for g, t in zip(gs, tall)]).to(dtype or ns_dtype(gs[0].device.type))
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)  # [G, m, n], m <= n
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return [o.T if t else o for o, t in zip(x.to(out_dtype or x.dtype).unbind(0), tall)]
+
+
 class Muon(torch.optim.Optimizer):
     """torch.optim.Muon (adjust_lr_fn="match_rms_adamw"). A param group with `row_sizes` (summing to each of its
     parameters' rows) has every block of rows orthogonalized and scaled as a matrix of its own; in other groups each
-    parameter is one matrix."""
+    parameter is one matrix. The matrices of one shape (over all groups of the same hyperparameters) iterate
+    together, and the momentum, decay and update run as foreach ops: a step's launches grow with the number of
+    shapes, not of matrices."""
 
     def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, momentum: float = 0.95,
                  ns_steps: int = 5, ns_dtype: torch.dtype | None = None):
@@ -71,19 +90,27 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        batches: dict[tuple, list] = {}  # (lr, weight_decay, momentum, ns_steps) -> [(param, row_sizes)]
         for group in self.param_groups:
-            lr, mom = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buf.lerp_(p.grad, 1 - mom)
-                update = p.grad.lerp(buf, mom)  # Nesterov
-                p.mul_(1 - lr * group["weight_decay"])
-                sizes = group["row_sizes"] or [p.shape[0]]
-                for rows, u in zip(p.split(sizes), update.split(sizes)):  # views of p: updated in place
-                    o = orthogonalize(u, group["ns_steps"], dtype=self.ns_dtype)
-                    rows.add_(o, alpha=-lr * 0.2 * math.sqrt(max(u.shape)))
+            key = (group["lr"], group["weight_decay"], group["momentum"], group["ns_steps"])
+            batches.setdefault(key, []).extend((p, group["row_sizes"]) for p in group["params"] if p.grad is not None)
+        for (lr, wd, mom, ns_steps), items in batches.items():
+            params = [p for p, _ in items]
+            grads = [p.grad for p in params]
+            for p in params:
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            bufs = [self.state[p]["momentum_buffer"] for p in params]
+            torch._foreach_lerp_(bufs, grads, 1 - mom)
+            updates = torch._foreach_lerp(grads, bufs, mom)  # Nesterov
+            torch._foreach_mul_(params, 1 - lr * wd)
+            shapes: dict[tuple, list] = {}  # (short side, long side, dtype) -> [(rows of p, update rows)]
+            for (p, sizes), u in zip(items, updates):
+                for rows, ub in zip(p.split(sizes or [p.shape[0]]), u.split(sizes or [p.shape[0]])):
+                    shapes.setdefault((min(ub.shape), max(ub.shape), ub.dtype), []).append((rows, ub))
+            for (_, wide, dtype), blocks in shapes.items():  # rows: views of p, updated in place
+                ortho = orthogonalize_many([ub for _, ub in blocks], ns_steps, dtype=self.ns_dtype, out_dtype=dtype)
+                torch._foreach_add_([r for r, _ in blocks], ortho, alpha=-lr * 0.2 * math.sqrt(wide))
 
 
 def no_decay(name: str, p: torch.Tensor) -> bool:
@@ -103,7 +130,9 @@ def build_optimizers(model: torch.nn.Module, oc, max_steps: int):
     rest = [(n, p) for n, p in named if id(p) not in ids]
     groups = [{"params": [p for n, p in rest if not no_decay(n, p)], "weight_decay": oc.weight_decay},
               {"params": [p for n, p in rest if no_decay(n, p)], "weight_decay": 0.0}]
-    opts = [torch.optim.AdamW([g for g in groups if g["params"]], lr=oc.lr, betas=tuple(oc.betas))]
+    # fused: one kernel per step and dtype, where the default (foreach on CUDA, a loop on the CPU) launches ~10 per
+    # group or per parameter
+    opts = [torch.optim.AdamW([g for g in groups if g["params"]], lr=oc.lr, betas=tuple(oc.betas), fused=True)]
     if muon:  # a group per merged weight (its blocks), one for the other matrices
         merged = [m for m in model.modules() if isinstance(m, MergedLinear) and id(m.weight) in ids]
         blocked = [{"params": [m.weight], "row_sizes": m.row_sizes} for m in merged]
