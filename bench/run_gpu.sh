@@ -34,6 +34,11 @@
 #   peer           ours against speculators' DSpark trainer on one Qwen3 target (bench/peer_speculators.py; carry the
 #                  speculators wheels in .whl); PEER_TARGET (default runs/peer-target/final) must exist; ARGS go to the
 #                  script
+#   train-speed    drafter training speed on random-weight targets (bench/train_speed.py: nothing to train or
+#                  regenerate first), the eager step against compile=true: recipes/peer-qwen3-mini.yaml on a
+#                  qwen3-mini target, recipes/k3-mini.yaml on a k3-mini target, vocabulary 8192 with the tokenizer of
+#                  SPEED_TOKENIZER (default runs/quickstart/target/final, carried) -> $OUT/speed-{peer,k3-mini}/speed.md;
+#                  ARGS go to both (`--steps 100`, `--row 'NAME: key=value ...'`)
 #   ablate-k3-mini the k3-mini target (TARGET_ARGS), then ablate on it (ARGS), as one detached run (its own OUT;
 #                  writes OUT/DONE for `wait`); the CUDA tests run beside the target's training and the regeneration
 #                  until the first row's timed training begins (-> $OUT/tests-cuda.txt), REST_TESTS=1 runs the rest
@@ -94,7 +99,7 @@ target=${1:-}
 [ $# -gt 0 ] && shift
 case "$target" in
   kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|timeline|floor|serve|flex) ;;
-  ablate|peer) ;;
+  ablate|peer|train-speed) ;;
   ablate-k3-mini|peer-qwen3-mini|k3-mini|served|quickstart|wait|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
@@ -274,6 +279,15 @@ case "$target" in
   peer)
     log peer python3 bench/peer_speculators.py --target "${PEER_TARGET:-runs/peer-target/final}" --out "$OUT/peer" \
       "$@" || rc=$?
+    ;;
+  train-speed)
+    for r in peer:qwen3-mini:peer-qwen3-mini k3-mini:k3-mini:k3-mini; do
+      IFS=: read -r name target_recipe recipe <<< "$r"
+      log train-speed python3 bench/train_speed.py "recipes/$recipe.yaml" --target-recipe \
+        "recipes/targets/$target_recipe.yaml" --tokenizer "${SPEED_TOKENIZER:-runs/quickstart/target/final}" \
+        --vocab 8192 --out "$OUT/speed-$name" "$@" || rc=1
+    done
+    save_autotune
     ;;
   ablate-k3-mini)
     # shellcheck disable=SC2086 # TARGET_ARGS is a word list

@@ -32,7 +32,13 @@ def count(drafter_recipe: str, target_recipe: str, rows: int) -> dict:
     dr, tr = load_recipe(drafter_recipe), load_recipe(target_recipe)
     tok = AutoTokenizer.from_pretrained(tr.data.tokenizer_dir)
     torch.manual_seed(0)
-    target = build_target(tr.arch, tr.model, tok).eval().requires_grad_(False)
+    return step_flops(dr, build_target(tr.arch, tr.model, tok), tok, rows)
+
+
+def step_flops(dr, target, tok, rows: int) -> dict:
+    """FLOPs of one step of drafter recipe `dr` on `target` (its tokenizer `tok`), counted on `rows` rows and scaled
+    to the global batch -> {target_fwd, drafter_fwd_bwd, tokens, target_params, drafter_params}."""
+    target = target.eval().requires_grad_(False)
     cfg = drafter_config(dr, target, tok)
     drafter = DSparkDrafter(cfg, target.model.embed_tokens.weight, target.lm_head.weight)
     T, D = dr.data.seq_len, cfg.num_drafts

@@ -35,3 +35,25 @@ def test_step_ops_by_part_and_optimizer_launches(setup, tmp_path):
     # a second layer adds its matrices to the batches of the first layer's shapes: no Muon op more
     assert two["parts"]["optimizer: muon"] == one["parts"]["optimizer: muon"]
     assert two["parts"]["drafter forward"] > one["parts"]["drafter forward"]
+
+
+def test_train_speed_rows_on_a_random_target(setup, tmp_path):
+    """bench/train_speed.py: a random target of a target recipe, random sequences, one training run per row; each
+    row's tokens/s is its steps/s times the step's tokens, the step's FLOPs are counted, no MFU without a GPU peak, and
+    a row whose training fails is reported (exit 1) without stopping the others."""
+    path = recipe(setup, "speed")
+    out = tmp_path / "speed"
+    cmd = [sys.executable, "bench/train_speed.py", str(path), "--target-recipe", "recipes/targets/qwen3-tiny.yaml",
+           "--tokenizer", str(setup / "target"), "--vocab", "512", "--out", str(out), "--steps", "6", "--skip", "2",
+           "--sequences", "16", "--row", "eager:", "--row", "muon: optim.optimizer=muon",
+           "--row", "bad: optim.lr=-1"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 1, res.stderr[-3000:]
+    got = json.loads((out / "speed.json").read_text())
+    assert got["vocab"] == 512 and got["flops_per_step"] > got["target_fwd"] > 0 and got["peak_tflops"] is None
+    assert got["tokens"] == 4 * 96  # optim.batch_size x data.seq_len of the test recipe
+    for name in ("eager", "muon"):
+        r = got["rows"][name]
+        assert r["steps_timed"] == 4 and r["steps_per_s"] > 0 and r["mfu"] is None
+        assert abs(r["tokens_per_s"] - r["steps_per_s"] * got["tokens"]) < 1e-6 * r["tokens_per_s"]
+    assert "error" in got["rows"]["bad"] and "| bad |" in (out / "speed.md").read_text()
