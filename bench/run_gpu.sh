@@ -74,8 +74,8 @@
 #                  and without the steps' mailboxes (DSPARK_MAILBOX=0 -> $OUT/timeline-event.json);
 #                  python -m serve (QUICKSTART_SERVE_S, default 240; QUICKSTART_ARGS); where BLOCK8_DIR names a block-8
 #                  drafter, its timeline (`--runs k4,k8,auto --temperatures 0`) -> $OUT/timeline-block8.json and its
-#                  served run (BLOCK8_SERVE_S, default 150, `--concurrency 1`) -> $OUT/serve-block8.json; then the rest
-#                  of the CUDA suite (REST_TESTS=0 skips it)
+#                  served run (BLOCK8_SERVE_S, default 150, `--concurrency 1`) -> $OUT/serve-block8.json; TRAIN_SPEED=1
+#                  runs train-speed (TRAIN_SPEED_ARGS); then the rest of the CUDA suite (REST_TESTS=0 skips it)
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -375,6 +375,8 @@ case "$target" in
       "${b8[@]}" bash "$0" serve --time-limit "${BLOCK8_SERVE_S:-150}" --concurrency 1 \
         --out "$OUT/serve-block8.json" || rc=1
     fi
+    # shellcheck disable=SC2086 # TRAIN_SPEED_ARGS is a word list
+    [ "${TRAIN_SPEED:-0}" = 1 ] && { bash "$0" train-speed ${TRAIN_SPEED_ARGS:-} || rc=1; }
     [ "${REST_TESTS:-1}" = 1 ] && { rest_tests || rc=1; }
     echo "quickstart: done rc=$rc" | tee "$OUT/DONE"
     ;;
@@ -387,7 +389,7 @@ case "$target" in
       --exclude="*.arrow" --exclude="*.bin" . && ls -la "$run_out"
     tail -n 4 "$run_out"/first.txt "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt "$run_out"/peer.txt 2>/dev/null
     head -n 60 "$run_out"/test-failures.txt 2>/dev/null
-    cat "$run_out"/peer/peer.md "$run_out"/ablate/ablation.md 2>/dev/null
+    cat "$run_out"/peer/peer.md "$run_out"/ablate/ablation.md "$run_out"/speed-*/speed.md 2>/dev/null
     grep -h "^|" "$run_out"/serve.txt "$run_out"/pair.txt "$run_out"/timeline.txt 2>/dev/null | tail -n 80
     cat "$run_out/DONE" 2>/dev/null || echo "not done yet"
     ;;
