@@ -140,6 +140,14 @@ def _launch_counted(call):
     return launch
 
 
+def print_counts(r: dict, ops: bool) -> None:
+    """A count's ops per step by part, then (ops) by part and op."""
+    for p, c in r["parts"].items():
+        print(f"      {p:<24} {c:6.1f}")
+    for o, c in (r["ops"].items() if ops else ()):
+        print(f"        {o:<60} {c:5.1f}")
+
+
 def step_ops(engine: Engine, prompts: list[list[int]], params: SamplingParams, steps: int) -> dict:
     """Ops per decode step of engine at batch 1: prompts[0] decodes first (uncounted: graphs, first flushes), then
     prompts[1], whose first `steps` decode steps are counted. -> {keys, steps, ops_per_step, parts, ops}."""
@@ -177,10 +185,7 @@ def main(argv=None) -> int:
             r = {"run": name, "temperature": t} | step_ops(engine, prompts, params, a.steps)
             rows.append(r)
             print(f"{name:>4} T={t:g}: {r['ops_per_step']:.1f} ops per step over {r['steps']} steps {r['keys']}")
-            for p, c in r["parts"].items():
-                print(f"      {p:<24} {c:6.1f}")
-            for o, c in (r["ops"].items() if a.ops else ()):
-                print(f"        {o:<60} {c:5.1f}")
+            print_counts(r, a.ops)
     if a.out:
         Path(a.out).write_text(json.dumps(rows, indent=1))
     return 0

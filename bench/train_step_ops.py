@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from step_ops import OpCounter, labelled, one_op  # noqa: E402  (bench/step_ops.py)
+from step_ops import OpCounter, labelled, one_op, print_counts  # noqa: E402  (bench/step_ops.py)
 
 import train.drafter as drafter_mod  # noqa: E402
 import train.loop as loop_mod  # noqa: E402
@@ -119,10 +119,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     r = count_steps(a.recipe, a.target, a.sequences, a.steps, a.set)
     print(f"{a.recipe} {' '.join(a.set)}: {r['ops_per_step']:.0f} ops per step over {r['steps']} steps")
-    for p, c in r["parts"].items():
-        print(f"  {p:<22} {c:7.1f}")
-    for o, c in (r["ops"].items() if a.ops else ()):
-        print(f"    {o:<60} {c:6.1f}")
+    print_counts(r, a.ops)
     if a.out:
         Path(a.out).write_text(json.dumps(r, indent=1) + "\n")
     return 0

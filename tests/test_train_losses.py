@@ -134,7 +134,7 @@ def test_recipe_loss_fields_are_validated():
     with pytest.raises(RecipeError, match="loss.kl: expected >= 0.0"):
         load_recipe("recipes/quickstart.yaml", ["loss.kl=-1"])
     r = load_recipe("recipes/quickstart.yaml", ["loss.ce=0", "loss.kl=1.0"])  # KL instead of CE is a recipe
-    assert LossWeights.from_recipe(r.loss) == LossWeights(ce=0.0, distill=0.0, confidence=0.1, kl=1.0)
+    assert LossWeights.from_recipe(r.loss) == LossWeights(ce=0.0, distill=0.0, confidence=0.1, kl=1.0, decay_gamma=4.0)
     with pytest.raises(RecipeError, match="loss.ce: expected > 0 when distill and kl are 0"):
         load_recipe("recipes/quickstart.yaml", ["loss.ce=0", "loss.kl=0"])
 
