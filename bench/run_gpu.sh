@@ -37,8 +37,9 @@
 #   train-speed    drafter training speed on random-weight targets (bench/train_speed.py: nothing to train or
 #                  regenerate first), the eager step against compile=true: recipes/peer-qwen3-mini.yaml on a
 #                  qwen3-mini target, recipes/k3-mini.yaml on a k3-mini target, vocabulary 8192 with the tokenizer of
-#                  SPEED_TOKENIZER (default runs/quickstart/target/final, carried) -> $OUT/speed-{peer,k3-mini}/speed.md;
-#                  ARGS go to both (`--steps 100`, `--row 'NAME: key=value ...'`)
+#                  SPEED_TOKENIZER (default runs/quickstart/target/final, carried) -> $OUT/speed-{peer,k3-mini}/speed.md
+#                  and each row's torch.profiler table of steps 2-4 (rows/NAME/profile.txt); ARGS go to both
+#                  (`--steps 100`, `--row 'NAME: key=value ...'`)
 #   ablate-k3-mini the k3-mini target (TARGET_ARGS), then ablate on it (ARGS), as one detached run (its own OUT;
 #                  writes OUT/DONE for `wait`); the CUDA tests run beside the target's training and the regeneration
 #                  until the first row's timed training begins (-> $OUT/tests-cuda.txt), REST_TESTS=1 runs the rest
@@ -285,7 +286,7 @@ case "$target" in
       IFS=: read -r name target_recipe recipe <<< "$r"
       log train-speed python3 bench/train_speed.py "recipes/$recipe.yaml" --target-recipe \
         "recipes/targets/$target_recipe.yaml" --tokenizer "${SPEED_TOKENIZER:-runs/quickstart/target/final}" \
-        --vocab 8192 --out "$OUT/speed-$name" "$@" || rc=1
+        --vocab 8192 --out "$OUT/speed-$name" --set log.profile_steps=3 "$@" || rc=1
     done
     save_autotune
     ;;

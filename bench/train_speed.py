@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, help="the target's vocabulary rows (default: the tokenizer's size)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--row", action="append", default=[], help="'NAME: key=value ...' (default: eager, compiled)")
-    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="overrides for every row")
+    ap.add_argument("--set", nargs="*", action="extend", default=[], metavar="KEY=VALUE",
+                    help="overrides for every row (e.g. log.profile_steps=3: rows/NAME/profile.txt)")
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--skip", type=int, default=20, help="steps left out of the rate (compile, warm-up)")
     ap.add_argument("--sequences", type=int, default=1024, help="random train rows")
