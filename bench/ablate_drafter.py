@@ -12,7 +12,7 @@ overrides on top of RECIPE and --set. The budget (--set max_steps=... max_minute
 Same data: the first row that overrides no `data.` field trains as the recipe says (regenerating its sequences, or
 starting from --sequences FILE) and every other such row starts from a copy of its sequences.pt with resume=true
 (no checkpoint yet: step 0, the sequences read back). A row that overrides a `data.` field (e.g.
-data.regenerate.chat_prompts) regenerates its own.
+data.regenerate.chat_prompts) regenerates its own, but for data.order (which sequences a step draws).
 Eval: one `python -m eval` over every row's drafter (<row>/best when the recipe keeps one, else <row>/final), the
 target alone once. holdout τ: the trainer's holdout τ of that drafter (final_metrics.json). Training tokens/s: the
 rows x sequence length the target reads per step, over the steps after the first (which compiles), from
@@ -73,8 +73,12 @@ def parse_rows(specs: list[str], rows_file: str | None = None,
     return rows
 
 
+SAME_SEQUENCES = {"data.order"}  # data fields that do not change the sequences (which a step draws, not what)
+
+
 def own_data(overrides: list[str]) -> bool:
-    return any(o.split("=", 1)[0].strip().startswith("data.") for o in overrides)
+    keys = (o.split("=", 1)[0].strip() for o in overrides)
+    return any(k.startswith("data.") and k not in SAME_SEQUENCES for k in keys)
 
 
 def tokens_per_s(run: Path, batch_size: int) -> float | None:

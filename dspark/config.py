@@ -338,6 +338,9 @@ class DrafterDataConfig:
     labels: Literal["target", "data"] = doc("target", "train on the target's argmax (KD) or on the data tokens")
     regenerate: RegenerateConfig = doc(RegenerateConfig, "")
     holdout_sequences: int = doc(32, "sequences for the holdout acceptance estimate")
+    order: Literal["replacement", "passes"] = doc(
+        "replacement", "which train sequences a step draws: replacement = independently at random; passes = "
+                       "consecutive slices of a shuffled order, each sequence once per pass (as epochs)")
 
     def validate(self):
         at_least(self, "seq_len", 8)

@@ -52,14 +52,19 @@ def test_rows_share_sequences_and_budget_and_land_in_one_table(setup, tmp_path):
     assert again.returncode == 2 and "holds an earlier ablation" in again.stderr.strip().splitlines()[-1]
     before = (out / "rows" / "base" / "final_metrics.json").read_text()
     more = ablate(recipe, "--target", setup / "target", "--out", out, "--resume", "--row", "base:", "--row",
-                  "tv: loss.confidence_target=tv", "--row", "longer: max_steps=4", "--set", "max_steps=3",
+                  "tv: loss.confidence_target=tv", "--row", "longer: max_steps=4", "--row", "passes: data.order=passes",
+                  "--set", "max_steps=3",
                   "--tasks", "humaneval", "--num-prompts", "1", "--max-tokens", "8", "--threads", "1")
     assert more.returncode == 0, more.stderr[-3000:]
     assert "base: trained before, kept" in more.stderr and (out / "rows" / "base" / "final_metrics.json").read_text() \
         == before  # kept, not trained again
     rows = json.loads((out / "ablation.json").read_text())["rows"]
-    assert list(rows) == ["base", "tv", "longer"] and rows["longer"]["steps"] == 4 and set(rows["tv"]["tau"]) == \
-        {"humaneval"}
+    assert list(rows) == ["base", "tv", "longer", "passes"] and rows["longer"]["steps"] == 4 and \
+        set(rows["tv"]["tau"]) == {"humaneval"}
+    # data.order changes which sequences a step draws, not the sequences: the row starts from the shared ones
+    cmd = next(ln for ln in more.stderr.splitlines() if ln.startswith("[ablate] passes:") and "-m train" in ln)
+    assert "data.order=passes" in cmd and cmd.endswith("resume=true")  # resume=true: the shared sequences read back
+    assert json.loads((out / "rows" / "passes" / "recipe.json").read_text())["data"]["order"] == "passes"
 
 
 def test_a_bad_row_stops_before_any_training(setup, tmp_path):

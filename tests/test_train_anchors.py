@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from train.anchors import DecodeStarts, sample_anchors, valid_anchors
+from train.data import rows_for_step
 
 T, DRAFTS, HARD = 64, 4, 5  # in these tests the drafter misses exactly the tokens at positions 0 mod HARD
 
@@ -77,3 +78,24 @@ def test_recipe_anchor_fields_are_validated():
     with pytest.raises(RecipeError, match=r"rejection_share: expected a share in \[0, 1\]"):
         load_recipe("recipes/quickstart.yaml", ["anchors=rejection", "rejection_share=2"])
     assert load_recipe("recipes/quickstart.yaml").anchors == "uniform"
+
+
+@pytest.mark.parametrize("n, batch", [(10, 4), (3, 7), (64, 8)])
+def test_rows_in_passes_see_every_sequence_once_per_pass(n, batch):
+    """data.order=passes: the rows of consecutive steps, concatenated, are one permutation of the n sequences after
+    another (a step may straddle two passes, or span several when batch > n); passes differ from each other; the rows
+    of a step depend only on (seed, step), so a resumed run draws the same; another seed another order."""
+    g = torch.Generator()
+    steps = 3 * n  # 3 * batch passes
+    drawn = torch.cat([rows_for_step(n, s, batch, 0, "passes", g) for s in range(steps)])
+    passes = drawn.view(-1, n)
+    assert all(sorted(p.tolist()) == list(range(n)) for p in passes)
+    assert len({tuple(p.tolist()) for p in passes}) > 1
+    assert torch.equal(rows_for_step(n, 5, batch, 0, "passes", g), drawn[5 * batch:6 * batch])
+    assert not torch.equal(torch.cat([rows_for_step(n, s, batch, 1, "passes", g) for s in range(steps)]), drawn)
+
+
+def test_rows_with_replacement_are_the_steps_generator_draws():
+    """data.order=replacement (the default): the step's generator draws the rows, as the trainer always did."""
+    got = rows_for_step(100, 7, 16, 0, "replacement", torch.Generator().manual_seed(123))
+    assert torch.equal(got, torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(123)))

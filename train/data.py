@@ -1,6 +1,7 @@
 """Training data for targets: the real corpus -> tokenizer -> packed token rows, cached on disk."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -132,5 +133,21 @@ def batch_for_step(rows: torch.Tensor, step: int, batch_size: int, seed: int) ->
     return rows[idx]
 
 
-__all__ = ["TokenData", "prepare_tokens", "prepare_corpus", "prepare_tokenizer", "batch_for_step", "file_digest",
-           "save_atomic", "ids_dtype", "asdict"]
+def rows_for_step(n: int, step: int, batch: int, seed: int, order: str, g: torch.Generator) -> torch.Tensor:
+    """The `batch` train rows (of n) of a step. replacement: drawn independently with g (the step's generator);
+    passes: positions step*batch.. of the concatenated shuffled passes (each pass a permutation keyed by (seed, pass)),
+    so every row is seen once per pass. Both depend only on (seed, step): a resumed run draws the same rows."""
+    if order == "replacement":
+        return torch.randint(0, n, (batch,), generator=g)
+    first, last = divmod(step * batch, n), divmod((step + 1) * batch - 1, n)
+    rows = torch.cat([_pass_order(n, seed, p) for p in range(first[0], last[0] + 1)])
+    return rows[first[1]:first[1] + batch]
+
+
+@functools.lru_cache(maxsize=4)
+def _pass_order(n: int, seed: int, p: int) -> torch.Tensor:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7_919 + 104_729 * (p + 1)))
+
+
+__all__ = ["TokenData", "prepare_tokens", "prepare_corpus", "prepare_tokenizer", "batch_for_step", "rows_for_step",
+           "file_digest", "save_atomic", "ids_dtype", "asdict"]
