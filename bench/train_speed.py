@@ -3,7 +3,7 @@ recipe overrides (e.g. the eager step against compile=true), without training a 
 
     python bench/train_speed.py RECIPE.yaml --target-recipe TARGET.yaml --tokenizer DIR --out DIR [--vocab N]
         [--row 'NAME: key=value ...' ...] [--set key=value ...] [--steps 80] [--skip 20] [--sequences 1024]
-        [--peak-tflops F]
+        [--peak-tflops F] [--flops-only]
 
 A step's time does not depend on the weights or the text, so the target is TARGET.yaml's architecture with random
 weights (seed 0), the tokenizer of DIR (it needs a mask token) and an embedding of --vocab rows (default: the
@@ -102,6 +102,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sequences", type=int, default=1024, help="random train rows")
     ap.add_argument("--peak-tflops", type=float, help="per device (default: 989 on an H100 / H200)")
     ap.add_argument("--train-cmd", default=f"{sys.executable} -m train")
+    ap.add_argument("--flops-only", action="store_true", help="count a step's FLOPs, train no row")
     a = ap.parse_args(argv)
     rows = parse_rows(a.row, default=DEFAULT_ROWS)
     out = Path(a.out)
@@ -114,6 +115,10 @@ def main(argv=None) -> int:
     del target
     total = flops["target_fwd"] + flops["drafter_fwd_bwd"]
     peak = peak_tflops(a.peak_tflops)
+    print(f"FLOPs per step: target forward {flops['target_fwd'] / 1e12:.3f} T, drafter forward and backward "
+          f"{flops['drafter_fwd_bwd'] / 1e12:.3f} T, {flops['tokens']} tokens")
+    if a.flops_only:
+        return 0
     results = {"recipe": a.recipe, "target_recipe": a.target_recipe, "vocab": a.vocab or len(tok), "set": a.set,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "flops_per_step": total, **flops, "peak_tflops": peak, "rows": {}}
