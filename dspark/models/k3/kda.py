@@ -94,6 +94,7 @@ def fla_available(v: torch.Tensor) -> bool:
     return v.is_cuda and v.dtype != torch.float32 and _fla_chunk_kda is not None
 
 
+@torch.compiler.disable  # a torch.compile'd caller (the trainer's compile=true) runs fla's kernels as they are
 def kda_fla(q, k, v, g, beta, initial_state=None, decode: bool = False):
     """fla kernels with pre-activated g / beta and L2-normalised q, k (so padded positions can carry g = beta = 0).
     initial_state [B,H,K,V] fp32 -> fla's V-first [B,H,V,K]; returns (o, S_final [B,H,K,V] fp32)."""
