@@ -81,13 +81,31 @@ def own_data(overrides: list[str]) -> bool:
     return any(k.startswith("data.") and k not in SAME_SEQUENCES for k in keys)
 
 
+def step_rate(run: Path, skip: int = 0) -> tuple[int, float] | None:
+    """(steps timed, steps/s) over a run's logged steps from `skip` on (0: after the first logged one); None when
+    fewer than two were logged there."""
+    lines = [json.loads(ln) for ln in (run / "train_log.jsonl").read_text().splitlines()]
+    kept = [ln for ln in lines if ln["step"] >= skip]
+    if len(kept) < 2 or kept[-1]["seconds"] <= kept[0]["seconds"]:
+        return None
+    steps = kept[-1]["step"] - kept[0]["step"]
+    return steps, steps / (kept[-1]["seconds"] - kept[0]["seconds"])
+
+
 def tokens_per_s(run: Path, batch_size: int) -> float | None:
     """Target-side tokens (rows x sequence length) per second over the logged steps after the first."""
-    lines = [json.loads(ln) for ln in (run / "train_log.jsonl").read_text().splitlines()]
-    width = torch.load(run / "sequences.pt")["train"].shape[1]
-    if len(lines) < 2 or lines[-1]["seconds"] <= lines[0]["seconds"]:
+    rate = step_rate(run)
+    return None if rate is None else rate[1] * batch_size * torch.load(run / "sequences.pt")["train"].shape[1]
+
+
+def run_logged(cmd: list[str], log_path: Path | str) -> str | None:
+    """Run cmd, its output to log_path -> None, or "training exit N: <the log's last line>" when it failed."""
+    with open(log_path, "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc == 0:
         return None
-    return (lines[-1]["step"] - lines[0]["step"]) * batch_size * width / (lines[-1]["seconds"] - lines[0]["seconds"])
+    tail = Path(log_path).read_text().strip().splitlines()[-1:] or ["(no output)"]
+    return f"training exit {rc}: {tail[0]}"
 
 
 def train_row(a, name: str, overrides: list[str], run: Path, sequences: Path | None) -> dict:
@@ -110,12 +128,10 @@ def train_row(a, name: str, overrides: list[str], run: Path, sequences: Path | N
     cmd = [*shlex.split(a.train_cmd), a.recipe, f"target={a.target}", *a.set, *overrides, f"output_dir={run}",
            "log.wandb_mode=disabled", *resume]
     print(f"[ablate] {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    with open(f"{run}.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-    if rc != 0:
-        tail = Path(f"{run}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
-        print(f"[ablate] {name}: training failed (exit {rc}): {tail[0]}", file=sys.stderr)
-        return {"error": f"training exit {rc}: {tail[0]}"}
+    error = run_logged(cmd, f"{run}.log")
+    if error is not None:
+        print(f"[ablate] {name}: {error}", file=sys.stderr)
+        return {"error": error}
     return row_facts(a, overrides, run)
 
 

@@ -22,7 +22,6 @@ import argparse
 import json
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import torch
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from ablate_drafter import parse_rows  # noqa: E402  (bench/ablate_drafter.py)
+from ablate_drafter import parse_rows, run_logged, step_rate  # noqa: E402  (bench/ablate_drafter.py)
 from train_flops import step_flops  # noqa: E402  (bench/train_flops.py)
 
 from dspark.config import load_recipe  # noqa: E402
@@ -68,16 +67,6 @@ def random_sequences(recipe, n: int, low: int, high: int) -> dict:
         mask[:, 0] = False
         seqs[f"{split}_mask"] = mask
     return seqs
-
-
-def steady_rate(run: Path, skip: int) -> tuple[int, float]:
-    """(steps timed, steps/s) over the logged steps after `skip`."""
-    lines = [json.loads(ln) for ln in (run / "train_log.jsonl").read_text().splitlines()]
-    kept = [ln for ln in lines if ln["step"] >= skip]
-    if len(kept) < 2:
-        raise ValueError(f"{run}: {len(lines)} steps logged; --steps must exceed --skip + 1")
-    steps = kept[-1]["step"] - kept[0]["step"]
-    return steps, steps / (kept[-1]["seconds"] - kept[0]["seconds"])
 
 
 def peak_tflops(given: float | None) -> float | None:
@@ -130,13 +119,14 @@ def main(argv=None) -> int:
                f"output_dir={run}", "resume=true", f"max_steps={a.steps}", "max_minutes=null",
                f"log.eval_every={a.steps}", f"log.save_every={a.steps}", "log.wandb_mode=disabled", "log.keep_best="]
         print(f"[speed] {name}: {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        with open(f"{run}.log", "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
-        if rc != 0:
-            tail = Path(f"{run}.log").read_text().strip().splitlines()[-1:] or ["(no output)"]
-            results["rows"][name] = {"overrides": overrides, "error": f"training exit {rc}: {tail[0]}"}
+        error = run_logged(cmd, f"{run}.log")
+        if error is not None:
+            results["rows"][name] = {"overrides": overrides, "error": error}
             continue
-        steps, rate = steady_rate(run, a.skip)
+        timed = step_rate(run, a.skip)
+        if timed is None:
+            raise ValueError(f"{run}: no two logged steps from step {a.skip} on; --steps must exceed --skip + 1")
+        steps, rate = timed
         tflops = total * rate / 1e12
         results["rows"][name] = {"overrides": overrides, "steps_timed": steps, "steps_per_s": rate,
                                  "tokens_per_s": rate * flops["tokens"], "tflops": tflops,

@@ -59,14 +59,9 @@ class CountingProfile:
 
 
 def _method(cls, name: str, label: str):
-    return mock.patch.object(cls, name, _unbound(label, getattr(cls, name)))
-
-
-def _unbound(label: str, fn):
-    @functools.wraps(fn)  # accelerate reads zero_grad's signature
-    def wrapper(*a, **kw):
-        return labelled(COUNTER, label, fn)(*a, **kw)
-    return wrapper
+    """cls.name with its ops counted under `label` (its signature kept: accelerate reads zero_grad's)."""
+    fn = getattr(cls, name)
+    return mock.patch.object(cls, name, functools.wraps(fn)(labelled(COUNTER, label, fn)))
 
 
 def count_steps(recipe_path: str, target: str, sequences: str, steps: int, overrides: list[str]) -> dict:

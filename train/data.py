@@ -126,11 +126,15 @@ def prepare_code_prompts(cfg: DataConfig, tokenizer, tok_digest: str, n_tokens: 
     return prompts
 
 
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """A step's own generator (its rows, its anchors): what a step draws depends only on (seed, step), so a resumed
+    run draws what the uninterrupted one did."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
 def batch_for_step(rows: torch.Tensor, step: int, batch_size: int, seed: int) -> torch.Tensor:
-    """Deterministic per-step sampling (resume-safe): the rows of step s depend only on (seed, s)."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    idx = torch.randint(0, rows.shape[0], (batch_size,), generator=g)
-    return rows[idx]
+    """The packed rows of a target's step s, drawn with replacement by its step_generator."""
+    return rows[rows_for_step(rows.shape[0], step, batch_size, seed, "replacement", step_generator(seed, step))]
 
 
 def rows_for_step(n: int, step: int, batch: int, seed: int, order: str, g: torch.Generator) -> torch.Tensor:
@@ -150,4 +154,4 @@ def _pass_order(n: int, seed: int, p: int) -> torch.Tensor:
 
 
 __all__ = ["TokenData", "prepare_tokens", "prepare_corpus", "prepare_tokenizer", "batch_for_step", "rows_for_step",
-           "file_digest", "save_atomic", "ids_dtype", "asdict"]
+           "step_generator", "file_digest", "save_atomic", "ids_dtype", "asdict"]

@@ -19,7 +19,7 @@ from dspark.config import DrafterRecipe
 from dspark.drafter_json import K3_DEFAULT_ROPE_THETA
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from train.anchors import DecodeStarts, sample_anchors, to_device
-from train.data import rows_for_step
+from train.data import rows_for_step, step_generator
 from train.loop import LoopSpec, make_accelerator, run
 from train.losses import LossWeights, drafter_loss
 from train.outputs import preflight, start_run
@@ -163,7 +163,7 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
     def loss_step(m, step):
         """Rows and anchors are drawn for the global batch, then sliced per process: N processes see exactly the
         blocks one process would (data parallel == single process with the same global batch)."""
-        g = torch.Generator().manual_seed(recipe.seed * 1_000_003 + step)
+        g = step_generator(recipe.seed, step)
         idx = rows_for_step(len(seqs.train), step, recipe.optim.batch_size, recipe.seed, recipe.data.order, g)
         if starts is None:
             anchors = sample_anchors(seqs.train_mask[idx], A, D, g)
