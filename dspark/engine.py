@@ -377,9 +377,9 @@ class Engine:
     def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",), progress: bool = False) -> int:
         """Capture now every graph a run up to max_len tokens per request (default max_model_len) may use: the
         prefill of each chunk width and context bucket, the context flush of each such width from FLUSH_MIN (with a
-        drafter), and the decode step of each batch bucket, each k the engine
-        may pick, each context bucket, each sampling mode listed. A server calls it before it takes requests, so no
-        request pays for a capture. Returns the number of graphs; 0 without graphs."""
+        drafter: a graph per row, and each shape of the batched eager flush run once), and the decode step of each
+        batch bucket, each k the engine may pick, each context bucket, each sampling mode listed. A server calls it before it takes requests, so no
+        request pays for a capture. Returns the number of graphs and eager flush shapes; 0 without graphs."""
         if not self.runner.graphs:
             return 0
         max_len = max_len or self.max_model_len
@@ -388,8 +388,10 @@ class Engine:
         try:
             prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
                         if self.runner.prefill_graph(key) is not None]
+            flushes = 0
             if self.drafts is not None:  # drafting after plain steps flushes their stashed context rows
                 prefills += [key for key in self.runner.flush_keys(max_len) if self.runner.flush_graph(key) is not None]
+                flushes = self.runner.warm_flush(self.max_batch_size, max_len)
             self._warm_prefill()
             ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.policy.choices
             keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks
@@ -402,7 +404,7 @@ class Engine:
                 bar.set_postfix(gib=f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f}", refresh=False)
         finally:
             gc.unfreeze()
-        return len(keys) + len(prefills)
+        return len(keys) + len(prefills) + flushes
 
     def _warm_prefill(self) -> None:
         """Short requests end to end, their statistics then forgotten: the first prefill on a device loads its

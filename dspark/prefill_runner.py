@@ -261,14 +261,35 @@ class PrefillRunner:
                 continue
             self._fill_ints(fl, [start], [count], [slots[b]], [tables[b]])
             fl.graph.replay()
-        if not eager:
-            return
-        starts, counts = [starts[b] for b in eager], [counts[b] for b in eager]
-        T, bs = max(counts), self.cache.block_size
-        ints = self._row_ints(starts, counts, [slots[b] for b in eager], [tables[b] for b in eager],
-                              max(-(-(s + T) // bs) for s in starts))
+        if eager:
+            self._flush_eager([starts[b] for b in eager], [counts[b] for b in eager], [slots[b] for b in eager],
+                              [tables[b] for b in eager])
+
+    def _flush_eager(self, starts: list[int], counts: list[int], slots: list[int], tables: list[list[int]]) -> None:
+        """One eager forward of the context write over these rows, its shape bucketed: rows, new tokens and table
+        width padded to powers of two (padding rows write the scratch block), so that the Triton specialisations the
+        first forward of a shape compiles (~0.2 s on an H100) are few and warm_flush compiles them before requests."""
+        bs, n = self.cache.block_size, len(starts)
+        T, rows = pow2_at_least(max(counts), FLUSH_MIN), pow2_at_least(n, 1)
+        width = pow2_at_least(max(-(-(s + T) // bs) for s in starts), 1)
+        pad = rows - n
+        ints = self._row_ints(starts + [0] * pad, counts + [1] * pad, slots + [self.cache.scratch_slot] * pad,
+                              tables + [[]] * pad, width)
         ints = (ints.pin_memory() if self.cuda else ints).to(self.device, non_blocking=self.cuda)
         self.drafts.flush_context(self._row_view(ints, T))
+
+    def warm_flush(self, max_rows: int, max_len: int) -> int:
+        """Run each bucketed eager flush shape of more than FLUSH_GRAPH_ROWS up to max_rows rows, in requests up to
+        max_len tokens, on scratch rows (Engine.warmup: no request pays for their compiles) -> shapes run."""
+        bs, shapes = self.cache.block_size, 0
+        rows = pow2_at_least(FLUSH_GRAPH_ROWS + 1, 1)
+        while rows <= pow2_at_least(max_rows, 1):
+            for key in self.flush_keys(max_len):
+                start = key.width * bs - key.T  # the table's width is then key.width blocks
+                self._flush_eager([start] * rows, [key.T] * rows, [self.cache.scratch_slot] * rows, [[]] * rows)
+                shapes += 1
+            rows *= 2
+        return shapes
 
     def _flush_fn(self, fl: PrefillBuffers) -> None:
         """The context flush of fl's rows (device ops only: what its graph captures)."""

@@ -509,30 +509,56 @@ def _context_rows_match(engine, target, drafter, req) -> bool:
 @pytest.mark.parametrize("pair", ["qwen3", "k3"])
 def test_a_flush_of_many_rows_runs_as_one_forward(targets, pair, monkeypatch):
     """A switch to drafting with more rows than FLUSH_GRAPH_ROWS flushes their stashed context in one batched eager
-    forward (with fewer rows, on CUDA, a captured graph per row): after every drafting step each request's drafter
-    rows of every committed position equal those of one plain forward over its sequence, and every output is the
-    target's greedy."""
+    forward (with fewer rows, on CUDA, a captured graph per row), its rows and new tokens padded to powers of two:
+    after every drafting step each request's drafter rows of every committed position equal those of one plain
+    forward over its sequence, and every output is the target's greedy."""
     kind, make = PAIRS[pair]
     target = targets[kind]
     drafter = make(target)
     g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in (5, 9, 3, 12)]
+    prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in (5, 9, 3)]
     engine = Engine(target, drafter, max_batch_size=4, prefill_chunk=16)
     k = engine.k
     schedule = iter([0, 0, 0, k, 0, 0, k, k] * 20)
     monkeypatch.setattr(engine.policy, "choose", lambda *a: next(schedule))
     monkeypatch.setattr(prefill_mod, "FLUSH_GRAPH_ROWS", 2)
-    rows = []  # the rows of each eager context flush (a graph's capture runs one row)
+    rows, widths = [], []  # the rows and new tokens of each eager context flush (a capture runs one row)
     flush = engine.drafts.flush_context
-    monkeypatch.setattr(engine.drafts, "flush_context",
-                        lambda view: (rows.append(view.num_new.shape[0]), flush(view))[1])
+    monkeypatch.setattr(engine.drafts, "flush_context", lambda view: (
+        rows.append(view.num_new.shape[0]), widths.append(view.attn_read(engine.drafts.stash_layer).shape[1]),
+        flush(view))[-1])
     reqs = [engine.add_request(p, SamplingParams(max_tokens=N_NEW, ignore_eos=True)) for p in prompts]
     checked = 0
     while engine.has_work():
         engine.step()
         checked += sum(_context_rows_match(engine, target, drafter, r) for r in reqs)
     assert [r.output().token_ids for r in reqs] == [reference_greedy(target, p, N_NEW) for p in prompts]
-    assert checked >= 8 and max(rows) == len(prompts)  # the four rows' switch: one forward
+    assert checked >= 6 and max(rows) == 4  # the three rows' switch: one forward, a padding row with them
+    assert all(n & (n - 1) == 0 for n in rows)
+    assert all(T >= prefill_mod.FLUSH_MIN and T & (T - 1) == 0 for T in widths)
+
+
+def test_warm_flush_runs_each_eager_flush_shape_on_the_scratch_block(targets, monkeypatch):
+    """Engine.warmup's eager flushes (each bucketed shape of more than FLUSH_GRAPH_ROWS rows, so that no request
+    pays for its first run) cover every row bucket and flush key, and write the scratch block only: the context
+    rows of a request in flight stay as they were."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), max_batch_size=12, max_model_len=48)
+    engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.sync()
+    before = {ly: t.clone() for ly, t in engine.cache.kv.items()}
+    shapes = []
+    flush = engine.drafts.flush_context
+    monkeypatch.setattr(engine.drafts, "flush_context", lambda view: (
+        shapes.append((view.num_new.shape[0], view.attn_read(engine.drafts.stash_layer).shape[1])), flush(view))[-1])
+    assert engine.runner.warm_flush(12, 48) == len(shapes) > 0
+    keys = engine.runner.flush_keys(48)
+    assert sorted(set(shapes)) == sorted({(rows, key.T) for rows in (8, 16) for key in keys})
+    scratch = engine.cache.scratch_block
+    for ly, t in engine.cache.kv.items():
+        assert torch.equal(t[:scratch], before[ly][:scratch]), ly
 
 
 @pytest.mark.parametrize("pair", list(PAIRS))
@@ -653,7 +679,7 @@ def test_compiled_step_compiles_once_for_every_context_bucket(targets, monkeypat
         r._run(r._get(key))
         frames.append(counters["stats"]["unique_graphs"])
     assert len({r.key_for(2, 2, n, "greedy").width for n in (128, 256, 512)}) == 3
-    assert frames[0] == frames[1] == frames[2] and r.compiled
+    assert frames[0] == frames[1] == frames[2] and r.compiled, frames
 
 
 @pytest.mark.timeout(1200)  # on CUDA inductor compiles Triton code for each of the step's shapes: minutes

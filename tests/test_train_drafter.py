@@ -272,7 +272,8 @@ def test_rejection_anchors_resume_with_their_decode_starts(setup):
 def test_bf16_runs_the_frozen_target_in_bf16_and_trains(setup):
     """mixed_precision=bf16: the target of the training forward is the target loaded in bf16 (as served: its logits
     close to the fp32 ones), the fp32 one it replaces is left as it was (the drafter's embedding and LM head); a bf16
-    run on CPU trains and logs every step once, in order."""
+    run on CPU (the drafter and its loss under bf16 autocast) trains, logs every step once, in order, and its first
+    loss is the fp32 run's within bf16 rounding."""
     from dspark.config import load_recipe
     from train.drafter import target_for_training
 
@@ -292,6 +293,10 @@ def test_bf16_runs_the_frozen_target_in_bf16_and_trains(setup):
     assert [ln["step"] for ln in lines] == [1, 2, 3, 4] and all(ln["loss"] > 0 for ln in lines)
     assert [ln["seconds"] for ln in lines] == sorted(ln["seconds"] for ln in lines)
     assert json.loads((setup / "bf16" / "final_metrics.json").read_text())["final"]["tau"] >= 1.0
+    ref = train(recipe(setup, "fp32-ref"), "max_steps=1")
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    first = json.loads((setup / "fp32-ref" / "train_log.jsonl").read_text().splitlines()[0])["loss"]
+    assert lines[0]["loss"] == pytest.approx(first, rel=0.03)
 
 
 def test_chat_prompts_regenerate_chat_template_turns(setup, tmp_path):

@@ -4,7 +4,7 @@ Data: sequences from a local dataset or the corpus (tokenised with the target's 
 target write the continuations the drafter learns from. Each step computes the target features online (no disk),
 picks `anchors_per_seq` anchors per sequence (train/anchors.py) and trains all their blocks in one block-sparse pass.
 Under mixed_precision=bf16 the frozen target's training forward runs in bf16 (loaded again after regeneration),
-as it is served.
+as it is served, and the drafter and its loss under bf16 autocast.
 """
 from __future__ import annotations
 
@@ -146,14 +146,18 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
             logits, aux = target(x, aux_layer_ids=ids)
         lab, tl = block_targets(logits, x, anchors, D, recipe.data.labels, with_logits=weights.needs_target_logits)
         h = m(aux, x, anchors, flex=flex)  # through the DDP-wrapped module: synced grads
-        return drafter_loss(accelerator.unwrap_model(m), h, x.gather(1, anchors), lab, tl, weights)
+        # the loss under the drafter's autocast too: its LM-head GEMM over the vocabulary (the largest of the step)
+        # in bf16 under mixed precision, its softmaxes and reductions in fp32 as autocast keeps them
+        with torch.autocast(accelerator.device.type, torch.bfloat16, enabled=recipe.mixed_precision == "bf16"):
+            return drafter_loss(accelerator.unwrap_model(m), h, x.gather(1, anchors), lab, tl, weights)
 
-    if recipe.compile:  # one graph for the forward, one for its backward (and one for the holdout's no-grad pass)
-        step_loss = torch.compile(step_loss)
+    # compile: one graph for the training step's forward, one for its backward; the holdout's no-grad pass stays
+    # eager (a few batches per eval, and inductor's no-grad graph of this step faulted on CUDA)
+    train_loss = torch.compile(step_loss) if recipe.compile else step_loss
 
-    def forward(m, x, anchors, flex=None):
+    def forward(m, x, anchors, flex=None, loss_fn=train_loss):
         x, anchors = to_device(x, accelerator.device), to_device(anchors, accelerator.device)
-        return step_loss(m, x, anchors, mask if flex is None else flex)
+        return loss_fn(m, x, anchors, mask if flex is None else flex)
 
     starts = None
     if recipe.anchors == "rejection":
@@ -182,7 +186,8 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
     def evaluate(m):
         g = torch.Generator().manual_seed(12345)
         anchors = sample_anchors(seqs.holdout_mask, A, D, g)
-        out = [forward(m, seqs.holdout[i:i + bs], anchors[i:i + bs])[1] for i in range(0, len(seqs.holdout), bs)]
+        out = [forward(m, seqs.holdout[i:i + bs], anchors[i:i + bs], loss_fn=step_loss)[1]
+               for i in range(0, len(seqs.holdout), bs)]
         vals = torch.stack([torch.stack(list(o.values())) for o in out]).tolist()  # one read: [chunks][metrics]
         return {k: sum(v[j] for v in vals) / len(vals) for j, k in enumerate(out[0])}
 

@@ -29,11 +29,11 @@ def publish_ref(out: torch.Tensor, carry: torch.Tensor, ring: torch.Tensor, stam
 
 
 @triton.jit
-def _publish_kernel(out, carry, ring, stamps, count, n, C, stride_c, BLOCK: tl.constexpr):
+def _publish_kernel(out, carry, ring, stamps, count, n, C, stride_c, BLOCK: tl.constexpr, BLOCKS: tl.constexpr):
     c = tl.load(count)
     dst = ring + (c % 2) * n
-    for start in range(0, n, BLOCK):
-        i = start + tl.arange(0, BLOCK)
+    for b in range(BLOCKS):  # a constexpr trip count: one compile per block count (one block up to 1024 values)
+        i = b * BLOCK + tl.arange(0, BLOCK)
         m = i < n
         x = tl.load(out + i, mask=m)
         tl.store(carry + (i // C) * stride_c + i % C, x, mask=m)
@@ -46,7 +46,8 @@ def _publish_kernel(out, carry, ring, stamps, count, n, C, stride_c, BLOCK: tl.c
 def publish_triton(out: torch.Tensor, carry: torch.Tensor, ring: torch.Tensor, stamps: torch.Tensor,
                    count: torch.Tensor) -> None:
     R, C = out.shape
-    _publish_kernel[(1,)](out, carry, ring, stamps, count, R * C, C, carry.stride(0), BLOCK=1024)
+    _publish_kernel[(1,)](out, carry, ring, stamps, count, R * C, C, carry.stride(0), BLOCK=1024,
+                          BLOCKS=triton.cdiv(R * C, 1024))
 
 
 def publish(out: torch.Tensor, carry: torch.Tensor, ring: torch.Tensor, stamps: torch.Tensor,
