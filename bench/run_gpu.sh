@@ -62,7 +62,7 @@
 #                  quickstart pair if carried, else of the k3-mini pair (timeline; TIMELINE=0 skips it, TIMELINE=first
 #                  runs it right after the training, TIMELINE_ARGS replace `--batches 1,16,64 --prompts 64 --kernels
 #                  8`), then the CUDA tests the side run did not reach (REST_TESTS=0 skips them). The four serve runs'
-#                  time limits: SERVE_S (500), COMPILED_SERVE_S (360), QUICKSTART_SERVE_S (240), QUICKSTART_COMPILED_S
+#                  time limits: SERVE_S (500), COMPILED_SERVE_S (360), QUICKSTART_SERVE_S (320), QUICKSTART_COMPILED_S
 #                  (240); a 0 skips that run. SERVE_ARGS go to the first serve run (`--concurrency 1,16`),
 #                  QUICKSTART_ARGS to the quickstart pair's; SYNC_SERVE_S (0: skipped) adds that run once more with
 #                  `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs the pair with the
@@ -72,8 +72,9 @@
 #   quickstart     the quickstart pair's figures on a quiet GPU, as one detached run (its own OUT; carry
 #                  runs/quickstart/{target,drafter}/final): the kernel and engine CUDA tests first; the step timeline
 #                  (TIMELINE_ARGS replace `--batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 --kernels 8`),
-#                  and without the steps' mailboxes (DSPARK_MAILBOX=0 -> $OUT/timeline-event.json);
-#                  python -m serve (QUICKSTART_SERVE_S, default 240; QUICKSTART_ARGS); where BLOCK8_DIR names a block-8
+#                  with the kernel writing the mailboxes in pinned memory (DSPARK_MAILBOX=direct ->
+#                  $OUT/timeline-direct.json) and without mailboxes (DSPARK_MAILBOX=0 -> $OUT/timeline-event.json);
+#                  python -m serve (QUICKSTART_SERVE_S, default 320; QUICKSTART_ARGS); where BLOCK8_DIR names a block-8
 #                  drafter, its timeline (`--runs k4,k8,auto --temperatures 0`) -> $OUT/timeline-block8.json and its
 #                  served run (BLOCK8_SERVE_S, default 150, `--concurrency 1`) -> $OUT/serve-block8.json; TRAIN_SPEED=1
 #                  runs train-speed (TRAIN_SPEED_ARGS); then the rest of the CUDA suite (REST_TESTS=0 skips it)
@@ -327,7 +328,7 @@ case "$target" in
     # shellcheck disable=SC2086 # TIMELINE_ARGS is a word list
     [ "${TIMELINE:-1}" = first ] && { "${tl_pair[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
       --prompts 64 --kernels 8} || rc=$?; }
-    s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-240} s3=${COMPILED_SERVE_S:-360} s4=${QUICKSTART_COMPILED_S:-240}
+    s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-320} s3=${COMPILED_SERVE_S:-360} s4=${QUICKSTART_COMPILED_S:-240}
     # the compiled servers at concurrency 1, code, greedy, with one batch slot (the graphs of one row only)
     compiled=(--concurrency 1 --tasks humaneval --temperatures 0)
     # shellcheck disable=SC2086 # SERVE_ARGS is a word list
@@ -363,11 +364,14 @@ case "$target" in
     # shellcheck disable=SC2086 # TIMELINE_ARGS and QUICKSTART_ARGS are word lists
     "${qs[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 \
       --kernels 8} || rc=1
-    # the same steps with each captured step's output through a queued copy and an event (no mailbox)
+    # the same steps with the publish kernel writing the mailbox in pinned memory (no copy in the graph), and with
+    # each captured step's output through a queued copy and an event (no mailbox)
+    "${qs[@]}" DSPARK_MAILBOX=direct bash "$0" timeline --batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 \
+      --out "$OUT/timeline-direct.json" || rc=1
     "${qs[@]}" DSPARK_MAILBOX=0 bash "$0" timeline --batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 \
       --out "$OUT/timeline-event.json" || rc=1
     # shellcheck disable=SC2086
-    "${qs[@]}" bash "$0" serve --time-limit "${QUICKSTART_SERVE_S:-240}" ${QUICKSTART_ARGS:-} \
+    "${qs[@]}" bash "$0" serve --time-limit "${QUICKSTART_SERVE_S:-320}" ${QUICKSTART_ARGS:-} \
       --out "$OUT/serve-quickstart.json" || rc=1
     if [ -n "${BLOCK8_DIR:-}" ]; then
       b8=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR="$BLOCK8_DIR")

@@ -1,15 +1,16 @@
 """Serving benchmark of `python -m serve`: AR vs DSpark through OpenAI-compatible streaming clients.
 
     python bench/serve_bench.py --target DIR --drafter DIR [--modes ar,dspark] [--tasks humaneval,creative]
-        [--temperatures 0,0.7] [--concurrency 1,4,16,64] [--requests-per-level N] [--max-tokens 128]
-        [--out FILE.json] [-- EXTRA SERVE FLAGS]          # e.g. -- --num-speculative-tokens 7 --dtype bfloat16
+        [--temperatures 0,0.7] [--concurrency 1,4,16,64] [--requests-per-level N] [--min-level-s 3]
+        [--max-tokens 128] [--out FILE.json] [-- EXTRA SERVE FLAGS]          # e.g. -- --num-speculative-tokens 7 --dtype bfloat16
 
 Per mode (ar: no drafter; dspark: with --drafter) the server runs as a subprocess on 127.0.0.1 (`python -m serve`,
 device and dtype auto unless given after `--`; --max-batch-size defaults to the highest concurrency,
 --max-concurrent to twice it, --max-model-len to the prompt budget + max_tokens + 64), is polled on GET /health,
 measured, then terminated. Per (task, temperature, concurrency C) level: one untimed warm-up request, then C clients
 each send streaming /v1/completions requests back to back until N (--requests-per-level, default max(4C, 16)) have
-completed; the clients run in ceil(C / 8) processes (--client-procs), each with its share of them and of the
+been sent and the level has lasted --min-level-s (default 3 s: a level of a fraction of a second measures a GPU whose
+clocks and caches have not settled, and one stall is a large part of it), then finish what they sent; the clients run in ceil(C / 8) processes (--client-procs), each with its share of them and of the
 requests, timed from the moment all are ready (one Python process streaming 16 clients' tokens used a whole core).
 Request i sends prompt i mod P of the task (text, built as `python -m eval` builds it: raw prefix or --chat template,
 the last --max-prompt-tokens tokens), `max_tokens` with `ignore_eos`, and with --seed S, seed S + i when T > 0 (no
@@ -65,6 +66,7 @@ MODES = ("ar", "dspark")
 SET_HERE = ("--target", "--drafter", "--host", "--port", "--engine", "--dry-run")  # not allowed after `--`
 LEN_MARGIN = 64  # max_model_len room beyond prompt + max_tokens: the draft block and re-tokenized prompts
 CLIENTS_PER_PROCESS = 8  # streaming clients per client process (--client-procs 0): at 16, one process used a core
+MORE_PER_LEVEL = 63  # requests a level may add to its N to last --min-level-s, per request of N
 
 
 class BenchError(RuntimeError):
@@ -98,6 +100,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--temperatures", default="0,0.7")
     p.add_argument("--concurrency", default="1,4,16,64")
     p.add_argument("--requests-per-level", type=int, default=0, help="default max(4 x concurrency, 16)")
+    p.add_argument("--min-level-s", type=float, default=3.0, help="seconds a level sends requests at least")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=0, help="prompts per task, evenly spread (0: all)")
     p.add_argument("--max-prompt-tokens", type=int, default=512, help="keep the last N prompt tokens")
@@ -124,6 +127,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         ("--client-procs", a.client_procs, 0)]:
         if v < lo:
             raise ValueError(f"{flag}: expected an integer >= {lo}, got {v}")
+    if not a.min_level_s >= 0:
+        raise ValueError(f"--min-level-s: expected seconds >= 0, got {a.min_level_s}")
     for flag, v in [("--request-timeout", a.request_timeout), ("--startup-timeout", a.startup_timeout),
                     ("--time-limit", a.time_limit)]:
         if not v > 0:
@@ -317,11 +322,13 @@ def pcts(xs: list[float]) -> dict:
 
 async def run_level(url: str, a, prompts: list[str], temperature: float, conc: int, deadline: float,
                     profile: bool = False) -> dict:
-    """One level: max(4C, 16) requests (or --requests-per-level) from C clients; profile: the server's engine
-    thread under torch.profiler over the timed requests."""
+    """One level: max(4C, 16) requests (or --requests-per-level) from C clients, and more until it has lasted
+    --min-level-s; profile: the server's engine thread under torch.profiler over the timed requests."""
     n = a.requests_per_level or max(4 * conc, 16)  # a level long enough that one prefill stall is not its wall time
     seed = (lambda i: a.seed + i) if temperature > 0 and a.seed is not None else (lambda i: None)
-    reqs = [Req(i, i % len(prompts), seed(i)) for i in range(n)]
+    # the requests the clients may take: n, and up to MORE_PER_LEVEL x n more while the level is shorter than
+    # --min-level-s (those not sent are left out of the level)
+    reqs = [Req(i, i % len(prompts), seed(i)) for i in range(n * (1 + MORE_PER_LEVEL * (a.min_level_s > 0)))]
     async with http_client(url, a, conc) as client:
         warm = Req(-1, 0, seed(0))
         await one(client, a, prompts[0], temperature, warm)
@@ -332,14 +339,16 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         left = max(deadline - time.monotonic(), 0)
         if procs == 1:
             t0 = time.perf_counter()
-            end, cpu, cut = await clients(client, a, prompts, temperature, conc, reqs, left)
+            end, cpu, cut = await clients(client, a, prompts, temperature, conc, reqs, left, n)
             wall, cpu_frac = end - t0, cpu / (end - t0)
         else:
             wall, cpu_frac, cut, reqs[:] = await asyncio.to_thread(in_processes, url, a, prompts, temperature, conc,
-                                                                   reqs, procs, left)
+                                                                   reqs, procs, left, n)
         c1 = await counters(client)
         files = (await client.post("/stop_profile", timeout=300.0)).raise_for_status().json()["files"] if profile \
             else []
+    reqs[:] = [r for r in reqs if r.sent or r.index < n]
+    n = len(reqs)
     for r in reqs:
         if not r.ok and not r.error:
             r.error = "not finished when the time limit (--time-limit) was reached"

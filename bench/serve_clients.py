@@ -28,6 +28,7 @@ class Req:
     index: int
     prompt: int
     seed: int | None
+    sent: bool = False
     ok: bool = False
     error: str = ""
     text: str = ""
@@ -98,13 +99,17 @@ def http_client(url: str, a, conc: int) -> httpx.AsyncClient:
 
 
 async def clients(client: httpx.AsyncClient, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req],
-                  limit: float) -> tuple[float, float, bool]:
-    """conc clients sending reqs back to back -> (perf_counter at the end, this process's CPU seconds, cut by the
-    time limit)."""
+                  limit: float, need: int) -> tuple[float, float, bool]:
+    """conc clients sending reqs back to back, those of index < need and the others until a.min_level_s has passed
+    -> (perf_counter at the end, this process's CPU seconds, cut by the time limit). Each sent request is marked."""
     todo = iter(reqs)
+    t0 = time.perf_counter()
 
     async def worker():
         for r in todo:  # one shared iterator: each request is taken by exactly one client
+            if r.index >= need and time.perf_counter() - t0 >= a.min_level_s:
+                return
+            r.sent = True
             await one(client, a, prompts[r.prompt], temperature, r)
 
     cpu0, cut = time.process_time(), False
@@ -115,14 +120,15 @@ async def clients(client: httpx.AsyncClient, a, prompts: list[str], temperature:
     return time.perf_counter(), time.process_time() - cpu0, cut
 
 
-def _job(url: str, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req], limit: float) -> str:
+def _job(url: str, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req], limit: float,
+         need: int) -> str:
     return json.dumps({"url": url, "max_tokens": a.max_tokens, "request_timeout": a.request_timeout,
-                       "prompts": prompts, "temperature": temperature, "conc": conc,
-                       "reqs": [asdict(r) for r in reqs], "limit": limit}) + "\n"
+                       "min_level_s": a.min_level_s, "prompts": prompts, "temperature": temperature, "conc": conc,
+                       "reqs": [asdict(r) for r in reqs], "limit": limit, "need": need}) + "\n"
 
 
 def in_processes(url: str, a, prompts: list[str], temperature: float, conc: int, reqs: list[Req], procs: int,
-                 limit: float) -> tuple[float, float, bool, list[Req]]:
+                 limit: float, need: int) -> tuple[float, float, bool, list[Req]]:
     """A level's clients spread over `procs` client processes (process g takes requests i with i % procs == g),
     timed from the moment all are ready -> (wall s, the busiest process's CPU fraction, cut, the requests as the
     processes filled them, in order)."""
@@ -136,7 +142,7 @@ def in_processes(url: str, a, prompts: list[str], temperature: float, conc: int,
         return errs[g].read()[-2000:]
     try:
         for w, (n, share) in zip(workers, shares):
-            w.stdin.write(_job(url, a, prompts, temperature, n, share, limit))
+            w.stdin.write(_job(url, a, prompts, temperature, n, share, limit, need))
             w.stdin.flush()
         for g, w in enumerate(workers):
             if w.stdout.readline().strip() != "ready":
@@ -165,14 +171,16 @@ def in_processes(url: str, a, prompts: list[str], temperature: float, conc: int,
 def main() -> None:
     """A client process: its share of a level's clients and requests (the job on stdin), started by "go"."""
     job = json.loads(sys.stdin.readline())
-    a = SimpleNamespace(max_tokens=job["max_tokens"], request_timeout=job["request_timeout"])
+    a = SimpleNamespace(max_tokens=job["max_tokens"], request_timeout=job["request_timeout"],
+                        min_level_s=job["min_level_s"])
     reqs = [Req(**r) for r in job["reqs"]]
 
     async def go():
         async with http_client(job["url"], a, job["conc"]) as client:
             print("ready", flush=True)
             await asyncio.to_thread(sys.stdin.readline)  # "go"
-            return await clients(client, a, job["prompts"], job["temperature"], job["conc"], reqs, job["limit"])
+            return await clients(client, a, job["prompts"], job["temperature"], job["conc"], reqs, job["limit"],
+                                 job["need"])
 
     end, cpu, cut = asyncio.run(go())
     print(json.dumps({"reqs": [asdict(r) for r in reqs], "end": end, "cpu": cpu, "cut": cut}), flush=True)

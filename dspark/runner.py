@@ -8,7 +8,8 @@ buffers, keyed by (bucket, k drafts per row, block-table width, sampling mode). 
 so on CUDA each key is one CUDA graph, captured at its first use and replayed after; on CPU the same function runs
 eagerly. A captured step ends by posting its packed output to its mailbox (step_buffers.Mailbox): the graph copies
 it to pinned memory with a count the host reads, so launching a step is its replay alone and reading a finished one
-makes no CUDA call (DSPARK_MAILBOX=0: a queued copy and an event per step instead, as an eager step has). Its first
+makes no CUDA call (DSPARK_MAILBOX=direct: the kernel writes it in pinned memory, no copy in the graph;
+DSPARK_MAILBOX=0: a queued copy and an event per step instead, as an eager step has). Its first
 op completes the inputs of rows that continue a row of the step before (chain_inputs, from that step's output kept
 in `carry`), so a step can be queued while the one before is still in flight; a step whose rows all continue the
 same rows of the step just launched, in the same buffers and blocks, finds its inputs on the device already and
@@ -70,7 +71,12 @@ def without_grad(fn):
     return wrapper
 
 
-MAILBOX = os.environ.get("DSPARK_MAILBOX", "1") != "0"  # 0: captured steps' outputs go through a copy and an event
+# how a captured step hands its output to the host (step_buffers.Mailbox): "1" (default) a mailbox the graph copies
+# to pinned memory, "direct" one the publish kernel writes in pinned memory itself, "0" a queued copy and an event
+MAILBOXES = {"1": "copy", "direct": "direct", "0": None}
+if os.environ.get("DSPARK_MAILBOX", "1") not in MAILBOXES:
+    raise ValueError(f"DSPARK_MAILBOX={os.environ['DSPARK_MAILBOX']!r}: expected one of {', '.join(MAILBOXES)}")
+MAILBOX = MAILBOXES[os.environ.get("DSPARK_MAILBOX", "1")]
 TIME_EVERY = 8  # launches per graph replay timed on the device (events around it: host time on every step)
 MODES = ("greedy", "sample", "filter")  # filter: sampled with per-row top-k / top-p (sorts the vocabulary)
 
@@ -102,7 +108,7 @@ class ModelRunner(PrefillRunner):
         self.buckets = buckets(max_batch_size)
         self.rejection, self.draft_sample, self.adaptive = rejection, draft_sample, adaptive
         self.steps: dict[StepKey, StepBuffers] = {}
-        self.mailbox = self.graphs and MAILBOX  # captured steps post their output (step_buffers.Mailbox)
+        self.mailbox = MAILBOX if self.graphs else None  # captured steps post their output (step_buffers.Mailbox)
         self._keys: dict[tuple[int, int, str], tuple[int, int, StepKey]] = {}  # key_for's last key per rows, k, mode
         # MoE forwards up to the largest step's size take the gathered, graph-safe expert path; the setting lives on
         # the model, so an engine never lowers what another engine on the same target needs
@@ -249,16 +255,17 @@ class ModelRunner(PrefillRunner):
         carry = self.carry.clone()  # a step may be in flight: the next one reads its output, which these runs overwrite
         st.ints.copy_(st.ints_host)  # padding rows only
         st.floats.copy_(st.floats_host)
-        self._run(st)  # a compiled step that fails falls back to eager here, before the capture
         try:
+            self._run(st)  # a compiled step that fails falls back to eager here, before the capture
             st.out = self._capture_fn(lambda: self._step_fn(st), st, warmup - 1)
         except Exception as err:  # noqa: BLE001 - the CUDA runtime's refusals have no common type
             if st.mailbox is None:
                 raise
-            warnings.warn(f"decode step graph {st.key} failed to capture with its mailbox ({type(err).__name__}: "
-                          f"{err}); captured steps copy their output and record an event instead", RuntimeWarning,
-                          stacklevel=3)
-            self.mailbox, st.mailbox = False, None
+            warnings.warn(f"decode step graph {st.key} failed to run or capture with its mailbox "
+                          f"({type(err).__name__}: {err}); captured steps copy their output and record an event "
+                          "instead", RuntimeWarning, stacklevel=3)
+            self.mailbox, st.mailbox = None, None
+            self._run(st)
             st.out = self._capture_fn(lambda: self._step_fn(st), st, warmup - 1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         best = float("inf")

@@ -76,25 +76,32 @@ SPIN_LOOKS = 512  # looks at a mailbox's count before each further look yields t
 
 class Mailbox:
     """Where a captured step posts its output for the host (dspark/kernels/publish.py): a two-turn ring of its rows,
-    each turn stamped with its post's number, and the count of posts, on the device; their pinned copies, which the
-    graph makes after the post (ring and stamps, then the count). `posted` mirrors the device's count, so the host
-    knows the turn each replay writes and the count that says it is there: no event to record, no copy to queue, and
-    no CUDA call to read a finished step. A turn whose stamp is not its post's number raises (never stale rows)."""
+    each turn stamped with its post's number, and the count of posts. `direct=False`: ring, stamps and count on the
+    device, and their pinned copies, which the graph makes after the post (ring and stamps, then the count).
+    `direct=True`: the publish kernel writes the pinned ring, stamps and count itself (no copy in the graph). `posted`
+    mirrors the device's count, so the host knows the turn each replay writes and the count that says it is there: no
+    event to record, no copy to queue, and no CUDA call to read a finished step. A turn whose stamp is not its post's
+    number raises (never stale rows)."""
 
-    def __init__(self, rows: int, cols: int, device):
+    def __init__(self, rows: int, cols: int, device, direct: bool = False):
         n = 2 * rows * cols
-        self.box = torch.zeros(n + 2, dtype=torch.long, device=device)  # [ring | stamps]: one copy for both
-        self.ring, self.stamps = self.box[:n].view(2, rows, cols), self.box[n:]
+        self.direct = direct
         self.count = torch.zeros(1, dtype=torch.long, device=device)
         pin = torch.device(device).type == "cuda"
-        self.box_host = torch.zeros(n + 2, dtype=torch.long, pin_memory=pin)
+        self.box_host = torch.zeros(n + 2, dtype=torch.long, pin_memory=pin)  # [ring | stamps]: one copy for both
         self.ring_host = self.box_host[:n].view(2, rows, cols)
         self.count_host = torch.zeros(1, dtype=torch.long, pin_memory=pin)
         self.stamps_np, self.count_np = self.box_host[n:].numpy(), self.count_host.numpy()
+        self.box = self.box_host if direct else torch.zeros(n + 2, dtype=torch.long, device=device)
+        self.ring, self.stamps = self.box[:n].view(2, rows, cols), self.box[n:]
         self.posted = 0
 
     def post(self, out: torch.Tensor, carry: torch.Tensor) -> None:
-        """Device ops (the end of the captured step): out [rows, cols] into carry and the ring, then the copies."""
+        """Device ops (the end of the captured step): out [rows, cols] into carry and the ring, then the copies
+        (none when direct)."""
+        if self.direct:
+            publish(out, carry, self.ring, self.stamps, self.count, self.count_host)
+            return
         publish(out, carry, self.ring, self.stamps, self.count)
         self.box_host.copy_(self.box, non_blocking=True)
         self.count_host.copy_(self.count, non_blocking=True)
@@ -155,9 +162,10 @@ def chain_inputs(ints: torch.Tensor, prev: torch.Tensor) -> None:
 class StepBuffers:
     """The static buffers, the CUDA graph (if any) and the output of one StepKey."""
 
-    def __init__(self, key: StepKey, device, mailbox: bool = False):
+    def __init__(self, key: StepKey, device, mailbox: str | None = None):
         self.key = key
-        self.mailbox = Mailbox(key.rows, key.k + 3, device) if mailbox else None  # a captured step's (CUDA)
+        # a captured step's (CUDA): "copy" or "direct" (Mailbox)
+        self.mailbox = Mailbox(key.rows, key.k + 3, device, direct=mailbox == "direct") if mailbox else None
         self.ints = torch.zeros(key.rows, NI + key.width, dtype=torch.long, device=device)
         self.floats = torch.zeros(key.rows, 2, dtype=torch.float32, device=device)  # temperature, top_p
         # host staging (pinned on CUDA), filled in place each step through numpy views; its padding rows are set

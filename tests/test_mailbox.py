@@ -13,18 +13,24 @@ from tests.interp import interpreter_checks
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def _publish_case(device, seed: int, op, rows: int, cols: int, posts: int = 3):
+def _publish_case(device, seed: int, op, rows: int, cols: int, posts: int = 3, direct: bool = False):
     """`posts` random outputs [rows, cols] through op (None: the reference) into a wider carry, a ring, its stamps
-    and a count that starts at seed % 5 -> (carry, ring, stamps, count) on the CPU."""
+    and a count that starts at seed % 5 (direct: ring, stamps and a host count in pinned host memory, as
+    Mailbox(direct=True) has them) -> (carry, ring, stamps, count, host count) on the CPU."""
     gen = torch.Generator().manual_seed(seed)
+    pin = direct and device == "cuda"
+    host = "cpu" if direct else device
     carry = torch.randint(-9, 9, (rows + 3, cols + 4), generator=gen).to(device)
-    ring = torch.zeros(2, rows, cols, dtype=torch.long, device=device)
-    stamps = torch.zeros(2, dtype=torch.long, device=device)
+    ring = torch.zeros(2, rows, cols, dtype=torch.long, device=host, pin_memory=pin)
+    stamps = torch.zeros(2, dtype=torch.long, device=host, pin_memory=pin)
     count = torch.full((1,), seed % 5, dtype=torch.long, device=device)
+    count_host = torch.full((1,), -1, dtype=torch.long, pin_memory=pin) if direct else None
     for _ in range(posts):
         out = torch.randint(0, 1 << 40, (rows, cols), generator=gen).to(device)
-        (op or publish_ref)(out, carry, ring, stamps, count)
-    return carry.cpu(), ring.cpu(), stamps.cpu(), count.cpu()
+        (op or publish_ref)(out, carry, ring, stamps, count, count_host)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return carry.cpu(), ring.cpu(), stamps.cpu(), count.cpu(), (count if count_host is None else count_host).cpu()
 
 
 def _interp_checks() -> dict:
@@ -33,14 +39,17 @@ def _interp_checks() -> dict:
 
     res = {}
     for seed, rows, cols in ((0, 1, 3), (1, 37, 11), (2, 100, 11)):  # the last: more than one 1024-value block
-        got, want = _publish_case("cpu", seed, publish_triton, rows, cols), _publish_case("cpu", seed, None, rows, cols)
-        res[f"publish_{rows}x{cols}"] = [float(sum(int((a != b).sum()) for a, b in zip(got, want))), 0.0]
+        for direct in (False, True):
+            got = _publish_case("cpu", seed, publish_triton, rows, cols, direct=direct)
+            want = _publish_case("cpu", seed, None, rows, cols)
+            res[f"publish_{rows}x{cols}{'_direct' * direct}"] = [
+                float(sum(int((a != b).sum()) for a, b in zip(got, want))), 0.0]
     return res
 
 
 def test_publish_kernel_interpreted():
     res = interpreter_checks("tests.test_mailbox")
-    assert set(res) == {"publish_1x3", "publish_37x11", "publish_100x11"}
+    assert set(res) == {f"publish_{s}{d}" for s in ("1x3", "37x11", "100x11") for d in ("", "_direct")}
     for name, (err, tol) in res.items():
         assert err <= tol, name
 
@@ -57,10 +66,13 @@ def test_publish_reference_turns():
     assert stamps.tolist() == [9, 10]  # each turn stamped with its post's number (the count after it)
 
 
-def test_mailbox_turns_on_cpu():
+@pytest.mark.parametrize("direct", [False, True])
+def test_mailbox_turns_on_cpu(direct):
     """The host's mirror of the count: each replay's turn holds that post's rows and stays intact after the next
-    post (two steps in flight); sync() takes the device's count after posts the host did not count."""
-    mb, carry = Mailbox(2, 3, "cpu"), torch.zeros(2, 3, dtype=torch.long)
+    post (two steps in flight); sync() takes the device's count after posts the host did not count. Direct: the
+    post writes the host's ring and count itself."""
+    mb, carry = Mailbox(2, 3, "cpu", direct=direct), torch.zeros(2, 3, dtype=torch.long)
+    assert (mb.ring.data_ptr() == mb.ring_host.data_ptr()) == direct
     mb.post(torch.full((2, 3), -1), carry)  # an uncounted post (a capture's warm-up)
     mb.sync()
     assert mb.posted == 1
@@ -98,20 +110,24 @@ def test_mailbox_out_of_step_raises():
 
 
 @cuda
-def test_cuda_publish_kernel():
+@pytest.mark.parametrize("direct", [False, True])
+def test_cuda_publish_kernel(direct):
     from dspark.kernels.publish import publish_triton
 
     for seed, rows, cols in ((0, 1, 3), (1, 512, 11)):
-        got, want = _publish_case("cuda", seed, publish_triton, rows, cols), _publish_case("cpu", seed, None, rows, cols)
+        got = _publish_case("cuda", seed, publish_triton, rows, cols, direct=direct)
+        want = _publish_case("cpu", seed, None, rows, cols)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @cuda
-def test_cuda_mailbox_in_a_graph():
+@pytest.mark.parametrize("direct", [False, True])
+def test_cuda_mailbox_in_a_graph(direct):
     """A captured step (x + its input, posted) replayed with new inputs, each launched before the one before it is
-    read, as the engine's overlap does: every read through the mailbox's count alone gives that replay's rows."""
+    read, as the engine's overlap does: every read through the mailbox's count alone gives that replay's rows (direct:
+    the kernel writes them in pinned memory, no copy in the graph)."""
     rows, cols = 3, 5
-    mb, carry = Mailbox(rows, cols, "cuda"), torch.zeros(4, 8, dtype=torch.long, device="cuda")
+    mb, carry = Mailbox(rows, cols, "cuda", direct=direct), torch.zeros(4, 8, dtype=torch.long, device="cuda")
     inp = torch.zeros(rows, cols, dtype=torch.long, device="cuda")
     base = torch.arange(rows * cols, device="cuda").view(rows, cols)
 
@@ -143,10 +159,12 @@ def test_cuda_mailbox_in_a_graph():
 
 
 @cuda
-@pytest.mark.parametrize("mailbox", [True, False])
+@pytest.mark.parametrize("mailbox", ["copy", "direct", None])
 def test_cuda_engine_greedy_through_the_mailbox(mailbox, monkeypatch):
     """Greedy speculation through captured steps equals the target's plain greedy, reading each step from its
-    mailbox, or (a mailbox that fails to capture) through the copy and event after a warning."""
+    mailbox (the graph's copy, or the kernel's direct writes), or (a mailbox that fails to capture) through the copy
+    and event after a warning."""
+    import dspark.runner as runner_mod
     from dspark.engine import Engine
     from dspark.request import SamplingParams
     from dspark.step_buffers import Mailbox as MB
@@ -154,6 +172,7 @@ def test_cuda_engine_greedy_through_the_mailbox(mailbox, monkeypatch):
     from tests.test_engine import make_drafter, reference_greedy
 
     target = make_target("qwen3", device="cuda")
+    monkeypatch.setattr(runner_mod, "MAILBOX", mailbox or "copy")
     if not mailbox:
         monkeypatch.setattr(MB, "post", _refusing(MB.post))
     prompts = [[5, 6, 7, 8, 9], [11, 12, 13]]
@@ -161,11 +180,12 @@ def test_cuda_engine_greedy_through_the_mailbox(mailbox, monkeypatch):
     if mailbox:
         outs = engine.generate(prompts, SamplingParams(max_tokens=24))
     else:
-        with pytest.warns(RuntimeWarning, match="failed to capture with its mailbox"):
+        with pytest.warns(RuntimeWarning, match="failed to run or capture with its mailbox"):
             outs = engine.generate(prompts, SamplingParams(max_tokens=24))
     assert [o.token_ids for o in outs] == [reference_greedy(target, p, 24) for p in prompts]
     steps = engine.runner.steps.values()
-    assert steps and all((st.mailbox is not None) == mailbox and st.graph is not None for st in steps)
+    assert steps and all((st.mailbox is not None) == bool(mailbox) and st.graph is not None for st in steps)
+    assert all(st.mailbox.direct == (mailbox == "direct") for st in steps if st.mailbox is not None)
 
 
 def _refusing(post):
@@ -178,7 +198,7 @@ def _refusing(post):
 
 
 @cuda
-@pytest.mark.parametrize("mailbox", [True, False])
+@pytest.mark.parametrize("mailbox", ["copy", "direct", None])
 def test_cuda_chained_ar_steps_make_one_cuda_call(mailbox, monkeypatch):
     """At one row, AR steps that continue the step before (async scheduling, inputs kept on the device) cost the host
     one CUDA call each with the mailbox: the graph's launch; the timing events of every TIME_EVERY-th step and a new

@@ -25,7 +25,7 @@ def test_serve_bench_end_to_end(models, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "bench/serve_bench.py", "--target", str(target), "--drafter", str(drafter),
            "--tasks", ",".join(TASKS), "--temperatures", "0,0.7", "--concurrency", "1,2", "--requests-per-level", "2",
-           "--max-tokens", "8", "--max-prompt-tokens", "48", "--num-prompts", "4", "--startup-timeout", "120",
+           "--min-level-s", "0", "--max-tokens", "8", "--max-prompt-tokens", "48", "--num-prompts", "4", "--startup-timeout", "120",
            "--time-limit", "240", "--out", str(out), "--profile", "creative:0.7:2", "--client-procs", "2", "--",
            "--device", "cpu"]
     with open(tmp_path / "stdout.txt", "w+") as outf, open(tmp_path / "stderr.txt", "w+") as errf:
@@ -158,3 +158,31 @@ def test_serve_bench_time_limit_shares(models, monkeypatch):
     assert done == [("ar", "humaneval", 0.0, 1), ("ar", "humaneval", 0.0, 4), ("ar", "creative", 0.0, 1),
                     ("dspark", "humaneval", 0.0, 1), ("dspark", "humaneval", 0.0, 4)]
     assert report["status"].startswith("failed: ar's share of the time limit")
+
+
+def test_clients_keep_sending_until_the_level_has_lasted_min_level_s(monkeypatch):
+    """A level's clients send the `need` requests it asks for, then more until --min-level-s has passed (each one
+    sent is marked; the rest stay unsent), and with --min-level-s 0 exactly `need`. The HTTP request is replaced by a
+    10 ms sleep: this checks the clients' schedule (the end-to-end test above streams from real servers)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from bench import serve_clients
+
+    async def fake_one(client, a, prompt, temperature, r):
+        await asyncio.sleep(0.01)
+        r.ok = True
+
+    monkeypatch.setattr(serve_clients, "one", fake_one)
+    for min_s, need in ((0.3, 3), (0.0, 5)):
+        a = SimpleNamespace(min_level_s=min_s)
+        reqs = [serve_clients.Req(i, 0, None) for i in range(400)]
+        t0 = time.perf_counter()
+        end, _, cut = asyncio.run(serve_clients.clients(None, a, ["p"], 0.0, 2, reqs, 60.0, need))
+        sent = [r for r in reqs if r.sent]
+        assert not cut and all(r.ok for r in sent) and not any(r.ok for r in reqs if not r.sent)
+        assert [r.index for r in sent] == list(range(len(sent)))  # taken in order
+        if min_s:
+            assert end - t0 >= min_s and need < len(sent) < len(reqs)  # ~2 clients x 30 requests in 0.3 s
+        else:
+            assert len(sent) == need
