@@ -2,7 +2,7 @@
 
     python bench/serve_bench.py --target DIR --drafter DIR [--modes ar,dspark] [--tasks humaneval,creative]
         [--temperatures 0,0.7] [--concurrency 1,4,16,64] [--requests-per-level N] [--min-level-s 3]
-        [--max-tokens 128] [--out FILE.json] [-- EXTRA SERVE FLAGS]          # e.g. -- --num-speculative-tokens 7 --dtype bfloat16
+        [--max-tokens 128] [--out FILE.json] [-- EXTRA SERVE FLAGS]   # e.g. -- --num-speculative-tokens 7
 
 Per mode (ar: no drafter; dspark: with --drafter) the server runs as a subprocess on 127.0.0.1 (`python -m serve`,
 device and dtype auto unless given after `--`; --max-batch-size defaults to the highest concurrency,
@@ -10,8 +10,9 @@ device and dtype auto unless given after `--`; --max-batch-size defaults to the 
 measured, then terminated. Per (task, temperature, concurrency C) level: one untimed warm-up request, then C clients
 each send streaming /v1/completions requests back to back until N (--requests-per-level, default max(4C, 16)) have
 been sent and the level has lasted --min-level-s (default 3 s: a level of a fraction of a second measures a GPU whose
-clocks and caches have not settled, and one stall is a large part of it), then finish what they sent; the clients run in ceil(C / 8) processes (--client-procs), each with its share of them and of the
-requests, timed from the moment all are ready (one Python process streaming 16 clients' tokens used a whole core).
+clocks and caches have not settled, and one stall is a large part of it), then finish what they sent; the clients run
+in ceil(C / 8) processes (--client-procs), each with its share of them and of the requests, timed from the moment
+all are ready (one Python process streaming 16 clients' tokens used a whole core).
 Request i sends prompt i mod P of the task (text, built as `python -m eval` builds it: raw prefix or --chat template,
 the last --max-prompt-tokens tokens), `max_tokens` with `ignore_eos`, and with --seed S, seed S + i when T > 0 (no
 seed by default, as vLLM's benchmark_serving: the engine decodes seeded sampled requests plainly unless k is pinned).

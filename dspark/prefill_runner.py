@@ -281,10 +281,10 @@ class PrefillRunner:
     def warm_flush(self, max_rows: int, max_len: int) -> int:
         """Run each bucketed eager flush shape of more than FLUSH_GRAPH_ROWS up to max_rows rows, in requests up to
         max_len tokens, on scratch rows (Engine.warmup: no request pays for their compiles) -> shapes run."""
-        bs, shapes = self.cache.block_size, 0
+        bs, keys, shapes = self.cache.block_size, self.flush_keys(max_len), 0
         rows = pow2_at_least(FLUSH_GRAPH_ROWS + 1, 1)
         while rows <= pow2_at_least(max_rows, 1):
-            for key in self.flush_keys(max_len):
+            for key in keys:
                 start = key.width * bs - key.T  # the table's width is then key.width blocks
                 self._flush_eager([start] * rows, [key.T] * rows, [self.cache.scratch_slot] * rows, [[]] * rows)
                 shapes += 1

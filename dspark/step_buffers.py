@@ -99,12 +99,10 @@ class Mailbox:
     def post(self, out: torch.Tensor, carry: torch.Tensor) -> None:
         """Device ops (the end of the captured step): out [rows, cols] into carry and the ring, then the copies
         (none when direct)."""
-        if self.direct:
-            publish(out, carry, self.ring, self.stamps, self.count, self.count_host)
-            return
-        publish(out, carry, self.ring, self.stamps, self.count)
-        self.box_host.copy_(self.box, non_blocking=True)
-        self.count_host.copy_(self.count, non_blocking=True)
+        publish(out, carry, self.ring, self.stamps, self.count, self.count_host if self.direct else None)
+        if not self.direct:
+            self.box_host.copy_(self.box, non_blocking=True)
+            self.count_host.copy_(self.count, non_blocking=True)
 
     def sync(self) -> None:
         """The host's count from the device's, after posts the host did not count (a capture's runs)."""

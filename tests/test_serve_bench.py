@@ -25,8 +25,9 @@ def test_serve_bench_end_to_end(models, tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "bench/serve_bench.py", "--target", str(target), "--drafter", str(drafter),
            "--tasks", ",".join(TASKS), "--temperatures", "0,0.7", "--concurrency", "1,2", "--requests-per-level", "2",
-           "--min-level-s", "0", "--max-tokens", "8", "--max-prompt-tokens", "48", "--num-prompts", "4", "--startup-timeout", "120",
-           "--time-limit", "240", "--out", str(out), "--profile", "creative:0.7:2", "--client-procs", "2", "--",
+           "--min-level-s", "0", "--max-tokens", "8", "--max-prompt-tokens", "48", "--num-prompts", "4",
+           "--startup-timeout", "120", "--time-limit", "240", "--out", str(out), "--profile", "creative:0.7:2",
+           "--client-procs", "2", "--",
            "--device", "cpu"]
     with open(tmp_path / "stdout.txt", "w+") as outf, open(tmp_path / "stderr.txt", "w+") as errf:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=outf, stderr=errf, text=True,
