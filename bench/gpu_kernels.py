@@ -9,7 +9,7 @@ one CUDA graph (GPU time per call, as inside the decode graphs; without it the h
 `kda_sweep`: the k3-mini verify (B=1, H=6, T=9, all states) under every (BV, warps, reduction order) the autotuner
 picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as column slices of one fused projection
 (as the model passes them since the KDA input GEMMs were fused).
-`moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
+`markov_sweep`: one draft step's Markov loop under each grid size, V-chunk and barrier spin. `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
 against the loop path, N tokens. `sample`: a sampled token's temperature softmax and inverse-CDF draw against their
 torch definitions. `sampled_step`: a sampled step's rejection verification kernel against the torch path. Prints
 only; bench/RESULTS.md keeps the figures with their commands.
@@ -158,6 +158,30 @@ def bench_markov(iters):
                  partial(markov_sample_triton, U, w1, w2, anc, one_launch=one), nbytes, iters)
 
 
+def bench_markov_sweep(iters):
+    """One draft step's Markov loop at B = 1, D = 8, graph-timed, under each grid size (programs), V-chunk (BV) and
+    barrier spin (atomic polls, or plain loads and one acquire): the quickstart drafter's shape (V 4096, rank 32) and
+    K3's (V 163840, rank 64). Ids must equal the reference's in every row."""
+    from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for V, R in ((4096, 32), (163840, 64)):
+        w1, w2 = torch.randn(V, R, device="cuda").bfloat16(), (torch.randn(V, R, device="cuda") * .1).bfloat16()
+        U = torch.randn(1, 8, V, device="cuda") * 3
+        anc = torch.randint(0, V, (1,), device="cuda")
+        ri, rl = markov_sample_ref(U, w1, w2, anc)
+        for bv in (64, 128, 256, 512):
+            for g in sorted({1, 4, 8, 16, 32, 64, sms}):
+                if g > -(-V // bv):
+                    continue
+                for spin in (False, True):
+                    fn = partial(markov_sample_triton, U, w1, w2, anc, programs=g, block_v=bv, spin_load=spin)
+                    ki, kl = fn()
+                    err = max(_err(kl, rl), float((ki != ri).sum()))
+                    t = 1e3 * graph_ms(fn, 20, iters)
+                    print(f"markov_sweep V={V} r={R} BV={bv} programs={g} spin={'load' if spin else 'atomic'}"
+                          f" err={err:.2e} us={t:.2f}", flush=True)
+
+
 def bench_moe(iters):
     """The k3-mini target's LatentMoE (16 experts top-2, latent 256, expert width 384), bf16: the routed experts of
     N tokens through the graph-safe path (what the decode graphs run) vs the loop path as reference."""
@@ -250,7 +274,7 @@ def main() -> int:
     print(f"{'case':<44} {'max_err':>9} {'ref_us':>10} {'ker_us':>9} {'speedup':>8} {'MB':>9} {'floor_us':>8} "
           f"{'of_floor':>6}")
     benches = dict(kda=bench_kda, kda_sweep=bench_kda_sweep, attnres=bench_attnres, mxfp4=bench_mxfp4,
-                   markov=bench_markov, moe=bench_moe, sample=bench_sample, sampled_step=bench_sampled_step)
+                   markov=bench_markov, markov_sweep=bench_markov_sweep, moe=bench_moe, sample=bench_sample, sampled_step=bench_sampled_step)
     for name in args.only.split(","):
         benches[name.strip()](args.iters)
     return 0
