@@ -1,6 +1,6 @@
 """dspark.kernels on one GPU: each Triton kernel against its torch reference at K3 shapes.
 
-Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov,moe,sample,sampled_step] [--iters 50]
+Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov,moe,sample,sampled_step,argmax] [--iters 50]
                [--graph]
 One row per case: max abs error vs the reference (the fp32 reference where the kernel's inputs are bf16), median
 CUDA-event times (after warm-up) of the torch reference and the kernel, the bytes-moved floor (bytes / 4.8 TB/s)
@@ -11,8 +11,9 @@ picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as co
 (as the model passes them since the KDA input GEMMs were fused).
 `markov_sweep`: one draft step's Markov loop under each grid size, V-chunk and barrier spin. `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
 against the loop path, N tokens. `sample`: a sampled token's temperature softmax and inverse-CDF draw against their
-torch definitions. `sampled_step`: a sampled step's rejection verification kernel against the torch path. Prints
-only; bench/RESULTS.md keeps the figures with their commands.
+torch definitions. `sampled_step`: a sampled step's rejection verification kernel against the torch path. `argmax`:
+a greedy step's argmax over the target's logits against torch's. Prints only; bench/RESULTS.md keeps the figures with
+their commands.
 Exits with code 2 and a message without CUDA or triton.
 """
 from __future__ import annotations
@@ -226,6 +227,19 @@ def bench_sample(iters):
                  R * V * 4 * 2, iters, ref_graph=True)
 
 
+def bench_argmax(iters):
+    """A greedy step's argmax over the target's logits (both graph-timed under --graph: both run inside the decode
+    graphs): bf16 logits [B, T, V] of 1 and 9 positions, the quickstart's vocabulary (4096) and K3's (163840)."""
+    from dspark.kernels.argmax import argmax_ref, argmax_triton
+
+    for V in (4096, 163840):
+        for B, T in ((1, 1), (1, 9), (64, 9)):
+            x = (torch.randn(B, T, V, device="cuda") * 3).bfloat16()
+            err = float((argmax_triton(x) != argmax_ref(x)).sum())  # picks that differ
+            _row(f"argmax B={B} T={T} V={V}", err, partial(argmax_ref, x), partial(argmax_triton, x), x.numel() * 2,
+                 iters, ref_graph=True)
+
+
 def bench_sampled_step(iters):
     """A sampled step's rejection verification, one kernel, against the torch path it replaced (both graph-timed
     under --graph): process_logits, verify_rejection, and verify_greedy for greedy rows. The quickstart's vocabulary
@@ -256,7 +270,7 @@ def bench_sampled_step(iters):
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="kda,attnres,mxfp4,markov,moe,sample,sampled_step")
+    ap.add_argument("--only", default="kda,attnres,mxfp4,markov,moe,sample,sampled_step,argmax")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graph", action="store_true", help="kernel times inside a CUDA graph (no launch cost)")
     args = ap.parse_args()
@@ -274,7 +288,8 @@ def main() -> int:
     print(f"{'case':<44} {'max_err':>9} {'ref_us':>10} {'ker_us':>9} {'speedup':>8} {'MB':>9} {'floor_us':>8} "
           f"{'of_floor':>6}")
     benches = dict(kda=bench_kda, kda_sweep=bench_kda_sweep, attnres=bench_attnres, mxfp4=bench_mxfp4,
-                   markov=bench_markov, markov_sweep=bench_markov_sweep, moe=bench_moe, sample=bench_sample, sampled_step=bench_sampled_step)
+                   markov=bench_markov, markov_sweep=bench_markov_sweep, moe=bench_moe, sample=bench_sample,
+                   sampled_step=bench_sampled_step, argmax=bench_argmax)
     for name in args.only.split(","):
         benches[name.strip()](args.iters)
     return 0

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from dspark.cache.blocks import OutOfBlocks
 from dspark.cache.paged import PagedCache
 from dspark.cache.prefix import PrefixCacheConfig
+from dspark.kernels.argmax import argmax
 from dspark.policy import KPolicy
 from dspark.request import Request, RequestOutput, SamplingParams, Status
 from dspark.runner import Launched, ModelRunner, RowInput, without_grad
@@ -246,7 +247,7 @@ class Engine:
         is part of the time to first token), else sampled on the device."""
         mode = sampling_mode([r.params for r in rows])
         if mode == "greedy":
-            return last.argmax(-1)
+            return argmax(last)
         dev, filt = self.device, mode == "filter"  # else no sort over the vocabulary
         sampling = RowSampling(torch.tensor([r.params.temperature for r in rows], device=dev),
                                torch.tensor([r.params.top_k for r in rows], device=dev) if filt else 0,

@@ -40,6 +40,7 @@ import warnings
 import torch
 
 from dspark.cache.paged import PagedCache
+from dspark.kernels.argmax import argmax
 from dspark.kernels.greedy_verify import greedy_step, pack_step
 from dspark.models.k3.moe import LatentMoE, set_static_moe
 from dspark.prefill_runner import COUNTER_STRIDE, MIN_CONTEXT, PrefillRunner
@@ -194,7 +195,7 @@ class ModelRunner(PrefillRunner):
         if k == 0:
             logits = forward(pending[:, None], view, True)  # [B, 1, V]
             if sampling is None:  # [0, n, t_0]; n = num_new - 1 = 0
-                return greedy_step(pending[:, None][:, :0], logits.argmax(-1), num_new - 1)
+                return greedy_step(pending[:, None][:, :0], argmax(logits), num_new - 1)
             nxt = sample_from(process_logits(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p),
                               u[:, 0])
             return greedy_step(pending[:, None][:, :0], nxt[:, None], num_new - 1)  # [0, 0, t_0]
@@ -206,7 +207,7 @@ class ModelRunner(PrefillRunner):
         drafts = prop.draft_ids
         logits = forward(prop.verify_tokens(pending), view)  # [B, k+1, V]
         if sampling is None:
-            out = greedy_step(drafts, logits.argmax(-1), n)  # [B, k+3] = [a, n, t_0 .. t_k]
+            out = greedy_step(drafts, argmax(logits), n)  # [B, k+3] = [a, n, t_0 .. t_k]
             view.commit(out[:, 0] + 1)
             return out
         a, nxt = verify_sampled(drafts, prop.draft_probs, logits, sampling, n, torch.cat([u[:, k + 1:], u[:, :1]], 1),

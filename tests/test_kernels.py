@@ -76,6 +76,7 @@ def _icdf_invalid(w, u, ids) -> int:
 def _interp_checks() -> dict:
     """Runs with TRITON_INTERPRET=1: name -> [max abs error, tolerance]."""
     from dspark.kernels import interpreting
+    from dspark.kernels.argmax import argmax
     from dspark.kernels.attn_res import attn_res_mix_ref, attn_res_mix_triton
     from dspark.kernels.chain_inputs import chain_inputs_triton
     from dspark.kernels.draft_block import draft_block_triton
@@ -203,6 +204,12 @@ def _interp_checks() -> dict:
         ids = inverse_cdf_triton(w, u, **kw)
         res[f"inverse_cdf_{name}"] = [_icdf_invalid(w, u, ids) + float(ids.shape != u.shape)
                                       + float((ids != inverse_cdf_ref(w, u)).sum()), 0.0]
+    for name, x, kw in _argmax_cases(g):  # picks: number of mismatches, tolerance 0
+        res[f"argmax_{name}"] = [_argmax_mismatches(x, kw), 0.0]
+    # the dispatcher: the kernel's pick for fp32; fp64 to the reference (in fp32, 1 and 1 + 1e-12 would tie)
+    x = _argmax_ties(torch.float32)
+    res["argmax_dispatch"] = [float((argmax(x) != x.argmax(-1)).sum())
+                              + float(argmax(torch.tensor([1.0, 1.0 + 1e-12], dtype=torch.float64)) != 1), 0.0]
     return res
 
 
@@ -323,6 +330,59 @@ def _pack_cases(device, seed, shapes=((1, 4), (5, 3), (70, 7))):
         a, n = torch.randint(0, k + 1, (B,), generator=gen), torch.randint(0, k + 2, (B,), generator=gen)
         cases.append(tuple(x.to(device) for x in (d, a, nxt, n)))
     return cases
+
+
+def _argmax_ties(dtype):
+    """[13, 1200] rows of ties and special values (chunks of 64 and slices of 256, five: the merge pads them to eight,
+    in the cases that split them): the max (50) at two columns in different slices (100, 700), on either side of a
+    chunk boundary (63, 64) and of a slice boundary (255, 256), in one chunk (65, 66) and in the ragged last chunk
+    (1198, 1199): the first wins; a row of equal values; a row of -inf; half a row -inf; -0.0 before 0.0 in a row of
+    negatives (equal: the first), and after it; a row of -0.0 with one 0.0; NaN at 400 (sign bit set) and 800 beside
+    +inf at 5 (torch: the first NaN); -inf but the last column (rows whose keys are negative)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(13, 1200, generator=g)
+    for row, cols in ((0, [700, 100]), (1, [64, 63]), (2, [66, 65]), (3, [1199, 1198]), (12, [256, 255])):
+        x[row, cols] = 50.0
+    x[4] = 1.5
+    x[5] = float("-inf")
+    x[6, ::2] = float("-inf")
+    x[7], x[8] = -x[7].abs() - 1, -x[8].abs() - 1
+    x[7, 10], x[7, 500], x[8, 10], x[8, 500] = -0.0, 0.0, 0.0, -0.0
+    x[9], x[9, 600] = -0.0, 0.0
+    x[10, 400], x[10, 800], x[10, 5] = -float("nan"), float("nan"), float("inf")  # a NaN of either sign
+    x[11], x[11, 1199] = float("-inf"), -3.0
+    return x.to(dtype)
+
+
+def _argmax_cases(g, device="cpu"):
+    """(name, x, kernel kwargs) for argmax: fp32 / bf16 / fp16 rows of 5000 columns (not a power of two; two chunks
+    of the default 4096, or ten slices of 512 in chunks of 128); the ties of _argmax_ties at one chunk, at one slice
+    of several chunks and at several slices; [B, k+1, V] views read in place (rows of a padded vocabulary, one
+    position's rows: test_argmax_reads_views_in_place_and_falls_back_to_torch) and one copied; one row (a 0-dim
+    result), no rows."""
+    x = torch.randn(5, 5000, generator=g) * 3
+    big = torch.randn(3, 5, 310, generator=g)
+    cases = [("fp32", x, {}), ("bf16", x.bfloat16(), {}), ("fp16", x.half(), {}),
+             ("slices", x.bfloat16(), dict(slice_cols=512, block=128)),
+             ("bkv_padded_view", big[..., :300], dict(slice_cols=64, block=16)),
+             ("bkv_position_view", big[:, -1], {}), ("bkv_copied", big[:, 1:4, :300], {}),
+             ("one_row", x[0], dict(slice_cols=1024, block=256)), ("no_rows", big[:0], {})]
+    for dt in (torch.float32, torch.bfloat16):
+        name = str(dt).split(".")[1]
+        cases += [(f"ties_{name}", _argmax_ties(dt), {}),
+                  (f"ties_{name}_chunks", _argmax_ties(dt), dict(slice_cols=1024, block=64)),
+                  (f"ties_{name}_slices", _argmax_ties(dt), dict(slice_cols=256, block=64))]
+    return [(n, x.to(device), kw) for n, x, kw in cases]
+
+
+def _argmax_mismatches(x, kw) -> float:
+    """Picks of argmax_triton that differ from torch.argmax's, + 1 for a wrong shape or dtype."""
+    from dspark.kernels.argmax import argmax_ref, argmax_triton
+
+    out, ref = argmax_triton(x, **kw), argmax_ref(x)
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        return 1.0 + ref.numel()
+    return float((out != ref).sum())
 
 
 def _add_rms_norm_checks(g, device="cpu") -> dict:
@@ -457,8 +517,9 @@ def _decode_checks(g) -> dict:
 def _engine_pair_checks() -> dict:
     """The tiny K3 and Qwen3 targets with their drafters through the engine with the kernels the models dispatch on
     CUDA (K3: KDA decode/verify, AttnRes mix, grouped expert matvec; Qwen3: q / k norm + RoPE, paged attention; both:
-    draft block, Markov loop, greedy verify; here under the interpreter) vs DSPARK_KERNELS=0 (the torch modules): same tokens, same accepted
-    drafts per step, i.e. the kernel wiring in the layers is right."""
+    draft block, Markov loop, argmax, greedy verify; here under the interpreter) vs DSPARK_KERNELS=0 (the torch
+    modules): same tokens, same accepted drafts per step, i.e. the kernel wiring in the layers is right."""
+    import dspark.kernels.argmax as am
     import dspark.kernels.attn_res as ar
     import dspark.kernels.decode_gemv as dg
     import dspark.kernels.draft_block as db
@@ -488,7 +549,8 @@ def _engine_pair_checks() -> dict:
     for mod, name in ((kd, "kda_decode_triton"), (ar, "attn_res_mix_triton"), (ms, "markov_sample_triton"),
                       (dg, "grouped_gemv_triton"), (rp, "norm_rope_triton"), (rp, "qk_norm_rope_triton"),
                       (gv, "greedy_step_triton"), (pa, "attention_triton"), (db, "draft_block_triton"),
-                      (gl, "glu_triton"), (mr, "moe_route_triton"), (mc, "moe_combine_triton")):
+                      (gl, "glu_triton"), (mr, "moe_route_triton"), (mc, "moe_combine_triton"),
+                      (am, "argmax_triton")):
         counted(mod, name)
     res = {}
     # K3: the grouped expert matvec serves AR steps (1 token x top-2 of 8 experts < 8 pairs; a verify runs every
@@ -503,7 +565,8 @@ def _engine_pair_checks() -> dict:
         drafter = live_markov(make(target))
         calls.clear()
         res.update(_engine_pair(kind, target, drafter, calls))
-        missing = (expect[kind] | {"markov_sample_triton", "greedy_step_triton", "draft_block_triton"}) - set(calls)
+        missing = (expect[kind] | {"markov_sample_triton", "greedy_step_triton", "draft_block_triton",
+                                   "argmax_triton"}) - set(calls)
         assert not missing, f"{kind}: kernels not called: {missing}"
     return res
 
@@ -540,6 +603,8 @@ def interp():
     return interpreter_checks("tests.test_kernels")
 
 
+ARGMAX_CASES = ["fp32", "bf16", "fp16", "slices", "bkv_padded_view", "bkv_position_view", "bkv_copied", "one_row",
+                "no_rows", *(f"ties_{d}{s}" for d in ("float32", "bfloat16") for s in ("", "_chunks", "_slices"))]
 INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9",
                 "kda_t17_softplus", "kda_unmerged_verify_t9", "kda_strided_slices_t1", "kda_strided_slices_t9",
                 "attnres_plain", "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16",
@@ -555,7 +620,8 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16", "temperature_softmax_fp32",
                 "temperature_softmax_small_slices", "temperature_softmax_bf16", "temperature_softmax_bkv",
                 "inverse_cdf_fp32", "inverse_cdf_small_slices", "inverse_cdf_bf16", "inverse_cdf_bkv",
-                "inverse_cdf_sparse", "qwen3_engine_pair_tokens", "qwen3_engine_pair_accepted",
+                "inverse_cdf_sparse", *(f"argmax_{n}" for n in ARGMAX_CASES), "argmax_dispatch",
+                "qwen3_engine_pair_tokens", "qwen3_engine_pair_accepted",
                 "qwen3_engine_batch_tokens"]
 
 
@@ -563,6 +629,7 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                     "interpreter path is the CPU one (its triton 3.6 interpreter also fails on numpy 2.5 scalars)")
 @pytest.mark.parametrize("name", INTERP_CASES)
 def test_triton_interpreter_matches_reference(interp, name):
+    assert name in interp, f"{name}: the interpreter checks gave no result"
     for key in (name, name + "_logit"):
         if key in interp:
             err, tol = interp[key]
@@ -676,6 +743,24 @@ def test_markov_reference_and_fallback_equal_sample_markov():
     assert torch.equal(ids, _sample_markov_greedy(U, w1, w2, anc))
     assert _err(lg, (U + 0).gather(2, ids[..., None])[..., 0] + (w1[torch.cat([anc[:, None], ids[:, :-1]], 1)]
                                                                  * w2[ids]).sum(-1)) <= 1e-5
+
+
+def test_argmax_reads_views_in_place_and_falls_back_to_torch():
+    """The interpreter's [B, k+1, V] view cases read their rows in place through the row stride (padded vocabulary:
+    310, one position of five: 1550) and the third is copied; on the CPU the dispatcher gives torch.argmax's picks,
+    ties and NaN included."""
+    from dspark.kernels import as_rows
+    from dspark.kernels.argmax import argmax
+
+    views = {n: x for n, x, _ in _argmax_cases(torch.Generator().manual_seed(0)) if n.startswith("bkv")}
+    for name, stride in (("bkv_padded_view", 310), ("bkv_position_view", 1550)):
+        rows = as_rows(views[name])[1]
+        assert rows.data_ptr() == views[name].data_ptr() and rows.stride() == (stride, 1), name
+    assert as_rows(views["bkv_copied"])[1].is_contiguous()
+    for dt in (torch.float32, torch.bfloat16):
+        x = _argmax_ties(dt)
+        assert torch.equal(argmax(x), x.argmax(-1))
+        assert argmax(x)[[0, 1, 7, 10]].tolist() == [100, 63, 10, 400]
 
 
 # ------------------------------------------------------------------------------------------ CUDA, K3 shapes, bf16
@@ -938,6 +1023,24 @@ def test_cuda_draft_block():
 
     cases = _draft_block_cases("cuda", 5, shapes=((1, 4, 16, 256), (16, 8, 640, 2048), (64, 8, 2048, 4096)))
     assert _draft_block_mismatches(cases, draft_block_triton) == 0
+
+
+@cuda
+def test_cuda_argmax():
+    """argmax: the interpreter's cases on the GPU, and a decode step's logits (1 and 9 positions; 1, 16 and 64 rows)
+    at the quickstart's vocabulary (4096: one launch) and K3's (163840: twenty slices), bf16 and fp32, with the max
+    at the last column and tied at column 7 in one row."""
+    from dspark.kernels.argmax import argmax
+
+    for name, x, kw in _argmax_cases(torch.Generator().manual_seed(0), "cuda"):
+        assert _argmax_mismatches(x, kw) == 0, name
+    torch.manual_seed(0)
+    for V, shapes in ((4096, ((1, 1), (1, 9), (64, 9))), (163840, ((1, 1), (1, 9), (16, 9)))):
+        for B, T in shapes:
+            for dt in (torch.bfloat16, torch.float32):
+                x = (torch.randn(B, T, V, device="cuda") * 3).to(dt)
+                x[0, -1, V - 1] = x[-1, 0, [7, V - 1]] = 100.0
+                assert torch.equal(argmax(x), x.argmax(-1)), (V, B, T, dt)
 
 
 @cuda
