@@ -182,6 +182,8 @@ class ModelRunner(PrefillRunner):
                                                for c in ("pending", "num_cached", "num_new", "slot"))
         table = _dense(ints[:, NI:], own) if own else ints[:, NI:]
         view = self.cache.device_view(num_cached, num_new, table, slots, k + 1, k > 0)
+        if own:
+            view.mark_width_dynamic()
         sampling = None
         if key.mode != "greedy":
             filt = key.mode == "filter"

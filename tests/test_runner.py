@@ -3,7 +3,10 @@ host reads inside a step (meta device), seeded sampling independent of the batch
 unaffected by sampled neighbours, the per-step choice of k, graphs equal to the eager step, and the drafter
 trainer's regeneration through the engine."""
 import gc
+import os
 import statistics
+import subprocess
+import sys
 import weakref
 from collections import deque
 
@@ -13,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import dspark.prefill_runner as prefill_mod
 from dspark.engine import Engine
+from dspark.kernels import HAS_TRITON, interpreting
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
@@ -680,6 +684,17 @@ def test_compiled_step_compiles_once_for_every_context_bucket(targets, monkeypat
         frames.append(counters["stats"]["unique_graphs"])
     assert len({r.key_for(2, 2, n, "greedy").width for n in (128, 256, 512)}) == 3
     assert frames[0] == frames[1] == frames[2] and r.compiled, frames
+
+
+@pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton; runs the test above interpreted")
+def test_compiled_step_compiles_once_for_every_context_bucket_with_kernels():
+    """The same under TRITON_INTERPRET=1, in a process of its own (triton reads it at import): the step then
+    launches the Triton kernels the GPU runs, each a graph break whose resume frame dynamo compiles anew."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    test = f"{__file__}::test_compiled_step_compiles_once_for_every_context_bucket"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-4000:]
 
 
 @pytest.mark.timeout(1200)  # on CUDA inductor compiles Triton code for each of the step's shapes: minutes

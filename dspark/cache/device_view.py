@@ -38,6 +38,13 @@ class DeviceView:
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._additive: dict[torch.dtype, torch.Tensor] = {}  # key masks in additive form, one per dtype per step
 
+    def mark_width_dynamic(self) -> None:
+        """For a torch.compile'd forward: the context width (the table's W blocks, the gather's L positions) is a
+        dynamic dimension from the first compile. Dynamo compiles the frame that resumes after a graph break with
+        these sizes static first, and would recompile it at the second context bucket."""
+        for t in (self.table, self._gather):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+
     @property
     def cache(self) -> DeviceView:
         """A ForwardBatch whose cache is itself (a property, not an attribute: no reference cycle, so a step's view
