@@ -5,7 +5,8 @@
 #
 #   kernels        the CUDA kernel tests (tests/test_kernels.py, tests/test_k3_kda.py), then the kernel timings:
 #                  every Triton kernel against its torch reference (bench/gpu_kernels.py, graph-timed), the KDA
-#                  verify under every autotune config (kda_sweep), fla's KDA kernels against ours (gpu_k3_kernels.py)
+#                  verify under every autotune config (kda_sweep), one draft step's Markov loop under each grid size,
+#                  V-chunk and barrier spin (markov_sweep), fla's KDA kernels against ours (gpu_k3_kernels.py)
 #   tests-cuda     the test suite on the GPU: DSPARK_TEST_DEVICE=cuda python3 -m pytest tests/ (ARGS naming tests/...
 #                  run those instead); each failure's report also goes to $OUT/test-failures.txt as it happens
 #   train-quickstart  the quickstart pair (recipes/targets/qwen3-tiny.yaml, recipes/quickstart.yaml) on one GPU ->
@@ -198,7 +199,7 @@ case "$target" in
     log kernels python3 -m pytest tests/test_kernels.py tests/test_k3_kda.py -q -p no:cacheprovider -p no:warnings \
       --durations=12 "$@" || rc=$?
     log kernels python3 bench/gpu_kernels.py --graph --iters 30 || rc=$?
-    log kernels python3 bench/gpu_kernels.py --only kda_sweep --iters 30 || rc=$?
+    log kernels python3 bench/gpu_kernels.py --only kda_sweep,markov_sweep --iters 30 || rc=$?
     log kernels python3 bench/gpu_k3_kernels.py || rc=$?
     ;;
   tests-cuda)
@@ -388,10 +389,18 @@ case "$target" in
   wait)
     run_out=${RUN_OUT:-runs/gpu}
     end=$((SECONDS + ${1:-60}))
-    while [ ! -f "$run_out/DONE" ] && [ $SECONDS -lt $end ]; do sleep 5; done
-    # logs and tables only: no checkpoints, sequences or speculators' feature files
-    tar -czf "$OUT/results.tgz" -C "$run_out" --exclude="*.tgz" --exclude="*.safetensors" --exclude="*.pt" \
-      --exclude="*.arrow" --exclude="*.bin" . && ls -la "$run_out"
+    # logs and tables only: no checkpoints, sequences or speculators' feature files; archived every 30 s too, so a
+    # call cut short by its time limit (the device time left can be less than asked) still brings back the last one
+    archive() {
+      tar -czf "$OUT/results.tgz.part" -C "$run_out" --exclude="*.tgz" --exclude="*.safetensors" --exclude="*.pt" \
+        --exclude="*.arrow" --exclude="*.bin" . && mv "$OUT/results.tgz.part" "$OUT/results.tgz"
+    }
+    last=$SECONDS
+    while [ ! -f "$run_out/DONE" ] && [ $SECONDS -lt $end ]; do
+      sleep 5
+      [ $((SECONDS - last)) -ge 30 ] && { archive; last=$SECONDS; }
+    done
+    archive && ls -la "$run_out"
     tail -n 4 "$run_out"/first.txt "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt "$run_out"/peer.txt 2>/dev/null
     head -n 60 "$run_out"/test-failures.txt 2>/dev/null
     cat "$run_out"/peer/peer.md "$run_out"/ablate/ablation.md "$run_out"/speed-*/speed.md 2>/dev/null
