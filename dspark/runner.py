@@ -197,24 +197,27 @@ class ModelRunner(PrefillRunner):
         if k == 0:
             logits = forward(pending[:, None], view, True)  # [B, 1, V]
             if sampling is None:  # [0, n, t_0]; n = num_new - 1 = 0
-                return greedy_step(pending[:, None][:, :0], argmax(logits), num_new - 1)
+                return greedy_step(pending[:, None][:, :0], argmax(logits), num_new, minus=1)
             nxt = sample_from(process_logits(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p),
                               u[:, 0])
-            return greedy_step(pending[:, None][:, :0], nxt[:, None], num_new - 1)  # [0, 0, t_0]
+            return greedy_step(pending[:, None][:, :0], nxt[:, None], num_new, minus=1)  # [0, 0, t_0]
         prop = self.drafts.propose(view, pending, k, sampling if self.draft_sample else None,
                                    None if u is None else u[:, 1:k + 1], seed=seed, confidence=self.adaptive)
-        n = num_new - 1  # drafts the host lets each row verify
+        # drafts the host lets each row verify: num_new - 1 (greedy: taken in greedy_step's kernel)
+        n, minus = num_new, 1
+        if self.adaptive or sampling is not None:
+            n, minus = num_new - 1, 0
         if self.adaptive:
             n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))
         drafts = prop.draft_ids
         logits = forward(prop.verify_tokens(pending), view)  # [B, k+1, V]
         if sampling is None:
-            out = greedy_step(drafts, argmax(logits), n)  # [B, k+3] = [a, n, t_0 .. t_k]
-            view.commit(out[:, 0] + 1)
+            out = greedy_step(drafts, argmax(logits), n, minus)  # [B, k+3] = [a, n, t_0 .. t_k]
+            view.commit_accepted(out[:, 0])
             return out
         a, nxt = verify_sampled(drafts, prop.draft_probs, logits, sampling, n, torch.cat([u[:, k + 1:], u[:, :1]], 1),
                                 self.rejection)
-        view.commit(a + 1)
+        view.commit_accepted(a)
         return pack_step(drafts, a, nxt, n)
 
     # ------------------------------------------------------------------ host side

@@ -185,6 +185,10 @@ def _interp_checks() -> dict:
     res.update(_glu_route_checks(g))
     res["greedy_step"] = [float(sum(int((greedy_step_triton(*c) != greedy_step_ref(*c)).sum())
                                     for c in _greedy_cases("cpu", seed))), 0.0]
+    # n + 1 as a column of a wider int buffer (a step's num_new), the kernel taking the 1 off: the rows of n
+    res["greedy_step_minus"] = [float(sum(int((greedy_step_triton(d, top, _column(n + 1), minus=1)
+                                                != greedy_step_ref(d, top, n)).sum())
+                                          for d, top, n in _greedy_cases("cpu", seed))), 0.0]
     res["pack_step"] = [float(sum(int((pack_step_triton(*c) != pack_step_ref(*c)).sum())
                                   for c in _pack_cases("cpu", seed))), 0.0]
     res.update(_add_rms_norm_checks(g))
@@ -306,6 +310,11 @@ def _norm_rope_checks(g) -> dict:
     res["rope_interleaved"] = [_err(apply_rope_interleaved(qm.transpose(1, 2), *rope_m.cos_sin(qm.dtype)),
                                     norm_rope_triton(qm, None, 0.0, rope_m, interleaved=True)), 1e-5]
     return res
+
+
+def _column(x: torch.Tensor) -> torch.Tensor:
+    """x [B] as the middle column of a [B, 3] buffer (row stride 3), as a step reads its int columns."""
+    return torch.stack([x * 0 - 7, x, x * 0 - 9], 1)[:, 1]
 
 
 def _greedy_cases(device, seed, shapes=((1, 4), (5, 3), (3, 0), (70, 7))):
@@ -614,7 +623,8 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "k3_engine_pair_accepted", "k3_engine_batch_tokens", "chain_inputs", "norm_rope_rows",
                 "norm_rope_shared", "qk_norm_rope_inplace", "k_norm_rope_inplace", "qk_norm_rope_sink",
                 "k_norm_rope_sink", "rope_only", "rope_interleaved",
-                "greedy_step", "pack_step", "view_indices", "additive_key_mask", "draft_block", "paged_attention", "add_rms_norm_fp32",
+                "greedy_step", "greedy_step_minus", "pack_step", "view_indices", "additive_key_mask", "draft_block",
+                "paged_attention", "add_rms_norm_fp32",
                 "add_rms_norm_ragged", "add_rms_norm_bf16", "glu_silu", "glu_situ", "glu_situ_no_up_clamp",
                 "moe_route_sigmoid", "moe_route_sigmoid_renorm", "moe_route_softmax", "moe_route_softmax_renorm",
                 "moe_combine_dense", "moe_combine_gathered", "moe_combine_gathered_bf16", "temperature_softmax_fp32",
@@ -968,6 +978,7 @@ def test_cuda_greedy_step():
 
     for d, top, n in _greedy_cases("cuda", 5, shapes=((1, 8), (64, 4), (512, 7), (32, 0))):
         assert torch.equal(greedy_step_triton(d, top, n), greedy_step_ref(d, top, n))
+        assert torch.equal(greedy_step_triton(d, top, _column(n + 1), minus=1), greedy_step_ref(d, top, n))
     for c in _pack_cases("cuda", 5, shapes=((1, 8), (64, 4), (512, 7))):
         assert torch.equal(pack_step_triton(*c), pack_step_ref(*c))
 

@@ -30,11 +30,12 @@ class DeviceView:
         self.bs, self.record = block_size, record
         self.num_cached, self.num_new, self.table, self.slots = num_cached, num_new, table, slots
         self.device = table.device
-        # positions [B, T], valid new tokens [B, T], the new tokens' flat pool rows [B*T] and those of positions
-        # 0..L-1 [B, L]: one kernel on CUDA (dspark/kernels/view_indices.py)
-        self._pos, self._valid, self._dest, self._gather = view_indices(num_cached, num_new, table, block_size, T)
+        # positions [B, T], valid new tokens [B, T], the new tokens' flat pool rows [B*T], those of positions
+        # 0..L-1 [B, L] and the keys each new token sees [B, T] (= pos + 1): one kernel on CUDA
+        # (dspark/kernels/view_indices.py)
+        self._pos, self._valid, self._dest, self._gather, self._lim = view_indices(num_cached, num_new, table,
+                                                                                   block_size, T)
         self._mask: torch.Tensor | None = None  # [B, 1, T, L] bool, built when asked
-        self._lim: torch.Tensor | None = None  # [B, T] = pos + 1, built when asked
         self._pending: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._additive: dict[torch.dtype, torch.Tensor] = {}  # key masks in additive form, one per dtype per step
 
@@ -94,8 +95,6 @@ class DeviceView:
     def attn_pages(self, layer: int) -> Pages:
         """The layer's rows in place: the pool's rows, those of positions 0..L-1 per row, what each new token sees
         (keys up to its position) and where each new token's row goes (what attn_write writes)."""
-        if self._lim is None:
-            self._lim = self._pos + 1
         return Pages(self._flat(layer), self._gather, self._lim, self._dest)
 
     def attn_read(self, layer: int) -> torch.Tensor:
@@ -125,6 +124,12 @@ class DeviceView:
         else:
             self.S[layer].index_copy_(0, self.slots, states.float())
             self.conv[layer].index_copy_(0, self.slots, conv.to(self.conv[layer].dtype))
+
+    def commit_accepted(self, accepted: torch.Tensor) -> None:
+        """After a verify forward: keep the state after each row's anchor and its accepted drafts [B]. A step with
+        no recurrent state to keep (a Qwen3 target) launches nothing."""
+        if self._pending:
+            self.commit(accepted + 1)
 
     def commit(self, n_keep: torch.Tensor) -> None:
         """After a record=True forward: keep the recurrent state after n_keep [B] (device) new tokens per row."""

@@ -43,19 +43,20 @@ def pack_step_ref(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor, n: t
     return torch.cat([a[:, None], n[:, None], toks], 1)
 
 
-def greedy_step_ref(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """Torch reference: the packed rows [B, k+3]."""
+def greedy_step_ref(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor, minus: int = 0) -> torch.Tensor:
+    """Torch reference: the packed rows [B, k+3], for n - minus drafts a row may verify."""
+    n = n - minus if minus else n
     a, nxt = accept_greedy(drafts, top, n)
     return pack_step_ref(drafts, a, nxt, n)
 
 
 @triton.jit
-def _greedy_step_kernel(DRAFTS, TOP, N, A, NXT, OUT, B, K, sd, st, so, GIVEN: tl.constexpr, BLOCK_B: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+def _greedy_step_kernel(DRAFTS, TOP, N, A, NXT, OUT, B, K, sd, st, so, sn, MINUS, GIVEN: tl.constexpr,
+                        BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr):
     b = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)[:, None]  # [BB, 1]
     j = tl.arange(0, BLOCK_K)[None, :]  # [1, BK]: draft slots 0..K-1, then the bonus slot K
     rows = b < B
-    n = tl.load(N + b, mask=rows, other=0)  # [BB, 1]
+    n = tl.load(N + b * sn, mask=rows, other=0) - MINUS  # [BB, 1]
     d = tl.load(DRAFTS + b * sd + j, mask=rows & (j < K), other=-1)
     if GIVEN:  # pack_step: a and next come from a sampled step's verifier
         a = tl.load(A + b, mask=rows, other=0)
@@ -76,7 +77,7 @@ def _greedy_step_kernel(DRAFTS, TOP, N, A, NXT, OUT, B, K, sd, st, so, GIVEN: tl
 
 
 def _launch(drafts: torch.Tensor, top: torch.Tensor | None, n: torch.Tensor, a: torch.Tensor | None = None,
-            nxt: torch.Tensor | None = None) -> torch.Tensor:
+            nxt: torch.Tensor | None = None, minus: int = 0) -> torch.Tensor:
     B, K = drafts.shape
     out = torch.empty(B, K + 3, dtype=torch.long, device=n.device)
     block_b = min(next_pow2(B), 64)
@@ -85,25 +86,26 @@ def _launch(drafts: torch.Tensor, top: torch.Tensor | None, n: torch.Tensor, a: 
     d = drafts if K else top  # k = 0: likewise
     a, nxt = (a, nxt) if given else (n, n)
     _greedy_step_kernel[(triton.cdiv(B, block_b),)](d, top, n, a, nxt, out, B, K, d.stride(0), top.stride(0),
-                                                    out.stride(0), GIVEN=given, BLOCK_B=block_b,
+                                                    out.stride(0), n.stride(0), minus, GIVEN=given, BLOCK_B=block_b,
                                                     BLOCK_K=next_pow2(K + 1))
     return out
 
 
-def greedy_step_triton(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    return _launch(drafts, top, n)
+def greedy_step_triton(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor, minus: int = 0) -> torch.Tensor:
+    return _launch(drafts, top, n, minus=minus)
 
 
 def pack_step_triton(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return _launch(drafts, None, n, a, nxt)
 
 
-def greedy_step(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """The packed rows [B, k+3] (module doc): Triton on CUDA (or under TRITON_INTERPRET=1), else the reference."""
-    if (drafts.shape[1] == 0 or drafts.stride(1) == 1) and top.stride(1) == 1 and n.stride(0) == 1 \
-            and use_triton(drafts, top, n):
-        return greedy_step_triton(drafts, top, n)
-    return greedy_step_ref(drafts, top, n)
+def greedy_step(drafts: torch.Tensor, top: torch.Tensor, n: torch.Tensor, minus: int = 0) -> torch.Tensor:
+    """The packed rows [B, k+3] (module doc) for n - minus drafts a row may verify (minus: a step's num_new - 1
+    taken in the kernel, not as a kernel of its own): Triton on CUDA (or under TRITON_INTERPRET=1), else the
+    reference."""
+    if (drafts.shape[1] == 0 or drafts.stride(1) == 1) and top.stride(1) == 1 and use_triton(drafts, top, n):
+        return greedy_step_triton(drafts, top, n, minus)
+    return greedy_step_ref(drafts, top, n, minus)
 
 
 def pack_step(drafts: torch.Tensor, a: torch.Tensor, nxt: torch.Tensor, n: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@
       valid [B, T] = t < num_new             the real (not padding) new tokens
       dest [B * T]                           each new token's row in the flat pool: table[b, pos // bs] * bs + pos % bs
       gather [B, L]                          the pool rows of positions 0..L-1 (block index clamped to W - 1)
+      lim [B, T] = pos + 1                   the keys each new token sees (paged attention's bound)
   additive_key_mask(pos, L, dtype) -> [B, 1, T, L]: 0 where key <= pos, -inf after (what SDPA adds to the scores).
 
 In torch these are some twenty small kernels per step (aranges, integer divisions, gathers, the mask's compare, fill
@@ -30,13 +31,13 @@ def pool_rows(table: torch.Tensor, bs: int, pos: torch.Tensor) -> torch.Tensor:
 
 def view_indices_ref(num_cached: torch.Tensor, num_new: torch.Tensor, table: torch.Tensor, bs: int, T: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The torch definition -> (pos [B, T], valid [B, T] bool, dest [B * T], gather [B, L])."""
+    """The torch definition -> (pos [B, T], valid [B, T] bool, dest [B * T], gather [B, L], lim [B, T])."""
     L, dev = table.shape[1] * bs, table.device
     t = torch.arange(T, device=dev)
     pos = num_cached[:, None] + t
     keys = torch.arange(L, device=dev)  # L and T come from tensor shapes: symbolic under torch.compile
     return (pos, t[None] < num_new[:, None], pool_rows(table, bs, pos).flatten(),
-            pool_rows(table, bs, keys[None].expand(table.shape[0], -1)))
+            pool_rows(table, bs, keys[None].expand(table.shape[0], -1)), pos + 1)
 
 
 def key_visible(pos: torch.Tensor, L: int) -> torch.Tensor:
@@ -52,7 +53,8 @@ def additive_key_mask_ref(pos: torch.Tensor, L: int, dtype: torch.dtype) -> torc
 
 
 @triton.jit
-def _view_kernel(NC, NN, TABLE, POS, VALID, DEST, GATHER, W, s_tab, T, L, BS: tl.constexpr, BLOCK: tl.constexpr):
+def _view_kernel(NC, NN, TABLE, POS, VALID, DEST, GATHER, LIM, W, s_tab, T, L, BS: tl.constexpr,
+                 BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)  # key positions here, and new-token slots (T <= L)
     km = i < L
@@ -61,6 +63,7 @@ def _view_kernel(NC, NN, TABLE, POS, VALID, DEST, GATHER, W, s_tab, T, L, BS: tl
     tm = i < T
     pos = tl.load(NC + b) + i
     tl.store(POS + b * T + i, pos, mask=tm)
+    tl.store(LIM + b * T + i, pos + 1, mask=tm)
     tl.store(VALID + b * T + i, (i < tl.load(NN + b)).to(tl.int8), mask=tm)
     d = tl.load(TABLE + b * s_tab + tl.minimum(pos // BS, W - 1), mask=tm, other=0) * BS + pos % BS
     tl.store(DEST + b * T + i, d, mask=tm)
@@ -82,7 +85,7 @@ def _mask_kernel(POS, OUT, T, L, BLOCK_T: tl.constexpr, BLOCK_L: tl.constexpr):
 def view_indices_triton(num_cached, num_new, table, bs: int, T: int):
     B, W = table.shape
     L, dev = W * bs, table.device
-    pos = torch.empty(B, T, dtype=torch.long, device=dev)
+    pos, lim = (torch.empty(B, T, dtype=torch.long, device=dev) for _ in range(2))
     valid = torch.empty(B, T, dtype=torch.bool, device=dev)
     dest = torch.empty(B * T, dtype=torch.long, device=dev)
     gather = torch.empty(B, L, dtype=torch.long, device=dev)
@@ -90,8 +93,8 @@ def view_indices_triton(num_cached, num_new, table, bs: int, T: int):
         raise ValueError(f"view_indices: {T} new tokens in a view of {L} positions")
     block = min(BLOCK_L, next_pow2(L))
     _view_kernel[(B, triton.cdiv(L, block))](num_cached, num_new, table, pos, valid.view(torch.int8), dest, gather,
-                                             W, table.stride(0), T, L, BS=bs, BLOCK=block)
-    return pos, valid, dest, gather
+                                             lim, W, table.stride(0), T, L, BS=bs, BLOCK=block)
+    return pos, valid, dest, gather, lim
 
 
 @torch.compiler.disable
@@ -110,7 +113,7 @@ def _fits(*tensors: torch.Tensor) -> bool:
 
 
 def view_indices(num_cached, num_new, table, bs: int, T: int):
-    """(pos, valid, dest, gather) of a step (module doc): the kernel on CUDA (or under the interpreter) for int64
+    """(pos, valid, dest, gather, lim) of a step (module doc): the kernel on CUDA (or under the interpreter) for int64
     inputs (dense vectors, table rows of unit stride), else the torch definition."""
     if (_fits(num_cached, num_new, table) and num_cached.dim() == num_new.dim() == 1 and num_cached.is_contiguous()
             and num_new.is_contiguous() and table.stride(-1) == 1):
