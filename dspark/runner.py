@@ -203,10 +203,8 @@ class ModelRunner(PrefillRunner):
             return greedy_step(pending[:, None][:, :0], nxt[:, None], num_new, minus=1)  # [0, 0, t_0]
         prop = self.drafts.propose(view, pending, k, sampling if self.draft_sample else None,
                                    None if u is None else u[:, 1:k + 1], seed=seed, confidence=self.adaptive)
-        # drafts the host lets each row verify: num_new - 1 (greedy: taken in greedy_step's kernel)
-        n, minus = num_new, 1
-        if self.adaptive or sampling is not None:
-            n, minus = num_new - 1, 0
+        # drafts the host lets each row verify: num_new - 1 (a greedy step's kernel takes the 1 off itself)
+        n, minus = (num_new, 1) if sampling is None and not self.adaptive else (num_new - 1, 0)
         if self.adaptive:
             n = torch.minimum(n, choose_verify_lengths_device(prop.confidence))
         drafts = prop.draft_ids
