@@ -9,7 +9,7 @@ one CUDA graph (GPU time per call, as inside the decode graphs; without it the h
 `kda_sweep`: the k3-mini verify (B=1, H=6, T=9, all states) under every (BV, warps, reduction order) the autotuner
 picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as column slices of one fused projection
 (as the model passes them since the KDA input GEMMs were fused).
-`markov_sweep`: one draft step's Markov loop under each grid size, V-chunk and barrier spin. `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
+`markov_sweep`: one draft step's Markov loop under each grid size and V-chunk. `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
 against the loop path, N tokens. `sample`: a sampled token's temperature softmax and inverse-CDF draw against their
 torch definitions. `sampled_step`: a sampled step's rejection verification kernel against the torch path. `argmax`:
 a greedy step's argmax over the target's logits against torch's. Prints only; bench/RESULTS.md keeps the figures with
@@ -160,9 +160,9 @@ def bench_markov(iters):
 
 
 def bench_markov_sweep(iters):
-    """One draft step's Markov loop at B = 1, D = 8, graph-timed, under each grid size (programs), V-chunk (BV) and
-    barrier spin (atomic polls, or plain loads and one acquire): the quickstart drafter's shape (V 4096, rank 32) and
-    K3's (V 163840, rank 64). Ids must equal the reference's in every row."""
+    """One draft step's Markov loop at B = 1, D = 8, graph-timed, under each grid size (programs) and V-chunk (BV):
+    the quickstart drafter's shape (V 4096, rank 32) and K3's (V 163840, rank 64). Ids must equal the reference's
+    in every row."""
     from dspark.kernels.markov_sample import markov_sample_ref, markov_sample_triton
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for V, R in ((4096, 32), (163840, 64)):
@@ -174,13 +174,11 @@ def bench_markov_sweep(iters):
             for g in sorted({1, 4, 8, 16, 32, 64, sms}):
                 if g > -(-V // bv):
                     continue
-                for spin in (False, True):
-                    fn = partial(markov_sample_triton, U, w1, w2, anc, programs=g, block_v=bv, spin_load=spin)
-                    ki, kl = fn()
-                    err = max(_err(kl, rl), float((ki != ri).sum()))
-                    t = 1e3 * graph_ms(fn, 20, iters)
-                    print(f"markov_sweep V={V} r={R} BV={bv} programs={g} spin={'load' if spin else 'atomic'}"
-                          f" err={err:.2e} us={t:.2f}", flush=True)
+                fn = partial(markov_sample_triton, U, w1, w2, anc, programs=g, block_v=bv)
+                ki, kl = fn()
+                err = max(_err(kl, rl), float((ki != ri).sum()))
+                t = 1e3 * graph_ms(fn, 20, iters)
+                print(f"markov_sweep V={V} r={R} BV={bv} programs={g} err={err:.2e} us={t:.2f}", flush=True)
 
 
 def bench_moe(iters):

@@ -6,7 +6,7 @@
 #   kernels        the CUDA kernel tests (tests/test_kernels.py, tests/test_k3_kda.py), then the kernel timings:
 #                  every Triton kernel against its torch reference (bench/gpu_kernels.py, graph-timed), the KDA
 #                  verify under every autotune config (kda_sweep), one draft step's Markov loop under each grid size,
-#                  V-chunk and barrier spin (markov_sweep), fla's KDA kernels against ours (gpu_k3_kernels.py)
+#                  V-chunk (markov_sweep), fla's KDA kernels against ours (gpu_k3_kernels.py)
 #   tests-cuda     the test suite on the GPU: DSPARK_TEST_DEVICE=cuda python3 -m pytest tests/ (ARGS naming tests/...
 #                  run those instead); each failure's report also goes to $OUT/test-failures.txt as it happens
 #   train-quickstart  the quickstart pair (recipes/targets/qwen3-tiny.yaml, recipes/quickstart.yaml) on one GPU ->

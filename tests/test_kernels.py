@@ -166,6 +166,8 @@ def _interp_checks() -> dict:
     cn = draft_noise_ref(sd, pos, D, V)
     for name, kw, tkw in [("markov_greedy_1launch", {}, dict(one_launch=True, programs=1)),
                           ("markov_greedy_steps_3prog", {}, dict(one_launch=False, programs=3)),
+                          # the default V-chunk (256 on the CPU: wider than a program's slice of 100)
+                          ("markov_greedy_default_chunk", {}, dict(one_launch=False, programs=3, block_v=None)),
                           ("markov_gumbel_steps_3prog", dict(temperature=temp, noise=noise),
                            dict(one_launch=False, programs=3)),
                           # the counter-based uniforms drawn in the kernel, against their torch definition
@@ -174,7 +176,7 @@ def _interp_checks() -> dict:
                           ("markov_counter_noise_steps_3prog", dict(temperature=temp, noise=cn),
                            dict(one_launch=False, programs=3, noise=None, seed=sd, position=pos))]:
         ri, rl = markov_sample_ref(U, w1, w2, anc, **kw)
-        ki, kl = markov_sample_triton(U, w1, w2, anc, block_v=64, **(kw | tkw))
+        ki, kl = markov_sample_triton(U, w1, w2, anc, **(dict(block_v=64) | kw | tkw))
         res[name] = [float((ri != ki).sum()), 0.0]
         res[name + "_logit"] = [_err(rl, kl), 1e-5]
     res.update(_decode_checks(g))
