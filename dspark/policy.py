@@ -12,6 +12,10 @@ of those it is modelled: its graph's replay time and the host's own work per ste
 for the device, the median over the last steps of every kind), with async scheduling the larger of the two (they
 overlap), else their sum. Measured cycles hold what the model leaves out, such as a step whose host work and device
 time fail to overlap.
+A kind not run for STALE_STEPS steps forgets its cycles: a cost measured under other traffic (another level of
+load, a transient such as the first steps after a burst) would otherwise stand for good against a kind that keeps
+running; once plain decoding's cycles are forgotten the policy decodes plainly for the few steps that measure them
+again (see below), so a plain cost measured too high cannot keep it drafting where drafting loses.
 Drafting after plain steps also pays the flush of their stashed context rows, spread over the REPICK_EVERY steps a
 choice lasts. Plain decoding is measured before drafting is weighed against it: modelled with the host work of the
 drafting steps that ran first, plain steps would look dearer than they are, and a choice never made is never
@@ -35,7 +39,8 @@ PROBE_MAX = 1024  # ... an interval that doubles, up to this, each time such a p
 REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context bucket and mode
 HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
 CYCLE_WINDOW = 16  # a kind of step's cost: the median of its last this many cycles ...
-MIN_CYCLES = 3  # ... once it has this many (before, the model: replay and the host's work per step)
+MIN_CYCLES = 3  # ... once it has this many (before, the model: replay and the host's work per step) ...
+STALE_STEPS = 1024  # ... sampled within this many decode steps (of any kind): an older kind's cycles are forgotten
 FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving average
 ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
 # estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
@@ -69,6 +74,8 @@ class KPolicy:
         # bucket, k, sampling mode) the last times from one step's start to the next (ms)
         self.host_all: deque[float] = deque(maxlen=4 * CYCLE_WINDOW)
         self.cycle_by_kind: dict[tuple[int, int, str], deque[float]] = {}
+        self.steps = 0  # decode steps started
+        self.sampled_at: dict[tuple[int, int, str], int] = {}  # each kind's last cycle: self.steps then
         self.replay_by_kind: dict[tuple[int, int, str], float] = {}  # each timed kind's replay at capture (ms)
         self.flush_ms: float | None = None  # a context flush's host time (ms), moving average
         self.last_k = 0  # the k of the last choice (a k > 0 after plain steps flushes their context first)
@@ -255,6 +262,7 @@ class KPolicy:
                 self.host_all.append(max(0.0, cycle - (waited_ms - last[1])))
                 if self.before == kind or not self.overlap:
                     self.cycle_by_kind.setdefault(kind, deque(maxlen=CYCLE_WINDOW)).append(cycle)
+                    self.sampled_at[kind] = self.steps
                     self.replay_by_kind[kind] = last[3]
                     k = last[2].k
                     self.cycles[k] += 1
@@ -262,6 +270,16 @@ class KPolicy:
                     self.replay_ms[k] += last[3]
         self.before = kind
         self.last_step = (now, waited_ms, None, None)
+        self.steps += 1
+        if self.steps % 64 == 0:
+            self.forget_stale()
+
+    def forget_stale(self) -> None:
+        """Drop the cycles of every kind not sampled within STALE_STEPS steps (a kind set without a sample counts
+        from the first look)."""
+        for kind in list(self.cycle_by_kind):
+            if self.steps - self.sampled_at.setdefault(kind, self.steps) > STALE_STEPS:
+                del self.cycle_by_kind[kind], self.sampled_at[kind]
 
     def step_replayed(self, ms: float | None, key: StepKey) -> None:
         """The step just started is `key` and replayed a graph of `ms` (None: it ran eagerly, nothing to learn

@@ -21,7 +21,7 @@ from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
-from dspark.policy import ACCEPT_WINDOW, DRAFT_GAIN, MIN_CYCLES, PROBE_EVERY, PROBE_MAX, REPICK_EVERY
+from dspark.policy import ACCEPT_WINDOW, DRAFT_GAIN, MIN_CYCLES, PROBE_EVERY, PROBE_MAX, REPICK_EVERY, STALE_STEPS
 from dspark.request import SamplingParams
 from dspark.runner import MODES
 from dspark.step_buffers import PrefillBuffers
@@ -247,6 +247,38 @@ def test_k_policy_measures_plain_decoding_before_weighing_drafting_against_it(ta
     p.step_started(waited[0])
     assert p.estimates(1, 100, "sample", acc, reach)[0]["measured"] and p.best(1, 100, "sample", acc, reach) == 0
     assert len(p.cycle_by_kind[1, 0, "sample"]) == 15  # the first plain step, read behind a drafting one, left out
+
+
+def test_k_policy_forgets_a_stale_plain_cost_and_measures_it_again(targets, monkeypatch):
+    """Plain steps measured at 0.29 ms (a transient: twice what they take) make 4 drafts at an acceptance of 0.4
+    look better (1.65 tokens per 0.27 ms against 1.1 x 1 per 0.29), and the policy drafts; with no plain step run,
+    that cost would stand for good. After STALE_STEPS steps without a plain one it forgets it, decodes plainly for
+    the few steps that measure it again (0.14 ms), and stays plain, where drafting loses (probes aside)."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p, key = engine.policy, engine.runner.key_for
+    replay = {0: 0.13, 1: 0.22, 2: 0.24, 4: 0.26}
+    engine.runner.step_ms = lambda key: replay[key.k]
+    p.accepted["sampled"], p.reached["sampled"] = [40, 16, 6, 2], [100, 40, 16, 6]
+    now = [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+
+    def step(k: int, cycle_ms: float) -> None:
+        p.step_started(0.0)
+        p.step_replayed(replay[k], key(1, k, 100, "sample"))
+        now[0] += cycle_ms / 1e3
+
+    for _ in range(8):
+        step(0, 0.29)
+    picks = []
+    for _ in range(STALE_STEPS + 200):
+        k = p.choose(1, 100, "sample")
+        picks.append(k)
+        step(k, 0.27 if k else 0.14)
+    assert all(k == 4 for k in picks[:STALE_STEPS - 64])  # drafting on the stale plain cost
+    assert sum(k > 0 for k in picks[-100:]) <= 1  # measured again: plain (but for a probe, PROBE_EVERY apart)
+    assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.14)
+    assert (1, 4, "sample") in p.cycle_by_kind  # drafting's cycles are still recent
 
 
 def test_k_policy_acceptance_follows_recent_traffic(targets):
