@@ -390,10 +390,12 @@ def rows(levels: list[dict]) -> list[dict]:
                "dspark": ds and _brief(ds), "speedup": None, "greedy_equal": None, "greedy_compared": None}
         if ar and ds and ar["output_tok_s"]:
             row["speedup"] = ds["output_tok_s"] / ar["output_tok_s"]
-        if ar and ds and key[1] == 0:
-            pairs = [(x, y) for x, y in zip(ar["per_request"], ds["per_request"]) if x["ok"] and y["ok"]]
+        if ar and ds and key[1] == 0:  # each DSpark text against the AR text of its prompt (levels differ in how
+            # many requests they sent, and client processes report theirs in their own order)
+            ar_text = {x["prompt"]: x["text"] for x in ar["per_request"] if x["ok"]}
+            pairs = [(ar_text[y["prompt"]], y["text"]) for y in ds["per_request"] if y["ok"] and y["prompt"] in ar_text]
             row["greedy_compared"] = len(pairs)
-            row["greedy_equal"] = sum(x["text"] == y["text"] for x, y in pairs)
+            row["greedy_equal"] = sum(x == y for x, y in pairs)
         out.append(row)
     return out
 

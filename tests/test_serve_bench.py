@@ -107,6 +107,21 @@ def test_serve_bench_end_to_end(models, tmp_path):
     assert len(lines) == len(rows) + 1 and all(x.split(" | ")[0][2:] in TASKS for x in lines[1:])
 
 
+def test_greedy_texts_compared_by_prompt():
+    """The greedy check pairs each DSpark request with the AR text of its prompt: the levels sent different numbers
+    of requests, reported in another order."""
+    def level(mode, texts):  # (prompt, text) per request
+        return {"mode": mode, "task": "humaneval", "temperature": 0.0, "concurrency": 4, "output_tok_s": 1.0,
+                "request_s": 1.0, "tau": None, "errors": 0, "tokens_per_event": 1.0, "ttft_ms": {"p50": 1.0},
+                "itl_ms": {"p50": 1.0, "p99": 1.0}, "tpot_ms": {"p50": 1.0},
+                "per_request": [{"prompt": p, "text": t, "ok": True} for p, t in texts]}
+
+    ar = level("ar", [(0, "a"), (1, "b"), (2, "c")])
+    ds = level("dspark", [(1, "b"), (0, "a"), (3, "d"), (0, "a"), (2, "x")])  # prompt 3: no AR text to compare
+    row = _bench().rows([ar, ds])[0]
+    assert (row["greedy_equal"], row["greedy_compared"]) == (3, 4)
+
+
 def _bench():
     spec = importlib.util.spec_from_file_location("serve_bench", ROOT / "bench" / "serve_bench.py")
     bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look the module up
