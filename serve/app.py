@@ -60,6 +60,8 @@ class ServerConfig:
     api_key: str | None = None  # None: no authentication
     max_prompt_bytes: int | None = None  # None: max_model_len * PROMPT_BYTES_PER_TOKEN
     tokenizer_threads: int = 2
+    inline_tokenize_bytes: int = 4096  # prompts up to this size are tokenized on the event loop (the hop to a
+    # tokenizer thread and back costs more than tokenizing them); longer ones in the tokenizer threads
 
 
 def _lower_priority() -> None:
@@ -300,9 +302,10 @@ def create_app(runner: EngineRunner | EngineClient, cfg: ServerConfig) -> FastAP
         if not explicit:
             params.max_tokens = min(room, default_max_tokens or room)
 
-    async def generate(http: Request, chat: bool, tokenize, params: SamplingParams, explicit: bool, body: Body,
-                       default_max_tokens: int | None):
-        """tokenize: a function returning the prompt's ids, run in the tokenizer pool."""
+    async def generate(http: Request, chat: bool, tokenize, size: int, params: SamplingParams, explicit: bool,
+                       body: Body, default_max_tokens: int | None):
+        """tokenize: a function returning the prompt's ids, of a prompt of `size` UTF-8 bytes (0: token ids), run
+        here when size <= cfg.inline_tokenize_bytes, else in the tokenizer pool."""
         if not runner.alive:
             raise ApiError(503, "the engine thread is not running; see the server log")
         if active["n"] >= cfg.max_concurrent:
@@ -321,7 +324,10 @@ def create_app(runner: EngineRunner | EngineClient, cfg: ServerConfig) -> FastAP
                 active["n"] -= 1
 
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(pool, tokenize)
+            if size <= cfg.inline_tokenize_bytes:
+                ids = tokenize()
+            else:
+                ids = await asyncio.get_running_loop().run_in_executor(pool, tokenize)
             fit(ids, params, explicit, default_max_tokens)
             req, events = await runner.submit(ids, params, rid)
         except ApiError:
@@ -438,10 +444,10 @@ def create_app(runner: EngineRunner | EngineClient, cfg: ServerConfig) -> FastAP
             tok = tokenizer
             if tok is None:
                 raise ApiError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
-            tokenize = lambda: tok.encode(prompt, add_special_tokens=False)  # noqa: E731
+            tokenize, size = lambda: tok.encode(prompt, add_special_tokens=False), len(prompt.encode("utf-8"))
         else:
-            tokenize = lambda: list(prompt)  # noqa: E731
-        return await generate(http, False, tokenize, params, explicit, body, cfg.default_max_tokens)
+            tokenize, size = lambda: list(prompt), 0
+        return await generate(http, False, tokenize, size, params, explicit, body, cfg.default_max_tokens)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
@@ -459,7 +465,7 @@ def create_app(runner: EngineRunner | EngineClient, cfg: ServerConfig) -> FastAP
         end_of_turn = tok.convert_tokens_to_ids("<|im_end|>") if tok is not None else None
         if isinstance(end_of_turn, int) and end_of_turn != tok.unk_token_id:
             params.stop_token_ids.append(end_of_turn)  # a chat turn ends at <|im_end|>
-        return await generate(http, True, lambda: chat_prompt_ids(tok, msgs), params, explicit, body, None)
+        return await generate(http, True, lambda: chat_prompt_ids(tok, msgs), size, params, explicit, body, None)
 
     return app
 

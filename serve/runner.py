@@ -158,6 +158,7 @@ class EngineRunner:
         self.publish = None  # called with each new snapshot (the engine process sends it on)
         self._sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._out: dict[LoopSink, list[tuple[object, Event]]] = {}  # events to deliver, by sink
+        self._finished = False  # a stream ended since the last delivery
         self._thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
 
     # ------------------------------------------------------------------ event-loop side
@@ -226,14 +227,17 @@ class EngineRunner:
                 if self.engine.has_work():
                     self._step()  # with the engine's overlap its next step is queued: the delivery overlaps it
                 self.loop_s += time.perf_counter() - t0
-                # the snapshot before the events: a client that saw its last token reads /metrics that count it
-                if not self.engine.has_work() or time.time() - self.snapshot.time >= SNAPSHOT_S:
-                    self.snapshot = self._snap()
-                    if self.publish is not None:
-                        self.publish(self.snapshot)
+                # a snapshot due goes before the events when a request finished (a client that saw its last token
+                # reads /metrics that count it), else after them (a first token does not wait for it)
+                due = not self.engine.has_work() or time.time() - self.snapshot.time >= SNAPSHOT_S
+                if due and self._finished:
+                    self._publish_snapshot()
                 t0 = time.perf_counter()
                 self._flush()
                 self.loop_s += time.perf_counter() - t0
+                if due and not self._finished:
+                    self._publish_snapshot()
+                self._finished = False
         except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop
             self.error = f"engine thread died: {type(e).__name__}: {e}"
             log.exception("engine thread died")
@@ -319,6 +323,7 @@ class EngineRunner:
         s = self._streams.pop(rid, None)
         if s is None:
             return
+        self._finished = True
         r = s.req
         if s.text is not None:
             self.recent.append(r.output())
@@ -334,6 +339,11 @@ class EngineRunner:
         out, self._out = self._out, {}
         for sink, items in out.items():
             sink.deliver(items)
+
+    def _publish_snapshot(self) -> None:
+        self.snapshot = self._snap()
+        if self.publish is not None:
+            self.publish(self.snapshot)
 
     def _snap(self) -> Snapshot:
         e = self.engine

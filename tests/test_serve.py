@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 
 import httpx
@@ -397,3 +398,19 @@ def test_banner_shows_the_k_policys_step_times(server, monkeypatch):
     monkeypatch.setattr(eng.runner, "step_ms", lambda key: 0.1 * (key.k + 1))  # what replay timing gives on a GPU
     assert step_times(EngineInfo.of(eng)) == ", step ms at 1 row: " + " ".join(
         f"k={k} {0.1 * (k + 1):.3f}" for k in eng.policy.choices)
+
+
+def test_short_prompts_are_tokenized_on_the_event_loop_long_ones_in_the_pool(server, client, monkeypatch):
+    """A prompt up to inline_tokenize_bytes is tokenized where the request is handled (a hop to a tokenizer thread
+    would cost more), a longer one in the tokenizer pool; the same prompt gives the same greedy text either way."""
+    tok, threads = server.app.state.runner.tokenizer, []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda *a, **kw: (threads.append(threading.current_thread().name),
+                                                         encode(*a, **kw))[1])
+    texts = []
+    for limit in (8, 4):  # the prompt's 6 bytes: on the event loop, then in the pool
+        monkeypatch.setattr(server.app.state.cfg, "inline_tokenize_bytes", limit)
+        texts.append(client.completions.create(model="tiny-target", prompt="def f(", max_tokens=8,
+                                               **GREEDY).choices[0].text)
+    assert not threads[0].startswith("dspark-tokenize") and threads[1].startswith("dspark-tokenize")
+    assert texts[0] == texts[1] and texts[0]

@@ -308,3 +308,38 @@ def test_profile_routes_are_off_without_a_profile_dir(server):
     """As in vLLM: /start_profile and /stop_profile exist only when the server was given a profile dir."""
     for route in ("/start_profile", "/stop_profile"):
         assert httpx.post(server.url + route).status_code == 404
+
+
+def test_a_due_snapshot_follows_a_first_token_and_precedes_a_last_one():
+    """The engine thread publishes a due /metrics snapshot after a step's events when no request finished (a first
+    token does not wait for the snapshot), and before them when one did (a client that saw its last token reads
+    metrics that count it)."""
+    order: list[tuple] = []
+    done = threading.Event()
+
+    class Sink:  # records each delivery beside the snapshots, in the engine thread's order
+        detokenizes = False
+
+        def open(self, req):
+            return req.id
+
+        def deliver(self, items):
+            for _, ev in items:
+                order.append(("event", ev.finish_reason))
+                if ev.finish_reason is not None:
+                    done.set()
+
+    runner = EngineRunner(Engine(make_target("qwen3", device="cpu")))
+    runner.publish = lambda snap: order.append(("snapshot", None))
+    runner.snapshot.time = 0.0  # a snapshot is due at the first step
+    runner.start()
+    try:
+        runner.enqueue([3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True), "r", Sink()).result(10)
+        assert done.wait(30)
+    finally:
+        runner.stop()
+    events = [i for i, x in enumerate(order) if x[0] == "event"]
+    first, last = events[0], events[-1]
+    assert order[first] == ("event", None) and ("snapshot", None) in order[first + 1:last]
+    assert order[last] == ("event", "length") and order[last - 1] == ("snapshot", None)
+    assert ("snapshot", None) not in order[:first]  # the first token went out before the due snapshot
