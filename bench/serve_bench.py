@@ -29,8 +29,8 @@ Metrics, as vLLM's benchmark_serving defines them (times in ms; p50/p99 are nump
   dspark:decode_steps_total (how often the engine drafted k tokens per row, 0 = plain).
 - errors: HTTP errors, error events, streams without a finish_reason and [DONE], timeouts.
 The JSON (--out, written whole at the end, also after a failure; the servers' output beside it as FILE.serve-MODE.log)
-holds every request's times and text, the commands and torch/GPU info; greedy DSpark texts are compared with greedy
-AR texts request by request. Bounded: each request by --request-timeout, each server start by --startup-timeout, the
+holds every request's times and text, the commands and torch/GPU info; each greedy DSpark text is compared with the
+greedy AR text of its prompt. Bounded: each request by --request-timeout, each server start by --startup-timeout, the
 whole run by --time-limit (each mode gets an equal share of the time left; levels run greedy first). Exit status 1
 when a request failed, a server did not come up or the time limit cut the run; 2 for a bad option.
 """

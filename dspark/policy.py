@@ -271,7 +271,7 @@ class KPolicy:
         self.before = kind
         self.last_step = (now, waited_ms, None, None)
         self.steps += 1
-        if self.steps % 64 == 0:
+        if self.steps % 64 == 0:  # a look every 64 steps: a kind's cycles outlive STALE_STEPS by at most that
             self.forget_stale()
 
     def forget_stale(self) -> None:

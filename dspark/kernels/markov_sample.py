@@ -146,7 +146,7 @@ def markov_sample_triton(U, w1, w2, anchors, temperature=None, noise=None, seed=
     sample = temperature is not None and (noise is not None or seed is not None)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
     # V-chunks of 64, one program each, where the SMs hold them all (V 4096: 24 us a step on an H100, 26 with 32
-    # programs of 128); else chunks of 256 over every SM (V 163840: 108 us, 111 with chunks of 128, 124 of 512)
+    # programs of 128); else chunks of 256 over every SM (V 163840: 109 us, 112 with chunks of 128, 125 of 512)
     BV = block_v or (64 if triton.cdiv(V, 64) <= sms else 256)
     if programs is None:
         programs = min(sms, triton.cdiv(V, BV))
