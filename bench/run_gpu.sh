@@ -75,10 +75,12 @@
 #                  (TIMELINE_ARGS replace `--batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 --kernels 8`),
 #                  with the kernel writing the mailboxes in pinned memory (DSPARK_MAILBOX=direct ->
 #                  $OUT/timeline-direct.json) and without mailboxes (DSPARK_MAILBOX=0 -> $OUT/timeline-event.json);
-#                  python -m serve (QUICKSTART_SERVE_S, default 320; QUICKSTART_ARGS); where BLOCK8_DIR names a block-8
-#                  drafter, its timeline (`--runs k4,k8,auto --temperatures 0`) -> $OUT/timeline-block8.json and its
-#                  served run (BLOCK8_SERVE_S, default 150, `--concurrency 1`) -> $OUT/serve-block8.json; TRAIN_SPEED=1
-#                  runs train-speed (TRAIN_SPEED_ARGS); then the rest of the CUDA suite (REST_TESTS=0 skips it)
+#                  python -m serve (QUICKSTART_SERVE_S, default 320; QUICKSTART_ARGS); EVENT_SERVE_S (default 0:
+#                  skipped) runs it once more with DSPARK_MAILBOX=0 at concurrency 1 and 16 ->
+#                  $OUT/serve-event.json; where BLOCK8_DIR names a block-8 drafter, its timeline (`--runs k4,k8,auto
+#                  --temperatures 0`) -> $OUT/timeline-block8.json and its served run (BLOCK8_SERVE_S, default 150,
+#                  `--concurrency 1`) -> $OUT/serve-block8.json; TRAIN_SPEED=1 runs train-speed (TRAIN_SPEED_ARGS);
+#                  then the rest of the CUDA suite (REST_TESTS=0 skips it)
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -374,6 +376,10 @@ case "$target" in
     # shellcheck disable=SC2086
     "${qs[@]}" bash "$0" serve --time-limit "${QUICKSTART_SERVE_S:-320}" ${QUICKSTART_ARGS:-} \
       --out "$OUT/serve-quickstart.json" || rc=1
+    # the same server with each captured step's output through a queued copy and an event (no mailbox)
+    # shellcheck disable=SC2086
+    [ "${EVENT_SERVE_S:-0}" != 0 ] && { "${qs[@]}" DSPARK_MAILBOX=0 bash "$0" serve --time-limit "$EVENT_SERVE_S" \
+      --concurrency 1,16 ${QUICKSTART_ARGS:-} --out "$OUT/serve-event.json" || rc=1; }
     if [ -n "${BLOCK8_DIR:-}" ]; then
       b8=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR="$BLOCK8_DIR")
       "${b8[@]}" bash "$0" timeline --batches 1 --prompts 8 --runs k4,k8,auto --temperatures 0 --kernels 8 \
