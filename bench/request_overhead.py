@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -21,11 +21,14 @@ from urllib.parse import urlparse
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-TTFT_SUM = re.compile(r"^vllm:time_to_first_token_seconds_sum\{[^}]*\} (\S+)$", re.M)
+sys.path.insert(0, str(ROOT))
+from eval.measure import parse_prometheus  # noqa: E402
 
 
 def engine_ttft_s(url: str) -> float:
-    return float(TTFT_SUM.search(httpx.get(url + "/metrics").text).group(1))
+    """The server's summed time to first token over every request so far (s)."""
+    return sum(v for name, _, v in parse_prometheus(httpx.get(url + "/metrics").text)
+               if name == "vllm:time_to_first_token_seconds_sum")
 
 
 def first_token_ms(host: str, port: int, payload: bytes) -> float:
