@@ -330,12 +330,13 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
     # the requests the clients may take: n, and up to MORE_PER_LEVEL x n more while the level is shorter than
     # --min-level-s (those not sent are left out of the level)
     reqs = [Req(i, i % len(prompts), seed(i)) for i in range(n * (1 + MORE_PER_LEVEL * (a.min_level_s > 0)))]
-    async with http_client(url, a, conc) as client:
+    # the streams' client, and one for /metrics and the profile routes
+    async with http_client(url, a, conc) as client, httpx.AsyncClient(base_url=url) as ctl:
         warm = Req(-1, 0, seed(0))
         await one(client, a, prompts[0], temperature, warm)
-        c0 = await counters(client)
+        c0 = await counters(ctl)
         if profile:
-            (await client.post("/start_profile", timeout=60.0)).raise_for_status()
+            (await ctl.post("/start_profile", timeout=60.0)).raise_for_status()
         procs = min(a.client_procs or -(-conc // CLIENTS_PER_PROCESS), conc)
         left = max(deadline - time.monotonic(), 0)
         if procs == 1:
@@ -345,8 +346,8 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         else:
             wall, cpu_frac, cut, reqs[:] = await asyncio.to_thread(in_processes, url, a, prompts, temperature, conc,
                                                                    reqs, procs, left, n)
-        c1 = await counters(client)
-        files = (await client.post("/stop_profile", timeout=300.0)).raise_for_status().json()["files"] if profile \
+        c1 = await counters(ctl)
+        files = (await ctl.post("/stop_profile", timeout=300.0)).raise_for_status().json()["files"] if profile \
             else []
     reqs[:] = [r for r in reqs if r.sent or r.index < n]
     n = len(reqs)
