@@ -359,6 +359,7 @@ def test_cli_checks_every_option_before_loading(tmp_path, capsys, models, monkey
         busy.close()
 
 
+@pytest.mark.timeout(900)  # on a GPU each dry run captures its step graphs, and the --compile one compiles them
 def test_cli_defaults_and_host_warning(models, capsys, caplog):
     from dspark.device import resolve_dtype
     from serve.__main__ import parse_args
