@@ -15,7 +15,10 @@ time fail to overlap.
 A kind not run for STALE_STEPS steps forgets its cycles: a cost measured under other traffic (another level of
 load, a transient such as the first steps after a burst) would otherwise stand for good against a kind that keeps
 running; once plain decoding's cycles are forgotten the policy decodes plainly for the few steps that measure them
-again (see below), so a plain cost measured too high cannot keep it drafting where drafting loses.
+again (see below), so a plain cost measured too high cannot keep it drafting where drafting loses. Where drafting
+leads plain decoding by less than CLEAR_GAIN, a plain cost older than REFRESH_STEPS steps is forgotten that way too:
+such a choice turns on that one estimate, and a plain cost measured high by a run's first steps would otherwise
+keep it drafting for STALE_STEPS steps.
 Drafting after plain steps also pays the flush of their stashed context rows, spread over the REPICK_EVERY steps a
 choice lasts. Plain decoding is measured before drafting is weighed against it: modelled with the host work of the
 drafting steps that ran first, plain steps would look dearer than they are, and a choice never made is never
@@ -41,6 +44,8 @@ HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a sta
 CYCLE_WINDOW = 16  # a kind of step's cost: the median of its last this many cycles ...
 MIN_CYCLES = 3  # ... once it has this many (before, the model: replay and the host's work per step) ...
 STALE_STEPS = 1024  # ... sampled within this many decode steps (of any kind): an older kind's cycles are forgotten
+CLEAR_GAIN = 1.3  # drafting ahead of plain decoding by less than this (in tokens per ms) is a choice that ...
+REFRESH_STEPS = 256  # ... measures plain decoding again once its cost is older than this many steps
 FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving average
 ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
 # estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
@@ -185,7 +190,21 @@ class KPolicy:
             return self.k
         if self.host_all and not self.measured_kinds(0, mode):
             return 0
-        return max(est, key=lambda k: (est[k]["rate"], -k))
+        k = max(est, key=lambda k: (est[k]["rate"], -k))
+        if k and est[k]["rate"] < CLEAR_GAIN * est[0]["rate"] and self.forget_old_plain(num_rows, longest, mode):
+            return 0
+        return k
+
+    def forget_old_plain(self, num_rows: int, longest: int, mode: str) -> bool:
+        """Forget the plain cost at this batch bucket if it was sampled more than REFRESH_STEPS steps ago (module
+        doc) -> whether it was."""
+        key = self.runner.key_for(num_rows, 0, longest + 1, mode)
+        kind = (key.rows, 0, key.mode)
+        if kind not in self.cycle_by_kind or self.steps - self.sampled_at.get(kind, self.steps) <= REFRESH_STEPS:
+            return False
+        del self.cycle_by_kind[kind]
+        self.sampled_at.pop(kind, None)
+        return True
 
     def estimates(self, num_rows: int, longest: int, mode: str, acc: list[int] | None = None,
                   reach: list[int] | None = None) -> dict[int, dict] | None:

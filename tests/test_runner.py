@@ -21,7 +21,16 @@ from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.models.k3.config import k3_tiny_config
 from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
-from dspark.policy import ACCEPT_WINDOW, DRAFT_GAIN, MIN_CYCLES, PROBE_EVERY, PROBE_MAX, REPICK_EVERY, STALE_STEPS
+from dspark.policy import (
+    ACCEPT_WINDOW,
+    DRAFT_GAIN,
+    MIN_CYCLES,
+    PROBE_EVERY,
+    PROBE_MAX,
+    REFRESH_STEPS,
+    REPICK_EVERY,
+    STALE_STEPS,
+)
 from dspark.request import SamplingParams
 from dspark.runner import MODES
 from dspark.step_buffers import PrefillBuffers
@@ -279,6 +288,44 @@ def test_k_policy_forgets_a_stale_plain_cost_and_measures_it_again(targets, monk
     assert sum(k > 0 for k in picks[-100:]) <= 1  # measured again: plain (but for a probe, PROBE_EVERY apart)
     assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.14)
     assert (1, 4, "sample") in p.cycle_by_kind  # drafting's cycles are still recent
+
+
+def test_k_policy_measures_an_old_plain_cost_again_where_drafting_leads_narrowly(targets, monkeypatch):
+    """Plain steps measured at 0.2 ms by a transient (0.14 in truth) make 4 drafts at an acceptance of 0.4 (1.65
+    tokens per 0.27 ms) look 1.1 times better than plain decoding: a margin under CLEAR_GAIN, which turns on that one
+    estimate. Once it is REFRESH_STEPS steps old the policy forgets it, measures plain steps again and stays plain,
+    long before STALE_STEPS. Where drafting leads clearly (an acceptance of 0.9) the old plain cost stands."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p, key = engine.policy, engine.runner.key_for
+    replay = {0: 0.13, 1: 0.22, 2: 0.24, 4: 0.26}
+    engine.runner.step_ms = lambda key: replay[key.k]
+    now = [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+
+    def step(k: int, cycle_ms: float) -> None:
+        p.step_started(0.0)
+        p.step_replayed(replay[k], key(1, k, 100, "sample"))
+        now[0] += cycle_ms / 1e3
+
+    for acceptance, refreshed in ((([40, 16, 6, 2], [100, 40, 16, 6]), True), (([90, 81, 73, 66], [100, 90, 81, 73]),
+                                                                                False)):
+        p.reset()
+        p.accepted["sampled"], p.reached["sampled"] = acceptance
+        for _ in range(8):
+            step(0, 0.2)
+        picks = []
+        for _ in range(REFRESH_STEPS + 200):
+            k = p.choose(1, 100, "sample")
+            picks.append(k)
+            step(k, 0.27 if k else 0.14)
+        assert all(k > 0 for k in picks[:REFRESH_STEPS - 64])  # drafting on the old plain cost
+        if refreshed:
+            assert sum(k > 0 for k in picks[-100:]) <= 1  # measured again: plain (but for a probe)
+            assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.14)
+        else:
+            assert all(k > 0 for k in picks)
+            assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.2)
 
 
 def test_k_policy_acceptance_follows_recent_traffic(targets):
