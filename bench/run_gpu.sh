@@ -81,6 +81,10 @@
 #                  --temperatures 0`) -> $OUT/timeline-block8.json and its served run (BLOCK8_SERVE_S, default 150,
 #                  `--concurrency 1`) -> $OUT/serve-block8.json; TRAIN_SPEED=1 runs train-speed (TRAIN_SPEED_ARGS);
 #                  then the rest of the CUDA suite (REST_TESTS=0 skips it)
+#   detach TARGET [ARGS]  TARGET (one that writes OUT/DONE: quickstart, served, ablate-k3-mini, peer-qwen3-mini) in
+#                  the background, from a copy of the repository of its own (DETACH_DIR, default /tmp/dspark-detached;
+#                  a remote runner copies the working tree again for each command, and files replaced under a running
+#                  test suite fail its imports), its output in OUT/main.log, its results in OUT; follow it with wait
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
@@ -105,7 +109,7 @@ target=${1:-}
 case "$target" in
   kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|timeline|floor|serve|flex) ;;
   ablate|peer|train-speed) ;;
-  ablate-k3-mini|peer-qwen3-mini|k3-mini|served|quickstart|wait|exec) ;;
+  ablate-k3-mini|peer-qwen3-mini|k3-mini|served|quickstart|detach|wait|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
@@ -391,6 +395,19 @@ case "$target" in
     [ "${TRAIN_SPEED:-0}" = 1 ] && { bash "$0" train-speed ${TRAIN_SPEED_ARGS:-} || rc=1; }
     [ "${REST_TESTS:-1}" = 1 ] && { rest_tests || rc=1; }
     echo "quickstart: done rc=$rc" | tee "$OUT/DONE"
+    ;;
+  detach)
+    case "${1:-}" in
+      quickstart|served|ablate-k3-mini|peer-qwen3-mini) ;;
+      *) echo "run_gpu.sh detach: give a target that writes OUT/DONE (quickstart, served, ablate-k3-mini," \
+           "peer-qwen3-mini), not '${1:-}'" >&2; exit 2 ;;
+    esac
+    priv=${DETACH_DIR:-/tmp/dspark-detached}
+    rm -rf "$priv" && mkdir -p "$priv" && cp -a . "$priv"/ || exit 1
+    rm -f "$OUT/DONE"
+    (cd "$priv" && OUT="$OUT" setsid nohup bash bench/run_gpu.sh "$@" > "$OUT/main.log" 2>&1 < /dev/null &)
+    echo "detached: bash bench/run_gpu.sh $* in $priv; log $OUT/main.log (follow with RUN_OUT=$OUT ... wait)"
+    exit 0
     ;;
   wait)
     run_out=${RUN_OUT:-runs/gpu}
