@@ -258,17 +258,17 @@ def test_k_policy_measures_plain_decoding_before_weighing_drafting_against_it(ta
     assert len(p.cycle_by_kind[1, 0, "sample"]) == 15  # the first plain step, read behind a drafting one, left out
 
 
-def test_k_policy_forgets_a_stale_plain_cost_and_measures_it_again(targets, monkeypatch):
-    """Plain steps measured at 0.29 ms (a transient: twice what they take) make 4 drafts at an acceptance of 0.4
-    look better (1.65 tokens per 0.27 ms against 1.1 x 1 per 0.29), and the policy drafts; with no plain step run,
-    that cost would stand for good. After STALE_STEPS steps without a plain one it forgets it, decodes plainly for
-    the few steps that measure it again (0.14 ms), and stays plain, where drafting loses (probes aside)."""
+def sampled_policy_run(targets, monkeypatch, acceptance: tuple[list[int], list[int]], first_plain_ms: float,
+                       steps: int):
+    """A policy under overlap at one sampled row (replay 0.13 ms plain, 0.22-0.26 drafting; acceptance: (accepted,
+    reached) per position): 8 plain steps whose cycles measure first_plain_ms, then `steps` choices, each step's cycle
+    what it takes (0.14 ms plain, 0.27 drafting) -> (policy, key_for, the choices)."""
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target), overlap=True)
     p, key = engine.policy, engine.runner.key_for
     replay = {0: 0.13, 1: 0.22, 2: 0.24, 4: 0.26}
     engine.runner.step_ms = lambda key: replay[key.k]
-    p.accepted["sampled"], p.reached["sampled"] = [40, 16, 6, 2], [100, 40, 16, 6]
+    p.accepted["sampled"], p.reached["sampled"] = acceptance
     now = [0.0]
     monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
 
@@ -278,12 +278,24 @@ def test_k_policy_forgets_a_stale_plain_cost_and_measures_it_again(targets, monk
         now[0] += cycle_ms / 1e3
 
     for _ in range(8):
-        step(0, 0.29)
+        step(0, first_plain_ms)
     picks = []
-    for _ in range(STALE_STEPS + 200):
+    for _ in range(steps):
         k = p.choose(1, 100, "sample")
         picks.append(k)
         step(k, 0.27 if k else 0.14)
+    return p, key, picks
+
+
+LOW_ACCEPTANCE = ([40, 16, 6, 2], [100, 40, 16, 6])  # 0.4 per position: 4 drafts give 1.65 tokens a step
+
+
+def test_k_policy_forgets_a_stale_plain_cost_and_measures_it_again(targets, monkeypatch):
+    """Plain steps measured at 0.29 ms (a transient: twice what they take) make 4 drafts at an acceptance of 0.4
+    look better (1.65 tokens per 0.27 ms against 1.1 x 1 per 0.29), and the policy drafts; with no plain step run,
+    that cost would stand for good. After STALE_STEPS steps without a plain one it forgets it, decodes plainly for
+    the few steps that measure it again (0.14 ms), and stays plain, where drafting loses (probes aside)."""
+    p, key, picks = sampled_policy_run(targets, monkeypatch, LOW_ACCEPTANCE, 0.29, STALE_STEPS + 200)
     assert all(k == 4 for k in picks[:STALE_STEPS - 64])  # drafting on the stale plain cost
     assert sum(k > 0 for k in picks[-100:]) <= 1  # measured again: plain (but for a probe, PROBE_EVERY apart)
     assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.14)
@@ -295,37 +307,14 @@ def test_k_policy_measures_an_old_plain_cost_again_where_drafting_leads_narrowly
     tokens per 0.27 ms) look 1.1 times better than plain decoding: a margin under CLEAR_GAIN, which turns on that one
     estimate. Once it is REFRESH_STEPS steps old the policy forgets it, measures plain steps again and stays plain,
     long before STALE_STEPS. Where drafting leads clearly (an acceptance of 0.9) the old plain cost stands."""
-    target = targets["qwen3"]
-    engine = Engine(target, make_drafter(target), overlap=True)
-    p, key = engine.policy, engine.runner.key_for
-    replay = {0: 0.13, 1: 0.22, 2: 0.24, 4: 0.26}
-    engine.runner.step_ms = lambda key: replay[key.k]
-    now = [0.0]
-    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
-
-    def step(k: int, cycle_ms: float) -> None:
-        p.step_started(0.0)
-        p.step_replayed(replay[k], key(1, k, 100, "sample"))
-        now[0] += cycle_ms / 1e3
-
-    for acceptance, refreshed in ((([40, 16, 6, 2], [100, 40, 16, 6]), True), (([90, 81, 73, 66], [100, 90, 81, 73]),
-                                                                                False)):
-        p.reset()
-        p.accepted["sampled"], p.reached["sampled"] = acceptance
-        for _ in range(8):
-            step(0, 0.2)
-        picks = []
-        for _ in range(REFRESH_STEPS + 200):
-            k = p.choose(1, 100, "sample")
-            picks.append(k)
-            step(k, 0.27 if k else 0.14)
-        assert all(k > 0 for k in picks[:REFRESH_STEPS - 64])  # drafting on the old plain cost
-        if refreshed:
-            assert sum(k > 0 for k in picks[-100:]) <= 1  # measured again: plain (but for a probe)
-            assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.14)
-        else:
-            assert all(k > 0 for k in picks)
-            assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.2)
+    p, key, picks = sampled_policy_run(targets, monkeypatch, LOW_ACCEPTANCE, 0.2, REFRESH_STEPS + 200)
+    assert all(k > 0 for k in picks[:REFRESH_STEPS - 64])  # drafting on the old plain cost
+    assert sum(k > 0 for k in picks[-100:]) <= 1  # measured again: plain (but for a probe)
+    assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.14)
+    high = ([90, 81, 73, 66], [100, 90, 81, 73])
+    p, key, picks = sampled_policy_run(targets, monkeypatch, high, 0.2, REFRESH_STEPS + 200)
+    assert all(k > 0 for k in picks)
+    assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.2)
 
 
 def test_k_policy_acceptance_follows_recent_traffic(targets):
