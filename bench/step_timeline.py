@@ -16,7 +16,8 @@ device: the host's own work) and `cycle_bare` come from that pass. Means over th
 --per-step keeps every step (with the launch's host time before and after its replay call), --kernels N profiles N
 steps at batch 1 (torch.profiler, CPU and CUDA): the device's kernels, and the host's time per step with the calls
 it spends it in (the CUDA runtime's and torch's; the profiler's own cost per call included). On CUDA each run ends
-with the host's time in CUDAGraph.replay for each of its one-row step graphs.
+with the host's time in CUDAGraph.replay for each of its one-row step graphs. An auto run also reports the cycles
+the k policy sampled in the unprobed pass, per kind of step and by place in a run of that kind (PolicySamples).
 """
 from __future__ import annotations
 
@@ -159,12 +160,54 @@ class Timeline:
         return out
 
 
+class PolicySamples:
+    """The cycles the k policy samples (its step costs are medians of them), each with its place in its run of
+    consecutive steps of one kind (batch bucket, k, mode; a prefill or a flush ends a run): whether the cycles it keeps
+    stand for the steps of their kind, or the first steps after a switch weigh more than they take."""
+
+    def __init__(self, policy):
+        self.policy, self.rows, self._kind, self._place = policy, [], None, 0
+        started = policy.step_started
+
+        def sampled_step_started(*a, **kw):
+            last = policy.last_step
+            key = None if last is None else last[2]
+            kind = None if key is None else (key.rows, key.k, key.mode)
+            self._place = self._place + 1 if kind is not None and kind == self._kind else 1
+            self._kind = kind
+            n = 0 if key is None else policy.cycles[key.k]
+            started(*a, **kw)
+            if key is not None and policy.cycles[key.k] > n:  # its cycle was sampled: the last of its kind's cycles
+                self.rows.append((f"{key.rows},{key.k},{key.mode}", self._place, policy.cycle_by_kind[kind][-1]))
+
+        policy.step_started = sampled_step_started
+
+    def close(self) -> None:
+        del self.policy.step_started  # the class's method again
+
+    def summary(self) -> dict:
+        """Per kind "rows,k,mode": the samples' count, mean and median (ms), and by place in their run (2, 3, 4, 5:
+        the fifth and later) their count and median."""
+        out = {}
+        for kind in sorted({r[0] for r in self.rows}):
+            cycles = [c for k, _, c in self.rows if k == kind]
+            places: dict[int, list[float]] = {}
+            for k, place, c in self.rows:
+                if k == kind:
+                    places.setdefault(min(place, 5), []).append(c)
+            out[kind] = {"n": len(cycles), "mean": statistics.fmean(cycles), "median": statistics.median(cycles),
+                         "by_place": {p: [len(v), statistics.median(v)] for p, v in sorted(places.items())}}
+        return out
+
+
 def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temperature: float) -> dict:
     """Each group of prompts through one Engine.generate call (the group's size is the batch)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, ignore_eos=True)
     engine.generate(groups[0], SamplingParams(max_tokens=min(16, max_tokens), temperature=temperature,
                                               ignore_eos=True))
     bare, toks, wall = Timeline(engine, bare=True), 0, 0.0  # first the same requests, unprobed but for step()
+    policy = engine.drafts is not None and engine.pinned_k is None
+    samples = PolicySamples(engine.policy) if policy else None
     try:
         for g in groups:
             bare.group += 1
@@ -174,6 +217,8 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
         plain = bare.summary()
     finally:
         bare.close()
+        if samples is not None:
+            samples.close()
     plain["tok_s"] = toks / wall
     c = engine.counters
     before, tokens_before = list(c["decode_steps_per_k"]), list(c["tokens_per_k"])
@@ -196,14 +241,16 @@ def run_one(engine: Engine, groups: list[list[list[int]]], max_tokens: int, temp
                # per k that ran: tokens per row-step, the mean cycle (ms), so tokens per ms as it happened
                per_k={k: {"steps": n, "tokens_per_row_step": tokens[k] / n / len(groups[0]),
                           "cycle_ms": res["cycle_per_k"].get(k)} for k, n in enumerate(steps) if n})
-    if engine.drafts is not None and engine.pinned_k is None:
-        # what the policy weighs at the end of the run, at the batch and a mid-run context length (None: no graphs)
+    if policy:
+        # what the policy weighs at the end of the run, at the batch and a mid-run context length (None: no graphs);
+        # the cycles it sampled in the unprobed pass
         longest = max(len(p) for g in groups for p in g) + max_tokens // 2
         mode = "greedy" if temperature == 0 else "sample"
         res["policy"] = {"estimates": engine.policy.estimates(len(groups[0]), longest, mode),
                          "cycles_ms": {f"{rows},{k},{m}": statistics.median(v)
                                        for (rows, k, m), v in engine.policy.cycle_by_kind.items()},
-                         "host_ms": engine.policy.host_ms, "flush_ms": engine.policy.flush_ms}
+                         "host_ms": engine.policy.host_ms, "flush_ms": engine.policy.flush_ms,
+                         "samples": samples.summary()}
     return res
 
 
@@ -320,6 +367,11 @@ def main(argv=None) -> None:
                     est = "; ".join(f"k={k} {e['expected']:.2f}/{e['cost_ms']:.3f}{'' if e['measured'] else '*'}"
                                     for k, e in (r["policy"]["estimates"] or {}).items())
                     print(f"<!-- {name} T={t:g} B={b}: ran {ran} | policy {est} (* modelled) -->", flush=True)
+                    for kind, v in r["policy"]["samples"].items():  # the cycles sampled, by place in their run
+                        places = ", ".join(f"{p}{'+' if p == 5 else ''}: {n} at {m:.3f}"
+                                           for p, (n, m) in v["by_place"].items())
+                        print(f"<!-- {name} T={t:g} B={b}: sampled {kind}: {v['n']}, median {v['median']:.3f} ms, "
+                              f"mean {v['mean']:.3f}; by place in a run of its kind {places} -->", flush=True)
             if a.kernels:
                 res.setdefault("kernels", []).append({"run": name, "temperature": t,
                                                       **kernels(engine, prompts[:1], t, a.kernels)})
