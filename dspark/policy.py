@@ -199,12 +199,7 @@ class KPolicy:
         """Forget the plain cost at this batch bucket if it was sampled more than REFRESH_STEPS steps ago (module
         doc) -> whether it was."""
         key = self.runner.key_for(num_rows, 0, longest + 1, mode)
-        kind = (key.rows, 0, key.mode)
-        if kind not in self.cycle_by_kind or self.steps - self.sampled_at.get(kind, self.steps) <= REFRESH_STEPS:
-            return False
-        del self.cycle_by_kind[kind]
-        self.sampled_at.pop(kind, None)
-        return True
+        return bool(self.forget_stale([(key.rows, 0, key.mode)], REFRESH_STEPS))
 
     def estimates(self, num_rows: int, longest: int, mode: str, acc: list[int] | None = None,
                   reach: list[int] | None = None) -> dict[int, dict] | None:
@@ -293,12 +288,14 @@ class KPolicy:
         if self.steps % 64 == 0:  # a look every 64 steps: a kind's cycles outlive STALE_STEPS by at most that
             self.forget_stale()
 
-    def forget_stale(self) -> None:
-        """Drop the cycles of every kind not sampled within STALE_STEPS steps (a kind set without a sample counts
-        from the first look)."""
-        for kind in list(self.cycle_by_kind):
-            if self.steps - self.sampled_at.setdefault(kind, self.steps) > STALE_STEPS:
-                del self.cycle_by_kind[kind], self.sampled_at[kind]
+    def forget_stale(self, kinds=None, steps: int = STALE_STEPS) -> list[tuple[int, int, str]]:
+        """Drop the cycles of the kinds (default: every kind) not sampled within `steps` steps (a kind set without a
+        sample counts from the first look) -> the kinds dropped."""
+        old = [kind for kind in (list(self.cycle_by_kind) if kinds is None else kinds) if kind in self.cycle_by_kind
+               and self.steps - self.sampled_at.setdefault(kind, self.steps) > steps]
+        for kind in old:
+            del self.cycle_by_kind[kind], self.sampled_at[kind]
+        return old
 
     def step_replayed(self, ms: float | None, key: StepKey) -> None:
         """The step just started is `key` and replayed a graph of `ms` (None: it ran eagerly, nothing to learn

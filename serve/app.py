@@ -439,14 +439,14 @@ def create_app(runner: EngineRunner | EngineClient, cfg: ServerConfig) -> FastAP
             prompt = prompt[0]
         if len(prompt) == 0:
             raise ApiError(400, "prompt: empty", "prompt")
-        check_prompt_size(prompt, cfg.max_prompt_bytes, info.max_model_len, vocab)
+        size = check_prompt_size(prompt, cfg.max_prompt_bytes, info.max_model_len, vocab)  # UTF-8 bytes, 0 for ids
         if isinstance(prompt, str):
             tok = tokenizer
             if tok is None:
                 raise ApiError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
-            tokenize, size = lambda: tok.encode(prompt, add_special_tokens=False), len(prompt.encode("utf-8"))
+            tokenize = lambda: tok.encode(prompt, add_special_tokens=False)  # noqa: E731
         else:
-            tokenize, size = lambda: list(prompt), 0
+            tokenize = lambda: list(prompt)  # noqa: E731
         return await generate(http, False, tokenize, size, params, explicit, body, cfg.default_max_tokens)
 
     @app.post("/v1/chat/completions")

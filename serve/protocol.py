@@ -165,19 +165,20 @@ def sampling_params(b: Body, max_tokens: int | None) -> tuple[SamplingParams, bo
     return p, max_tokens is not None
 
 
-def check_prompt_size(prompt: str | list[int], max_bytes: int, max_tokens: int, vocab: int) -> None:
+def check_prompt_size(prompt: str | list[int], max_bytes: int, max_tokens: int, vocab: int) -> int:
     """Reject what cannot fit before any tokenizing: text over max_bytes UTF-8 bytes, ids over max_tokens or out of
-    the vocabulary."""
+    the vocabulary. -> the text's UTF-8 bytes (0 for ids)."""
     if isinstance(prompt, str):
         n = len(prompt) if len(prompt) > max_bytes else len(prompt.encode("utf-8"))
         if n > max_bytes:
             raise ApiError(400, f"prompt: {n} bytes exceed this server's limit of {max_bytes} bytes "
                            "(--max-prompt-bytes)", "prompt")
-        return
+        return n
     if len(prompt) > max_tokens:
         raise ApiError(400, f"prompt: {len(prompt)} tokens exceed the context length {max_tokens}", "prompt")
     if any(not 0 <= t < vocab for t in prompt):
         raise ApiError(400, f"prompt: token ids must be integers in [0, {vocab})", "prompt")
+    return 0
 
 
 def message_texts(messages: list[ChatMessage]) -> list[dict]:
