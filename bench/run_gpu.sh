@@ -49,6 +49,10 @@
 #                  peer on it from recipes/peer-qwen3-mini.yaml (1000 steps of 16 rows x 256 tokens, 32 anchors a row,
 #                  block 8, 2 layers, Markov rank 64; ARGS add to or replace these), as one detached run (its own OUT;
 #                  writes OUT/DONE); PEER_RESUME=1 goes on in OUT/peer where a run stopped (its target kept)
+#   tau-gap-k3-mini  the k3-mini pair from scratch (TARGET_ARGS, DRAFTER_ARGS; the CUDA tests beside the target's
+#                  training and the regeneration, as ablate-k3-mini), then where its task τ parts from its holdout τ:
+#                  bench/tau_gap.py on 32 holdout sequences and python -m eval on the same pair (16 prompts x 128
+#                  tokens per task) -> $OUT/tau-gap.txt, $OUT/tau-gap-eval/; one detached run (writes OUT/DONE)
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
@@ -81,9 +85,9 @@
 #                  --temperatures 0`) -> $OUT/timeline-block8.json and its served run (BLOCK8_SERVE_S, default 150,
 #                  `--concurrency 1`) -> $OUT/serve-block8.json; TRAIN_SPEED=1 runs train-speed (TRAIN_SPEED_ARGS);
 #                  then the rest of the CUDA suite (REST_TESTS=0 skips it)
-#   detach TARGET [ARGS]  TARGET (one that writes OUT/DONE: quickstart, served, ablate-k3-mini, peer-qwen3-mini) in
-#                  the background, from a copy of the repository of its own (DETACH_DIR, default /tmp/dspark-detached;
-#                  a remote runner copies the working tree again for each command, and files replaced under a running
+#   detach TARGET [ARGS]  TARGET (one that writes OUT/DONE: quickstart, served, ablate-k3-mini, peer-qwen3-mini,
+#                  tau-gap-k3-mini) in the background, from a copy of the repository of its own (DETACH_DIR,
+#                  default /tmp/dspark-detached; a remote runner copies the working tree again for each command, and files replaced under a running
 #                  test suite fail its imports), its output in OUT/main.log, its results in OUT; follow it with wait
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
@@ -109,7 +113,7 @@ target=${1:-}
 case "$target" in
   kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|timeline|floor|serve|flex) ;;
   ablate|peer|train-speed) ;;
-  ablate-k3-mini|peer-qwen3-mini|k3-mini|served|quickstart|detach|wait|exec) ;;
+  ablate-k3-mini|peer-qwen3-mini|tau-gap-k3-mini|k3-mini|served|quickstart|detach|wait|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
@@ -306,6 +310,19 @@ case "$target" in
     [ "${REST_TESTS:-0}" = 1 ] && { rest_tests || rc=1; }
     echo "ablate-k3-mini: done rc=$rc" | tee "$OUT/DONE"
     ;;
+  tau-gap-k3-mini)
+    # shellcheck disable=SC2086 # the ARGS variables are word lists
+    side_tests "$OUT/train-drafter.txt"
+    { bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-}; } || rc=1
+    side_tests_end
+    drafter=$(ls -d runs/k3-mini-drafter/best 2>/dev/null || echo runs/k3-mini-drafter/final)
+    log tau-gap python3 bench/tau_gap.py --target "$TARGET_DIR" --drafter "$drafter" --n 32 --device cuda \
+      --sequences runs/k3-mini-drafter/sequences.pt || rc=1
+    log tau-gap python3 -m eval --target "$TARGET_DIR" --drafter "$drafter" --name k3-mini --out "$OUT/tau-gap-eval" \
+      --tasks humaneval,heldout_code,creative,heldout_prose,chat --num-prompts 16 --max-tokens 128 \
+      --max-prompt-tokens 256 || rc=1
+    echo "tau-gap-k3-mini: done rc=$rc" | tee "$OUT/DONE"
+    ;;
   peer-qwen3-mini)
     # shellcheck disable=SC2086 # TARGET_ARGS is a word list
     if [ "${PEER_RESUME:-0}" = 1 ] && [ -d runs/peer-target/final ]; then
@@ -398,9 +415,9 @@ case "$target" in
     ;;
   detach)
     case "${1:-}" in
-      quickstart|served|ablate-k3-mini|peer-qwen3-mini) ;;
+      quickstart|served|ablate-k3-mini|peer-qwen3-mini|tau-gap-k3-mini) ;;
       *) echo "run_gpu.sh detach: give a target that writes OUT/DONE (quickstart, served, ablate-k3-mini," \
-           "peer-qwen3-mini), not '${1:-}'" >&2; exit 2 ;;
+           "peer-qwen3-mini, tau-gap-k3-mini), not '${1:-}'" >&2; exit 2 ;;
     esac
     priv=${DETACH_DIR:-/tmp/dspark-detached}
     rm -rf "$priv" && mkdir -p "$priv" && cp -a . "$priv"/ || exit 1
@@ -424,7 +441,8 @@ case "$target" in
       [ $((SECONDS - last)) -ge 30 ] && { archive; last=$SECONDS; }
     done
     archive && ls -la "$run_out"
-    tail -n 4 "$run_out"/first.txt "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt "$run_out"/peer.txt 2>/dev/null
+    tail -n 4 "$run_out"/first.txt "$run_out"/side.txt "$run_out"/rest.txt "$run_out"/train-*.txt "$run_out"/peer.txt \
+      "$run_out"/tau-gap.txt 2>/dev/null
     head -n 60 "$run_out"/test-failures.txt 2>/dev/null
     cat "$run_out"/peer/peer.md "$run_out"/ablate/ablation.md "$run_out"/speed-*/speed.md 2>/dev/null
     grep -h "^|" "$run_out"/serve.txt "$run_out"/pair.txt "$run_out"/timeline.txt 2>/dev/null | tail -n 80

@@ -1,7 +1,8 @@
 """Why the trainer's holdout τ is above the engine's τ on the same text: anchor selection, not a train/serve mismatch.
 
     python bench/tau_gap.py --target runs/quickstart/target/final --drafter runs/quickstart/drafter/final \
-        --sequences runs/quickstart/drafter/sequences.pt [--n 16]        (CPU, ~10 s for the quickstart pair)
+        --sequences runs/quickstart/drafter/sequences.pt [--n 16] [--device cuda --dtype bfloat16]
+                                                         (CPU, ~10 s for the quickstart pair)
 
 On the drafter's regenerated holdout sequences (prompt + the target's own greedy continuation; labels = the target's
 argmax), three τ (mean accepted drafts + 1 per block):
@@ -11,7 +12,9 @@ argmax), three τ (mean accepted drafts + 1 per block):
             (start after the prompt, next anchor = anchor + accepted + 1)
   engine    dspark.Engine generating from the prompt (checked token-for-token against the stored continuation)
 engine == walked means the serving path drafts exactly what training measures; uniform > walked is selection: a
-decode step starts right after a rejection, where the text is harder than at a random position.
+decode step starts right after a rejection, where the text is harder than at a random position. Beside a task's τ
+from `python -m eval` on the same pair, engine (holdout prompts) against the task's τ is what the prompts themselves
+change: corpus text the target continues against task prompts.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E402
+from dspark.device import resolve_device, resolve_dtype  # noqa: E402
 from dspark.spec.draft import sample_markov  # noqa: E402
 
 
@@ -33,9 +37,12 @@ def main() -> None:
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--sequences", required=True, help="the drafter run's sequences.pt (holdout + holdout_mask)")
     ap.add_argument("--n", type=int, default=16, help="holdout sequences used")
+    ap.add_argument("--device", default="cpu", help="cpu, cuda, auto")
+    ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, float32 on CPU")
     a = ap.parse_args()
     torch.set_num_threads(2)
-    t = load_target(a.target)
+    device = resolve_device(a.device, "--device")
+    t = load_target(a.target, device=device, dtype=resolve_dtype(a.dtype, device, "--dtype"))
     d = load_drafter(a.drafter, t)
     s = torch.load(a.sequences, weights_only=False)
     rows, masks = s["holdout"][: a.n], s["holdout_mask"][: a.n]
@@ -45,13 +52,14 @@ def main() -> None:
         P = int(mask.float().argmax())  # first continuation position = prompt length
         T = int(mask.sum()) + P
         prompts.append(row[:P].tolist())
-        x = row[None, :T]
+        x = row[None, :T].to(device)
         logits, aux = t(x, aux_layer_ids=d.config.target_layer_ids)
         lab = logits[0].argmax(-1)  # lab[p]: the target's token at p + 1
-        anchors = torch.arange(P, T - D)
+        anchors = torch.arange(P, T - D, device=x.device)
         h = d.train_forward(aux, x, anchors[None])[0]  # [A, D, H]
         drafts = sample_markov(d, h, x[0, anchors]).draft_ids
-        acc = [int((drafts[i] == lab[p:p + D]).long().cumprod(0).sum()) for i, p in enumerate(anchors.tolist())]
+        want = lab[anchors[:, None] + torch.arange(D, device=x.device)]  # [A, D]: the target's tokens per block
+        acc = (drafts == want).long().cumprod(1).sum(1).tolist()
         uniform += acc
         p = P
         while p - P < len(acc):
@@ -60,6 +68,7 @@ def main() -> None:
     n_new = min(int(m.sum()) for m in masks) - 1
     outs = Engine(t, d).generate(prompts, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
     same = sum(o.token_ids == r[len(p):len(p) + n_new].tolist() for o, r, p in zip(outs, rows, prompts))
+    print(f"holdout rows: prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {n_new} new tokens each")
     eng = [x for o in outs for x in o.accepted_per_step]
     tau = lambda xs: 1 + sum(xs) / len(xs)
     print(f"| sequences | block drafts | τ uniform anchors (trainer) | τ walked anchors | τ engine | engine == "
