@@ -87,8 +87,9 @@
 #                  then the rest of the CUDA suite (REST_TESTS=0 skips it)
 #   detach TARGET [ARGS]  TARGET (one that writes OUT/DONE: quickstart, served, ablate-k3-mini, peer-qwen3-mini,
 #                  tau-gap-k3-mini) in the background, from a copy of the repository of its own (DETACH_DIR,
-#                  default /tmp/dspark-detached; a remote runner copies the working tree again for each command, and files replaced under a running
-#                  test suite fail its imports), its output in OUT/main.log, its results in OUT; follow it with wait
+#                  default /tmp/dspark-detached; a remote runner copies the working tree again for each command, and
+#                  files replaced under a running test suite fail its imports), its output in OUT/main.log, its
+#                  results in OUT; follow it with wait
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
