@@ -4,7 +4,7 @@ In one process, the event loop (parsing, streaming SSE to every client) and the 
 GIL, so at high concurrency each decode step waits for the HTTP side and each new request waits for the engine.
 With `python -m serve --engine-process` (the default on a GPU) the server's process keeps the HTTP side and a
 tokenizer; a child process (spawned: it initialises CUDA itself) loads the models, captures the graphs and runs the
-same EngineRunner as the in-process server. One pipe joins them:
+in-process server's EngineRunner loop on its main thread, reading the pipe between steps. One pipe joins them:
 
     server -> engine   ("add", rid, prompt_ids, params) | ("abort", rid) | ("profile", action) | ("stop",)
     engine -> server   ("ready", EngineInfo, Snapshot) | ("failed", (kind, message, traceback)) at start;
@@ -36,11 +36,21 @@ from dspark.checkpoint import load_drafter, load_target, load_tokenizer
 from dspark.device import resolve_device, resolve_dtype
 from dspark.engine import Engine
 from dspark.request import IncrementalText, Request, SamplingParams
-from serve.runner import EngineDead, EngineInfo, EngineRunner, Event, LoopSink, Snapshot, TextDelta
+from serve.runner import (
+    AddCommand,
+    EngineDead,
+    EngineInfo,
+    EngineRunner,
+    Event,
+    LoopSink,
+    ProfileCommand,
+    Snapshot,
+    TextDelta,
+)
 
 log = logging.getLogger("serve.engine_proc")
 
-SWITCH_INTERVAL_S = 2e-4  # the engine thread waits at most this for a thread holding the GIL (the default is 5 ms)
+SWITCH_INTERVAL_S = 2e-4  # the engine loop waits at most this for the sending thread to yield the GIL (default 5 ms)
 START_TIMEOUT_S = 3600.0  # loading, compiling and capturing: a compiled server's start can take many minutes
 # an engine that fails to start on bad input raises one of these: the client raises it again, with its message
 START_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
@@ -76,7 +86,7 @@ _CLOSE = ("close",)  # PipeSink's last message: not sent, it ends the sending th
 
 class PipeSink:
     """The engine process's side of the pipe: a request's key is its id. Messages go out from a thread of its own,
-    in order: the engine thread only queues them (pickling a step's events and the pipe's write, which wakes the
+    in order: the engine loop only queues them (pickling a step's events and the pipe's write, which wakes the
     server's reader, cost it tens of microseconds per step otherwise); consecutive "events" messages queued
     meanwhile leave as one."""
 
@@ -135,12 +145,48 @@ def _answer(sink: PipeSink, kind: str, rid: str | None):
     return done
 
 
+class PipeRunner(EngineRunner):
+    """The engine process's EngineRunner: its loop runs on the process's main thread and takes its commands from the
+    pipe itself between steps (a thread reading the pipe and queueing for an engine thread would add a thread's
+    wake-up and a turn on the GIL to every request's way in)."""
+
+    def __init__(self, engine, conn, sink: PipeSink, profile_dir: str | None = None):
+        super().__init__(engine, profile_dir=profile_dir)
+        self.conn, self.sink = conn, sink
+
+    def serve(self) -> None:
+        """Run the engine loop here until the pipe closes or says "stop" (an engine that dies answers "dead")."""
+        self._run()
+        if self.error is not None:
+            self.sink.send(("dead", self.error))
+
+    def _next(self, block: bool):
+        if not self.conn.poll(None if block else 0):
+            return ...
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError):  # the server's process is gone
+            return None
+        if msg[0] == "add":
+            _, rid, ids, params = msg
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.add_done_callback(_answer(self.sink, "added", rid))
+            return AddCommand(ids, params, rid, self.sink, fut)
+        if msg[0] == "abort":
+            return msg
+        if msg[0] == "profile":  # (the server's side asks only when profiling is on)
+            fut = concurrent.futures.Future()
+            fut.add_done_callback(_answer(self.sink, "profiled", None))
+            return ProfileCommand(msg[1], fut)
+        return None if msg[0] == "stop" else ...
+
+
 def engine_main(conn, load: dict, profile_dir: str | None) -> None:
     """The engine process: build the engine, answer "ready", then serve the pipe until it closes or says "stop"."""
     sink = PipeSink(conn)
     try:
         engine = build_engine(**load)
-        runner = EngineRunner(engine, profile_dir=profile_dir)
+        runner = PipeRunner(engine, conn, sink, profile_dir=profile_dir)
     except BaseException as e:  # noqa: BLE001 - the server reports it and exits
         sink.send(("failed", (type(e).__name__, str(e), traceback.format_exc())))
         sink.close()
@@ -149,33 +195,10 @@ def engine_main(conn, load: dict, profile_dir: str | None) -> None:
     gc.collect()
     gc.freeze()  # what lives now lives as long as this process (see serve/__main__.py)
     runner.publish = sink.publish
-    runner.start()
     sink.send(("ready", runner.info, runner.snapshot))
     try:
-        while True:
-            if not conn.poll(0.5):
-                if not runner.alive:
-                    sink.send(("dead", runner.error or "engine thread stopped"))
-                    return
-                continue
-            msg = conn.recv()
-            try:
-                if msg[0] == "add":
-                    _, rid, ids, params = msg
-                    runner.enqueue(ids, params, rid, sink).add_done_callback(_answer(sink, "added", rid))
-                elif msg[0] == "abort":
-                    runner.abort(msg[1])
-                elif msg[0] == "profile":
-                    runner.profile_future(msg[1]).add_done_callback(_answer(sink, "profiled", None))
-                elif msg[0] == "stop":
-                    return
-            except (EngineDead, RuntimeError) as e:
-                sink.send(("added", msg[1], (type(e).__name__, str(e))) if msg[0] == "add"
-                          else ("profiled", (type(e).__name__, str(e))))
-    except (EOFError, OSError):  # the server's process is gone
-        pass
+        runner.serve()
     finally:
-        runner.stop()
         sink.close()
 
 

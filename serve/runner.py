@@ -118,7 +118,7 @@ class _Stream:
 
 
 @dataclass
-class _Add:
+class AddCommand:
     prompt_ids: list[int]
     params: SamplingParams
     request_id: str
@@ -127,7 +127,7 @@ class _Add:
 
 
 @dataclass
-class _Profile:
+class ProfileCommand:
     action: str  # "start" or "stop"
     future: concurrent.futures.Future
 
@@ -189,7 +189,7 @@ class EngineRunner:
         if not self.alive:
             raise EngineDead("engine thread is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(_Add(prompt_ids, params, request_id, sink, fut))
+        self._cmds.put(AddCommand(prompt_ids, params, request_id, sink, fut))
         if self._exited.is_set():  # it ended between the check and the put: nobody else will answer
             self._drain()
         return fut
@@ -208,21 +208,25 @@ class EngineRunner:
         if not self.alive:
             raise EngineDead("engine thread is not running")
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._cmds.put(_Profile(action, fut))
+        self._cmds.put(ProfileCommand(action, fut))
         return fut
 
     # ------------------------------------------------------------------ engine thread
+    def _next(self, block: bool):
+        """The next command (None: stop), or ... when none is queued and block is False (one consumer: empty() then
+        get())."""
+        return self._cmds.get() if block or not self._cmds.empty() else ...
+
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # this thread's grad mode: the engine's steps then skip entering no_grad
         try:
             while not self._stop.is_set():
-                # block only when idle; between steps take whatever arrived (one consumer: empty() then get())
-                cmd = self._cmds.get() if not self.engine.has_work() or not self._cmds.empty() else ...
-                while cmd is not ...:
+                cmd = self._next(block=not self.engine.has_work())  # block only when idle
+                while cmd is not ...:  # between steps take whatever arrived
                     if cmd is None:
                         return  # (finally: flushes what _handle pushed)
                     self._handle(cmd)
-                    cmd = ... if self._cmds.empty() else self._cmds.get()
+                    cmd = self._next(block=False)
                 t0 = time.perf_counter()
                 if self.engine.has_work():
                     self._step()  # with the engine's overlap its next step is queued: the delivery overlaps it
@@ -255,11 +259,11 @@ class EngineRunner:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, (_Add, _Profile)) and cmd.future.set_running_or_notify_cancel():
+            if isinstance(cmd, (AddCommand, ProfileCommand)) and cmd.future.set_running_or_notify_cancel():
                 cmd.future.set_exception(EngineDead("engine thread is not running"))
 
     def _handle(self, cmd) -> None:
-        if isinstance(cmd, _Add):
+        if isinstance(cmd, AddCommand):
             if not cmd.future.set_running_or_notify_cancel():
                 return  # the client went away before admission
             try:
@@ -275,7 +279,7 @@ class EngineRunner:
                         None if cmd.sink.detokenizes else TextDelta(req.params.stop))
             self._streams[req.id] = s
             cmd.future.set_result((req, s.key))
-        elif isinstance(cmd, _Profile):
+        elif isinstance(cmd, ProfileCommand):
             counters = {**self.engine.metrics(), "loop_s": self.loop_s}
             try:
                 if cmd.action == "start":
