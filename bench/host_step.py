@@ -14,9 +14,10 @@ DSpark drafter whose k policy decodes plainly on every step (what a GPU server d
 at T = 0.7), so its host time per step compares with AR's. --overlap runs the engine's async scheduling as on a GPU:
 each step is queued before the one before it is read, its inputs chained from that step's output (with a fixed
 output, the host path of a server's step at one row: no staging, no copy of the inputs). --server runs the same
-requests through the server's engine thread (serve.runner.EngineRunner) delivering each step's events to the pipe
-of an engine process (serve.engine_proc.PipeSink, read by a thread here), as `python -m serve` on a GPU does: its
-host time per step is the thread's busy time (EngineRunner.loop_s: steps and delivery) less the runner's forwards.
+requests through the engine process's loop (serve.engine_proc.PipeRunner: its commands read from a pipe, each step's
+events sent back through serve.engine_proc.PipeSink, the pipe's other end read by a thread here), as `python -m
+serve` on a GPU does: its host time per step is the loop's busy time (loop_s: steps and delivery) less the runner's
+forwards.
 """
 from __future__ import annotations
 
@@ -35,8 +36,7 @@ from dspark.engine import Engine  # noqa: E402
 from dspark.models.drafter import DrafterConfig, DSparkDrafter  # noqa: E402
 from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config  # noqa: E402
 from dspark.request import SamplingParams  # noqa: E402
-from serve.engine_proc import PipeSink  # noqa: E402
-from serve.runner import EngineRunner  # noqa: E402
+from serve.engine_proc import PipeRunner, PipeSink  # noqa: E402
 
 VOCAB = 300
 
@@ -77,8 +77,9 @@ def plain_drafter(target: Qwen3ForCausalLM) -> DSparkDrafter:
 
 
 def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> float:
-    """The prompts through an EngineRunner whose events go to a PipeSink (module doc), until every request has sent
-    its last event -> the engine thread's busy seconds (loop_s)."""
+    """The prompts through the engine process's loop (PipeRunner, on a thread here) from the pipe's other end, its
+    events back through its PipeSink, until every request has sent its last event -> the loop's busy seconds
+    (loop_s)."""
     left, failed, done = [len(prompts)], [], threading.Event()
     ours, theirs = mp.Pipe()
 
@@ -94,19 +95,23 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    runner, sink = EngineRunner(engine).start(), PipeSink(theirs)
+    sink = PipeSink(theirs)
+    runner = PipeRunner(engine, theirs, sink)
+    loop = threading.Thread(target=runner.serve, daemon=True)
+    loop.start()
     try:
         for i, p in enumerate(prompts):
-            runner.enqueue(p, params, f"r{i}", sink)
+            ours.send(("add", f"r{i}", p, params))
         while not done.wait(1.0):
-            if not runner.alive or not reader.is_alive():
-                raise RuntimeError(f"the engine thread or the pipe's reader stopped with {left[0]} requests open "
+            if not loop.is_alive() or not reader.is_alive():
+                raise RuntimeError(f"the engine loop or the pipe's reader stopped with {left[0]} requests open "
                                    f"({runner.error or 'reader'})")
     finally:
-        runner.stop()
+        ours.send(("stop",))
+        loop.join(10)
         sink.close()
     if failed:
-        raise RuntimeError(f"{len(failed)} requests failed in the engine thread: {failed[0]}")
+        raise RuntimeError(f"{len(failed)} requests failed in the engine loop: {failed[0]}")
     return runner.loop_s
 
 

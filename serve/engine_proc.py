@@ -24,6 +24,7 @@ import gc
 import logging
 import multiprocessing as mp
 import queue
+import select
 import sys
 import threading
 import time
@@ -153,6 +154,8 @@ class PipeRunner(EngineRunner):
     def __init__(self, engine, conn, sink: PipeSink, profile_dir: str | None = None):
         super().__init__(engine, profile_dir=profile_dir)
         self.conn, self.sink = conn, sink
+        self._poller = select.poll()  # a registered poll: 0.3 us a look between steps (Connection.poll: 3 us)
+        self._poller.register(conn.fileno(), select.POLLIN)
 
     def serve(self) -> None:
         """Run the engine loop here until the pipe closes or says "stop" (an engine that dies answers "dead")."""
@@ -161,7 +164,7 @@ class PipeRunner(EngineRunner):
             self.sink.send(("dead", self.error))
 
     def _next(self, block: bool):
-        if not self.conn.poll(None if block else 0):
+        if not self._poller.poll(None if block else 0):  # (a closed pipe reads as ready: recv says EOF)
             return ...
         try:
             msg = self.conn.recv()
