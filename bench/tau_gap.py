@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E402
 from dspark.device import resolve_device, resolve_dtype  # noqa: E402
 from dspark.spec.draft import sample_markov  # noqa: E402
+from eval.measure import repeat_share  # noqa: E402
 
 
 @torch.no_grad()
@@ -37,6 +38,8 @@ def main() -> None:
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--sequences", required=True, help="the drafter run's sequences.pt (holdout + holdout_mask)")
     ap.add_argument("--n", type=int, default=16, help="holdout sequences used")
+    ap.add_argument("--head", type=int, default=96, help="also τ walked over the blocks that start within the first "
+                    "this many continuation tokens (a task's decode length)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, float32 on CPU")
     a = ap.parse_args()
@@ -47,7 +50,7 @@ def main() -> None:
     s = torch.load(a.sequences, weights_only=False)
     rows, masks = s["holdout"][: a.n], s["holdout_mask"][: a.n]
     D = d.config.num_drafts
-    uniform, walked, prompts = [], [], []
+    uniform, walked, head, repeats, prompts = [], [], [], [], []
     for row, mask in zip(rows, masks):
         P = int(mask.float().argmax())  # first continuation position = prompt length
         T = int(mask.sum()) + P
@@ -63,17 +66,20 @@ def main() -> None:
         uniform += acc
         p = P
         while p - P < len(acc):
+            (head if p - P < a.head else []).append(acc[p - P])
             walked.append(acc[p - P])
             p += acc[p - P] + 1
+        repeats.append(repeat_share(row[P:T].tolist()))  # the stored continuation
     n_new = min(int(m.sum()) for m in masks) - 1
     outs = Engine(t, d).generate(prompts, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
     same = sum(o.token_ids == r[len(p):len(p) + n_new].tolist() for o, r, p in zip(outs, rows, prompts))
     print(f"holdout rows: prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {n_new} new tokens each")
     eng = [x for o in outs for x in o.accepted_per_step]
     tau = lambda xs: 1 + sum(xs) / len(xs)
-    print(f"| sequences | block drafts | τ uniform anchors (trainer) | τ walked anchors | τ engine | engine == "
-          f"stored continuation |\n|--:|--:|--:|--:|--:|--:|\n| {len(rows)} | {D} | {tau(uniform):.3f} | "
-          f"{tau(walked):.3f} | {tau(eng):.3f} | {same}/{len(rows)} |")
+    print(f"| sequences | block drafts | τ uniform anchors (trainer) | τ walked anchors | τ walked, first {a.head} "
+          f"tokens | τ engine | engine == stored continuation | 4-gram repeats |\n|--:|--:|--:|--:|--:|--:|--:|--:|\n"
+          f"| {len(rows)} | {D} | {tau(uniform):.3f} | {tau(walked):.3f} | {tau(head):.3f} | {tau(eng):.3f} | "
+          f"{same}/{len(rows)} | {sum(repeats) / len(repeats):.1%} |")
 
 
 if __name__ == "__main__":

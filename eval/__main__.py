@@ -92,9 +92,12 @@ def encode(task: Task, tokenizer, chat: bool, max_prompt_tokens: int) -> list[li
     return out
 
 
-def task_entry(task: Task, ents: list[list[float]], num_tokens: int, tok_s, seconds) -> dict:
+def task_entry(task: Task, ents: list[list[float]], num_tokens: int, tok_s, seconds, outputs: list[list[int]]
+               ) -> dict:
+    """A task's report entry: the target's entropy on its outputs, their 4-gram repeat share, AR's speed."""
     flat = [h for e in ents for h in e]
-    return {"entropy": ent.mean(flat), "entropy_ci95": ent.bootstrap_ci(ents), "num_prompts": len(task.prompts),
+    return {"entropy": ent.mean(flat), "entropy_ci95": ent.bootstrap_ci(ents), "repeats": M.mean_repeats(outputs),
+            "num_prompts": len(task.prompts),
             "num_tokens": num_tokens, "source": task.source, "chat": task.chat,
             "ar": {"tok_s": tok_s, "seconds": seconds}, "drafters": {}}
 
@@ -150,7 +153,7 @@ def run_local(a, tasks: list[Task], names: list[str], log=print) -> dict:
         all_h += [h for e in ar_h for h in e]
         ar_total.tokens += ar.num_tokens
         ar_total.seconds += ar.seconds
-        entry = task_entry(task, ar_h, ar.num_tokens, ar.tok_s, ar.seconds)
+        entry = task_entry(task, ar_h, ar.num_tokens, ar.tok_s, ar.seconds, ar.token_ids)
         for name, run in zip(names, runs[1:]):
             hs = entropies(ps, run.token_ids)
             lg = logs[name]
@@ -209,11 +212,12 @@ def run_remote(a, tasks: list[Task], name: str, log=print) -> dict:
             texts.append(text)
             n_tok += n
         c = M.counters_delta(before, server.counters())
-        ents = []
+        ents, outs = [], []
         if target is not None:
             ids = [tok.encode(p, add_special_tokens=False) for p in ps]
-            ents = [ent.generated_entropies(target, p, tok.encode(t, add_special_tokens=False)) for p, t in zip(ids, texts)]
-        entry = task_entry(task, ents, n_tok, None, None)
+            outs = [tok.encode(t, add_special_tokens=False) for t in texts]
+            ents = [ent.generated_entropies(target, p, o) for p, o in zip(ids, outs)]
+        entry = task_entry(task, ents, n_tok, None, None, outs)
         entry["drafters"][name] = {**M.stats_from_counters(c), "num_tokens": n_tok,
                                    "tok_s": n_tok / secs if secs else None, "speedup": None,
                                    "identical_to_ar": None, "entropy": entry["entropy"]}

@@ -26,6 +26,25 @@ from dspark.request import SamplingParams
 
 
 # ------------------------------------------------------------------------------------------ step-log math
+def repeat_share(ids: list[int], n: int = 4) -> float | None:
+    """The share of a text's tokens that end an n-gram seen earlier in it: how much of a greedy output loops (a
+    drafter accepts a loop's tokens easily). None for a text shorter than n."""
+    if len(ids) < n:
+        return None
+    seen, hits = set(), 0
+    for i in range(n - 1, len(ids)):
+        g = tuple(ids[i - n + 1: i + 1])
+        hits += g in seen
+        seen.add(g)
+    return hits / (len(ids) - n + 1)
+
+
+def mean_repeats(outputs: list[list[int]]) -> float | None:
+    """repeat_share averaged over the outputs long enough to have one (None: none is)."""
+    xs = [r for r in map(repeat_share, outputs) if r is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
 def step_stats(accepted: list[int], drafted: list[int]) -> dict:
     """tau, alpha and per-position acceptance from per-step (accepted, drafted) logs (steps with 0 drafts skipped)."""
     steps = [(a, n) for a, n in zip(accepted, drafted) if n > 0]

@@ -83,16 +83,18 @@ def sorted_tasks(report: dict) -> list[str]:
 
 
 def markdown(report: dict) -> str:
-    """One table: a row per task sorted by entropy, H, prompts, tokens, AR tok/s, then tau / alpha / speedup per
-    drafter."""
+    """One table: a row per task sorted by entropy, H, the outputs' 4-gram repeat share, prompts, tokens, AR tok/s,
+    then tau / alpha / speedup per drafter."""
     names = [d["name"] for d in report["config"]["drafters"]]
-    head = ["task", "H (nats)", "prompts", "tokens", "AR tok/s"] + [f"τ {n}" for n in names] \
+    head = ["task", "H (nats)", "4-gram repeats", "prompts", "tokens", "AR tok/s"] + [f"τ {n}" for n in names] \
         + [f"α {n}" for n in names] + [f"speedup {n}" for n in names]
     lines = ["| " + " | ".join(head) + " |", "|---|" + "--:|" * (len(head) - 1)]
     for task in sorted_tasks(report):
         t = report["tasks"][task]
         d = t["drafters"]
-        row = [task, _f(t["entropy"], 3), str(t["num_prompts"]), str(t["num_tokens"]), _f(t["ar"]["tok_s"], 1)]
+        rep = t.get("repeats")
+        row = [task, _f(t["entropy"], 3), "–" if rep is None else f"{rep:.1%}", str(t["num_prompts"]),
+               str(t["num_tokens"]), _f(t["ar"]["tok_s"], 1)]
         row += [_f(d[n]["tau"]) for n in names] + [_f(d[n]["alpha"]) for n in names]
         row += [_f(d[n]["speedup"], 2, "×") for n in names]
         lines.append("| " + " | ".join(row) + " |")

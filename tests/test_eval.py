@@ -46,6 +46,14 @@ def test_token_events_map_drafts_to_generated_positions():
     assert ev == [(0, 1.0, True), (1, 2.0, False), (0, 3.0, False)]
 
 
+def test_repeat_share_counts_tokens_that_end_an_earlier_ngram():
+    assert M.repeat_share(list(range(20))) == 0.0  # no 4-gram twice
+    loop = [1, 2, 3, 4, 5] * 6  # 30 tokens, 27 4-grams, the first 5 new
+    assert M.repeat_share(loop) == pytest.approx(22 / 27)
+    assert M.repeat_share([7, 7, 7]) is None  # shorter than one 4-gram
+    assert M.mean_repeats([list(range(20)), loop, [1]]) == pytest.approx(11 / 27)
+
+
 def test_spearman_with_ties_and_constant():
     assert M.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert M.spearman([1, 2, 3, 4], [1, 1, 0, 0]) == pytest.approx(-4 / (2 * math.sqrt(5)))
@@ -265,7 +273,7 @@ def test_cli_end_to_end(tiny_models, tmp_path, capsys):
     assert set(rep["tasks"]) == {"humaneval", "qa"}
     for t in rep["tasks"].values():
         assert t["num_prompts"] == 2 and t["num_tokens"] == 16 and 0 < t["entropy"] <= math.log(400) + 1e-4
-        assert t["ar"]["tok_s"] > 0
+        assert t["ar"]["tok_s"] > 0 and 0.0 <= t["repeats"] <= 1.0
         for name, k in (("DSpark", 4), ("dflash", 3)):
             d = t["drafters"][name]
             assert d["identical_to_ar"] == 2  # greedy speculative decoding is lossless
@@ -282,6 +290,7 @@ def test_cli_end_to_end(tiny_models, tmp_path, capsys):
         assert (out / png).read_bytes()[:8] == PNG_MAGIC
     md = (out / "report.md").read_text().strip().splitlines()
     assert "τ DSpark" in md[0] and "τ dflash" in md[0] and "speedup DSpark" in md[0] and "H (nats)" in md[0]
+    assert "4-gram repeats" in md[0]
     rows = md[2:]
     assert len(rows) == 2 and {r.split("|")[1].strip() for r in rows} == {"humaneval", "qa"}
     hs = [float(r.split("|")[2]) for r in rows]
