@@ -118,7 +118,7 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafter: bool = False,
         overlap: bool = False, server: bool = False) -> tuple[float, float, int]:
     """-> (host ms per decode step, the generate call's wall seconds, decode steps). drafter: with a drafter whose
-    policy always decodes plainly; server: through the server's engine thread (module doc)."""
+    policy always decodes plainly; server: through the engine process's loop (module doc)."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_position_embeddings=512)
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-forward", action="store_true", help="a fixed output for every step: the engine's Python alone")
     p.add_argument("--plain-drafter", action="store_true", help="a drafter whose k policy always decodes plainly")
     p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
-    p.add_argument("--server", action="store_true", help="through the server's engine thread and an engine pipe")
+    p.add_argument("--server", action="store_true", help="through the engine process's loop, driven over a pipe")
     a = p.parse_args(argv)
     if a.rows < 1 or a.prompts < a.rows or a.new_tokens < 2 or a.repeats < 1:
         p.error("--rows >= 1, --prompts >= --rows, --new-tokens >= 2 and --repeats >= 1 expected")

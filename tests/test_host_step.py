@@ -1,5 +1,5 @@
 """bench/host_step.py: the engine's host time per decode step, through generate (with and without async scheduling)
-and through the server's engine thread and an engine pipe; every mode decodes every request to its end."""
+and through the engine process's loop driven over a pipe; every mode decodes every request to its end."""
 import sys
 from pathlib import Path
 
@@ -29,5 +29,5 @@ def test_the_server_mode_raises_when_requests_fail(monkeypatch):
         return out
 
     monkeypatch.setattr(host_step.Engine, "generate", generate_then_fail)
-    with pytest.raises(RuntimeError, match="2 requests failed in the engine thread: .*step failed"):
+    with pytest.raises(RuntimeError, match="2 requests failed in the engine loop: .*step failed"):
         host_step.run(rows=2, num_prompts=2, new_tokens=4, seed=0, forward=False, overlap=True, server=True)
