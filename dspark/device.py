@@ -1,6 +1,7 @@
-"""Device and dtype names as the CLIs take them: `auto` means the GPU when there is one, and bf16 there (fp32 on CPU).
+"""Device and dtype names as the CLIs take them: `auto` means the GPU when there is one, and bf16 there (fp32 on CPU);
+and host values onto a device without waiting for it.
 
-Both functions raise ValueError naming the flag, so a CLI can check them before it loads anything.
+The two resolvers raise ValueError naming the flag, so a CLI can check them before it loads anything.
 """
 from __future__ import annotations
 
@@ -34,3 +35,12 @@ def resolve_dtype(name: str, device: str, flag: str = "--dtype") -> str:
     if name == "auto":
         return "bfloat16" if device.startswith("cuda") else "float32"
     return name
+
+
+def queued_copy(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA it goes through pinned memory as a queued copy: the host does not wait for
+    the work already queued on the stream (a copy from pageable memory would), so the launches after it queue too."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 from dspark.cache.blocks import OutOfBlocks
 from dspark.cache.paged import PagedCache
 from dspark.cache.prefix import PrefixCacheConfig
+from dspark.device import queued_copy
 from dspark.kernels.argmax import argmax
 from dspark.policy import KPolicy
 from dspark.request import Request, RequestOutput, SamplingParams, Status
@@ -244,16 +245,19 @@ class Engine:
     def _first_tokens(self, rows: list[Request], last: torch.Tensor) -> torch.Tensor:
         """The token after each row's prompt from its last logits [n, V] -> [n]: the argmax when every row is
         greedy (what sampling gives a greedy row, without its per-row tensors and kernels: the prefill's host time
-        is part of the time to first token), else sampled on the device."""
+        is part of the time to first token), else sampled on the device, the rows' parameters in two queued copies
+        (the sampling's launches queue behind the prefill, not after it)."""
         mode = sampling_mode([r.params for r in rows])
         if mode == "greedy":
             return argmax(last)
-        dev, filt = self.device, mode == "filter"  # else no sort over the vocabulary
-        sampling = RowSampling(torch.tensor([r.params.temperature for r in rows], device=dev),
-                               torch.tensor([r.params.top_k for r in rows], device=dev) if filt else 0,
-                               torch.tensor([r.params.top_p for r in rows], device=dev) if filt else 1.0)
-        return self.runner.sample_first(last, sampling, torch.tensor([r.seed for r in rows], device=dev),
-                                        torch.tensor([len(r.prompt_ids) for r in rows], device=dev))
+        ps = [r.params for r in rows]
+        floats = queued_copy(torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps]], dtype=torch.float32),
+                             self.device)
+        ints = queued_copy(torch.tensor([[p.top_k for p in ps], [r.seed for r in rows],
+                                         [len(r.prompt_ids) for r in rows]], dtype=torch.long), self.device)
+        filt = mode == "filter"  # else no sort over the vocabulary
+        sampling = RowSampling(floats[0], ints[0] if filt else 0, floats[1] if filt else 1.0)
+        return self.runner.sample_first(last, sampling, ints[1], ints[2])
 
     def _choose_k(self, reqs: list[Request], ahead: int = 0) -> int:
         """The step's drafts: the policy's (module doc), or 0 when every row is a seeded sampled one under it. ahead:

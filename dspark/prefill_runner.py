@@ -18,6 +18,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dspark.cache.paged import PagedCache
+from dspark.device import queued_copy
 from dspark.models.k3.moe import moe_graph_safe
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling, counter_uniform, process_logits, sample_from
@@ -275,8 +276,7 @@ class PrefillRunner:
         pad = rows - n
         ints = self._row_ints(starts + [0] * pad, counts + [1] * pad, slots + [self.cache.scratch_slot] * pad,
                               tables + [[]] * pad, width)
-        ints = (ints.pin_memory() if self.cuda else ints).to(self.device, non_blocking=self.cuda)
-        self.drafts.flush_context(self._row_view(ints, T))
+        self.drafts.flush_context(self._row_view(queued_copy(ints, self.device), T))
 
     def warm_flush(self, max_rows: int, max_len: int) -> int:
         """Run each bucketed eager flush shape of more than FLUSH_GRAPH_ROWS up to max_rows rows, in requests up to

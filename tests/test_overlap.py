@@ -176,6 +176,25 @@ def test_launch_does_not_wait_for_the_device(pair):
         engine._read(flight)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampled_first_tokens_queue_behind_the_device():
+    """The sampled first token's per-row parameters reach the device as queued copies: with the stream held busy for
+    a second, drawing the tokens (temperature, top-k, top-p rows) returns at once, and the tokens they give are the
+    ones drawn on an idle stream."""
+    engine = Engine(make_target("qwen3", device="cuda"), None, max_batch_size=2)
+    rows = [engine.add_request([3, 4, 5], SamplingParams(max_tokens=4, temperature=0.8, top_k=20, seed=1)),
+            engine.add_request([6, 7], SamplingParams(max_tokens=4, temperature=1.0, top_p=0.9, seed=2))]
+    last = torch.randn(2, engine.target.config.vocab_size, device="cuda")
+    want = engine._first_tokens(rows, last).tolist()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued ahead
+    t0 = time.perf_counter()
+    tokens = engine._first_tokens(rows, last)
+    queued_s = time.perf_counter() - t0
+    assert queued_s < 0.25, f"the sampled first tokens waited {queued_s:.3f} s for the device"
+    assert tokens.tolist() == want
+
+
 def test_handoff_reads_the_step_in_flight(pair, prompts):
     """export_prefilled with a step in flight reads it first: the moved requests continue to the target's greedy."""
     target, drafter = pair
