@@ -37,6 +37,7 @@ from dspark.models.drafter import DrafterConfig, DSparkDrafter  # noqa: E402
 from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config  # noqa: E402
 from dspark.request import SamplingParams  # noqa: E402
 from serve.engine_proc import PipeRunner, PipeSink  # noqa: E402
+from serve.runner import Event  # noqa: E402
 
 VOCAB = 300
 
@@ -87,7 +88,7 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
         while not done.is_set():
             msg = ours.recv()
             if msg[0] == "events":
-                ended = [ev for _, ev in msg[1] if ev.finish_reason is not None]
+                ended = [ev for ev in (Event(*w) for _, w in msg[1]) if ev.finish_reason is not None]
                 failed.extend(ev.error for ev in ended if ev.finish_reason == "error")
                 left[0] -= len(ended)
                 if left[0] <= 0:

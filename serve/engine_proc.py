@@ -8,7 +8,7 @@ in-process server's EngineRunner loop on its main thread, reading the pipe betwe
 
     server -> engine   ("add", rid, prompt_ids, params) | ("abort", rid) | ("profile", action) | ("stop",)
     engine -> server   ("ready", EngineInfo, Snapshot) | ("failed", (kind, message, traceback)) at start;
-                       ("added", rid, error) | ("events", [(rid, Event)]) (one message per step) |
+                       ("added", rid, error) | ("events", [(rid, Event.wire())]) (one message per step) |
                        ("snapshot", Snapshot) (runner.SNAPSHOT_S apart, and when idle) | ("profiled", files | error) |
                        ("dead", error) when the engine thread died
 
@@ -123,11 +123,11 @@ class PipeSink:
             if msg is _CLOSE:
                 return
             if msg[0] == "events":  # with the steps' events queued behind it, as one message
-                items = list(msg[1])
+                items = [(rid, ev.wire()) for rid, ev in msg[1]]
                 while taken is None and not self._queue.empty():
                     nxt = self._queue.get()
                     if nxt is not _CLOSE and nxt[0] == "events":
-                        items += nxt[1]
+                        items += [(rid, ev.wire()) for rid, ev in nxt[1]]
                     else:
                         taken = nxt
                 msg = ("events", items)
@@ -328,7 +328,7 @@ class EngineClient:
             while True:
                 msg = self._conn.recv()
                 if msg[0] == "events":
-                    self._deliver(msg[1])
+                    self._deliver([(rid, Event(*ev)) for rid, ev in msg[1]])
                 elif msg[0] == "added":
                     self._added(msg[1], msg[2])
                 elif msg[0] == "snapshot":

@@ -183,6 +183,17 @@ def test_cli_engine_process_flag(models, capsys):
     assert err.startswith("error: num_speculative_tokens") and "\n" not in err
 
 
+def test_events_cross_the_pipe_as_tuples_with_every_field():
+    ev = Event([1, 2], "", "stop", prompt_tokens=5, completion_tokens=7, error="e", final_text="cut here")
+    ours, theirs = mp.Pipe()
+    sink = PipeSink(ours)
+    sink.deliver([("r0", ev)])
+    sink.close()
+    kind, items = theirs.recv()
+    assert kind == "events" and type(items[0][1]) is tuple
+    assert items[0][0] == "r0" and Event(*items[0][1]) == ev
+
+
 def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
     """PipeSink: what the engine thread queues arrives in order; events queued behind events leave as one message
     (their items concatenated, nothing lost); close() sends what is still queued."""
@@ -203,7 +214,8 @@ def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
     sink.close()
     got = []
     while theirs.poll(1.0):
-        got.append(theirs.recv())
+        msg = theirs.recv()  # events cross as Event.wire() tuples
+        got.append(("events", [(rid, Event(*w)) for rid, w in msg[1]]) if msg[0] == "events" else msg)
     kinds = [m[0] for m in got]
     assert kinds.count("snapshot") == 5 and len(got) < 50 + 5  # merged
     flat = [("e", ev.token_ids[0]) for m in got if m[0] == "events" for _, ev in m[1]]
