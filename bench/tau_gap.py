@@ -5,16 +5,17 @@
                                                          (CPU, ~10 s for the quickstart pair)
 
 On the drafter's regenerated holdout sequences (prompt + the target's own greedy continuation; labels = the target's
-argmax), three τ (mean accepted drafts + 1 per block):
+argmax), τ (mean accepted drafts + 1 per block) three ways, and the walked one over a task's decode length (--head):
   uniform   the training pass (train_forward, teacher-forced Markov head) at every anchor of the continuation, each
             block counted: what the trainer's holdout metric estimates (it samples anchors uniformly)
   walked    the same per-anchor accepted counts, but visiting only the anchors a greedy speculative decode visits
             (start after the prompt, next anchor = anchor + accepted + 1)
   engine    dspark.Engine generating from the prompt (checked token-for-token against the stored continuation)
 engine == walked means the serving path drafts exactly what training measures; uniform > walked is selection: a
-decode step starts right after a rejection, where the text is harder than at a random position. Beside a task's τ
-from `python -m eval` on the same pair, engine (holdout prompts) against the task's τ is what the prompts themselves
-change: corpus text the target continues against task prompts.
+decode step starts right after a rejection, where the text is harder than at a random position. The continuations'
+4-gram repeat share (eval.measure.repeat_share) says how much of them loops, which a drafter accepts easily. Beside
+a task's τ from `python -m eval` on the same pair (its report has the outputs' repeat share too), walked τ over the
+task's decode length against the task's τ is what the prompts themselves change.
 """
 from __future__ import annotations
 
@@ -66,8 +67,9 @@ def main() -> None:
         uniform += acc
         p = P
         while p - P < len(acc):
-            (head if p - P < a.head else []).append(acc[p - P])
             walked.append(acc[p - P])
+            if p - P < a.head:
+                head.append(acc[p - P])
             p += acc[p - P] + 1
         repeats.append(repeat_share(row[P:T].tolist()))  # the stored continuation
     n_new = min(int(m.sum()) for m in masks) - 1

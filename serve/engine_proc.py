@@ -10,7 +10,7 @@ in-process server's EngineRunner loop on its main thread, reading the pipe betwe
     engine -> server   ("ready", EngineInfo, Snapshot) | ("failed", (kind, message, traceback)) at start;
                        ("added", rid, error) | ("events", [(rid, Event.wire())]) (one message per step) |
                        ("snapshot", Snapshot) (runner.SNAPSHOT_S apart, and when idle) | ("profiled", files | error) |
-                       ("dead", error) when the engine thread died
+                       ("dead", error) when the engine loop died
 
 The events carry token ids; the server's process decodes their text (the last event of a request with stop strings
 carries its whole text, which a stop string may have cut), so the engine's thread does not detokenize.
