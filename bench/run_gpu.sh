@@ -106,7 +106,10 @@
 # layers train on the torch fallback, several times slower), .cache/triton-autotune.tgz (Triton autotune picks from an
 # earlier run on the same GPU / triton / fla: a fresh machine then compiles only the picked configs; without it the
 # picks in bench/triton-autotune-h200.tgz). Every target saves the picks it has to $OUT/triton-autotune.tgz, to carry
-# as .cache/triton-autotune.tgz next time (or to keep in bench/ when kernels changed).
+# as .cache/triton-autotune.tgz next time (or to keep in bench/ when kernels changed). .cache/corpus-mini (the corpus of
+# the k3-mini and qwen3-mini recipes, 50 MB: `python -m dspark.data build --out .cache/corpus-mini --sources
+# python_stdlib,go_src,python_docs,shakespeare,kjv_bible,fortunes,gcide --max-bytes-per-source 10000000` on a machine
+# that has every source): an image without one of its sources (go_src) reuses the carried corpus.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 target=${1:-}
