@@ -247,10 +247,10 @@ class Engine:
         greedy (what sampling gives a greedy row, without its per-row tensors and kernels: the prefill's host time
         is part of the time to first token), else sampled on the device, the rows' parameters in two queued copies
         (the sampling's launches queue behind the prefill, not after it)."""
-        mode = sampling_mode([r.params for r in rows])
+        ps = [r.params for r in rows]
+        mode = sampling_mode(ps)
         if mode == "greedy":
             return argmax(last)
-        ps = [r.params for r in rows]
         floats = queued_copy(torch.tensor([[p.temperature for p in ps], [p.top_p for p in ps]], dtype=torch.float32),
                              self.device)
         ints = queued_copy(torch.tensor([[p.top_k for p in ps], [r.seed for r in rows],

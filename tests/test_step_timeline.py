@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from dspark import Engine, load_drafter, load_target
+from tests.targets import make_target
+from tests.test_engine import V, make_drafter
+
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from pair_decode import profile  # noqa: E402
+from step_timeline import PolicySamples  # noqa: E402
 
 
 def test_step_timeline_phases_add_up(models, tmp_path):
@@ -51,11 +58,6 @@ def test_step_timeline_phases_add_up(models, tmp_path):
 def test_pair_profile_has_the_prefill_then_the_decode_steps(models):
     """bench/pair_decode.py's profile: the kernels of the prefill step (the engine's part of the time to first token)
     in a table of its own, then those of the decode steps; the requests run to the end."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from pair_decode import profile
-
-    from dspark import Engine, load_drafter, load_target
-
     target = load_target(models[0])
     engine = Engine(target, load_drafter(models[1], target), max_model_len=256)
     text = profile("dspark", engine, [[5, 6, 7, 8] * 10, [9, 10] * 7], max_tokens=12, steps=3)
@@ -70,13 +72,6 @@ def test_policy_samples_by_place_in_a_run(monkeypatch):
     plain steps after 6 drafting ones, whose second step takes 0.3 ms and the later ones 0.14 (under overlap the
     first of a run carries the drafting step before it and is not kept), show as 0.3 at place 2 and 0.14 from place 3
     on; the policy's own method is back once it is closed."""
-    sys.path.insert(0, str(ROOT / "bench"))
-    from step_timeline import PolicySamples
-
-    from dspark import Engine
-    from tests.targets import make_target
-    from tests.test_engine import V, make_drafter
-
     target = make_target("qwen3", vocab=V)
     engine = Engine(target, make_drafter(target), overlap=True)
     p, key = engine.policy, engine.runner.key_for
