@@ -52,7 +52,8 @@
 #   tau-gap-k3-mini  the k3-mini pair from scratch (TARGET_ARGS, DRAFTER_ARGS; the CUDA tests beside the target's
 #                  training and the regeneration, as ablate-k3-mini), then where its task τ parts from its holdout τ:
 #                  bench/tau_gap.py on 32 holdout sequences and python -m eval on the same pair (16 prompts x 128
-#                  tokens per task) -> $OUT/tau-gap.txt, $OUT/tau-gap-eval/; one detached run (writes OUT/DONE)
+#                  tokens per task) -> $OUT/tau-gap.txt, $OUT/tau-gap-eval/; REST_TESTS=1 then runs the CUDA tests
+#                  the side run did not reach; one detached run (writes OUT/DONE)
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
@@ -325,6 +326,7 @@ case "$target" in
     log tau-gap python3 -m eval --target "$TARGET_DIR" --drafter "$drafter" --name k3-mini --out "$OUT/tau-gap-eval" \
       --tasks humaneval,heldout_code,creative,heldout_prose,chat --num-prompts 16 --max-tokens 128 \
       --max-prompt-tokens 256 || rc=1
+    [ "${REST_TESTS:-0}" = 1 ] && { rest_tests || rc=1; }
     echo "tau-gap-k3-mini: done rc=$rc" | tee "$OUT/DONE"
     ;;
   peer-qwen3-mini)
