@@ -8,8 +8,9 @@ in-process server's EngineRunner loop on its main thread, reading the pipe betwe
 
     server -> engine   ("add", rid, prompt_ids, params) | ("abort", rid) | ("profile", action) | ("stop",)
     engine -> server   ("ready", EngineInfo, Snapshot) | ("failed", (kind, message, traceback)) at start;
-                       ("added", rid, error) | ("events", [(rid, Event.wire())]) (one message per step) |
-                       ("snapshot", Snapshot) (runner.SNAPSHOT_S apart, and when idle) | ("profiled", files | error) |
+                       ("added", rid, error) | ("events", [(rid, Event.wire())], Snapshot | None) (one message
+                       per step; a Snapshot runner.SNAPSHOT_S apart and when idle, the reader's before the events) |
+                       ("profiled", files | error) |
                        ("dead", error) when the engine loop died
 
 The events carry token ids; the server's process decodes their text (the last event of a request with stop strings
@@ -83,13 +84,15 @@ def build_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, 
 
 # ---------------------------------------------------------------------------- the engine process
 _CLOSE = ("close",)  # PipeSink's last message: not sent, it ends the sending thread
+_MERGED = ("events", "snapshot")  # what PipeSink sends as one "events" message when queued back to back
 
 
 class PipeSink:
     """The engine process's side of the pipe: a request's key is its id. Messages go out from a thread of its own,
     in order: the engine loop only queues them (pickling a step's events and the pipe's write, which wakes the
-    server's reader, cost it tens of microseconds per step otherwise); consecutive "events" messages queued
-    meanwhile leave as one."""
+    server's reader, cost it tens of microseconds per step otherwise); the events and snapshots queued meanwhile leave
+    as one message, the newest snapshot in it (a finished request's snapshot then costs no write and no wake-up of its
+    own; the reader takes it before the events, so a client that saw its last token reads /metrics that count it)."""
 
     detokenizes = True  # the server's process decodes the text (serve.runner.LoopSink)
 
@@ -122,15 +125,18 @@ class PipeSink:
             msg, taken = taken or self._queue.get(), None
             if msg is _CLOSE:
                 return
-            if msg[0] == "events":  # with the steps' events queued behind it, as one message
-                items = [(rid, ev.wire()) for rid, ev in msg[1]]
-                while taken is None and not self._queue.empty():
-                    nxt = self._queue.get()
-                    if nxt is not _CLOSE and nxt[0] == "events":
-                        items += [(rid, ev.wire()) for rid, ev in nxt[1]]
+            if msg[0] in _MERGED:  # with the events and snapshots queued behind it, as one message
+                items, snap = [], None
+                while msg is not None:
+                    if msg[0] == "events":
+                        items += [(rid, ev.wire()) for rid, ev in msg[1]]
                     else:
-                        taken = nxt
-                msg = ("events", items)
+                        snap = msg[1]
+                    msg = None
+                    if not self._queue.empty():
+                        nxt = self._queue.get()
+                        msg, taken = (nxt, None) if nxt is not _CLOSE and nxt[0] in _MERGED else (None, nxt)
+                msg = ("events", items, snap)
             try:
                 self.conn.send(msg)
             except (OSError, ValueError):  # the server's process is gone
@@ -328,11 +334,12 @@ class EngineClient:
             while True:
                 msg = self._conn.recv()
                 if msg[0] == "events":
-                    self._deliver([(rid, Event(*ev)) for rid, ev in msg[1]])
+                    if msg[2] is not None:
+                        self.snapshot = msg[2]
+                    if msg[1]:
+                        self._deliver([(rid, Event(*ev)) for rid, ev in msg[1]])
                 elif msg[0] == "added":
                     self._added(msg[1], msg[2])
-                elif msg[0] == "snapshot":
-                    self.snapshot = msg[1]
                 elif msg[0] == "profiled" and self._profiles:
                     fut, out = self._profiles.popleft(), msg[1]
                     if isinstance(out, tuple):

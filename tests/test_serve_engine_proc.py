@@ -189,14 +189,15 @@ def test_events_cross_the_pipe_as_tuples_with_every_field():
     sink = PipeSink(ours)
     sink.deliver([("r0", ev)])
     sink.close()
-    kind, items = theirs.recv()
-    assert kind == "events" and type(items[0][1]) is tuple
+    kind, items, snap = theirs.recv()
+    assert kind == "events" and type(items[0][1]) is tuple and snap is None
     assert items[0][0] == "r0" and Event(*items[0][1]) == ev
 
 
 def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
-    """PipeSink: what the engine thread queues arrives in order; events queued behind events leave as one message
-    (their items concatenated, nothing lost); close() sends what is still queued."""
+    """PipeSink: what the engine thread queues arrives in order; events and snapshots queued back to back leave as
+    one message (the items concatenated, nothing lost, the newest snapshot, which the reader takes before the
+    events: no event is delivered before a snapshot queued ahead of it); close() sends what is still queued."""
     ours, theirs = mp.Pipe()
     gate = threading.Event()
 
@@ -212,16 +213,14 @@ def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
             sink.publish(Snapshot({"step": i}))
     gate.set()
     sink.close()
-    got = []
+    msgs, seen, snap = 0, [], -1  # seen: (event, the snapshot the reader holds as it delivers it)
     while theirs.poll(1.0):
-        msg = theirs.recv()  # events cross as Event.wire() tuples
-        got.append(("events", [(rid, Event(*w)) for rid, w in msg[1]]) if msg[0] == "events" else msg)
-    kinds = [m[0] for m in got]
-    assert kinds.count("snapshot") == 5 and len(got) < 50 + 5  # merged
-    flat = [("e", ev.token_ids[0]) for m in got if m[0] == "events" for _, ev in m[1]]
-    assert all(rid == f"r{ev.token_ids[0]}" for m in got if m[0] == "events" for rid, ev in m[1])
-    flat_all = [x for m in got for x in ([("e", ev.token_ids[0]) for _, ev in m[1]] if m[0] == "events"
-                                         else [("s", m[1].counters["step"])])]
-    assert [t for _, t in flat] == list(range(50))
-    want = [x for i in range(50) for x in ([("e", i)] + ([("s", i)] if i % 10 == 9 else []))]
-    assert flat_all == want
+        kind, items, s = theirs.recv()  # events cross as Event.wire() tuples
+        msgs += 1
+        assert kind == "events"
+        snap = s.counters["step"] if s is not None else snap
+        seen += [(rid, Event(*w).token_ids[0], snap) for rid, w in items]
+    assert 1 <= msgs < 50  # merged
+    assert [(rid, i) for rid, i, _ in seen] == [(f"r{i}", i) for i in range(50)]
+    assert all(s >= (i // 10) * 10 - 1 for _, i, s in seen)  # never behind a snapshot queued before the event
+    assert snap == 49  # the last snapshot arrives
