@@ -52,9 +52,10 @@
 #   tau-gap-k3-mini  the k3-mini pair from scratch (TARGET_ARGS, DRAFTER_ARGS; the CUDA tests beside the target's
 #                  training and the regeneration, as ablate-k3-mini), then where its task τ parts from its holdout τ:
 #                  bench/tau_gap.py on 32 holdout sequences and python -m eval on the same pair (16 prompts x 128
-#                  tokens per task) -> $OUT/tau-gap.txt, $OUT/tau-gap-eval/; beside it (DFLASH=0 skips it) the DFlash
-#                  layout (2 Qwen3 layers, block 9) trained from the same sequences for as many steps, in the same
-#                  eval; REST_TESTS=1 then runs the CUDA tests the side run did not reach; one detached run (OUT/DONE)
+#                  tokens per task) -> $OUT/tau-gap.txt, $OUT/tau-gap-eval/; then (DFLASH=0 skips it) the DFlash
+#                  layout (2 Qwen3 layers, block 9) trained from the same sequences for as many steps, through the
+#                  same eval -> $OUT/dflash-eval/; REST_TESTS=1 then runs the CUDA tests the side run did not reach;
+#                  one detached run (writes OUT/DONE)
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
@@ -322,11 +323,16 @@ case "$target" in
     { bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-}; } || rc=1
     side_tests_end
     drafter=$(ls -d runs/k3-mini-drafter/best 2>/dev/null || echo runs/k3-mini-drafter/final)
-    evals=(--drafter "$drafter" --name k3-mini)
-    if [ "${DFLASH:-1}" = 1 ] && [ "$rc" = 0 ]; then
+    tasks=(--tasks humaneval,heldout_code,creative,heldout_prose,chat --num-prompts 16 --max-tokens 128
+      --max-prompt-tokens 256)
+    log tau-gap python3 bench/tau_gap.py --target "$TARGET_DIR" --drafter "$drafter" --n 32 --device cuda \
+      --sequences runs/k3-mini-drafter/sequences.pt || rc=1
+    log tau-gap python3 -m eval --target "$TARGET_DIR" --drafter "$drafter" --name k3-mini --out "$OUT/tau-gap-eval" \
+      "${tasks[@]}" || rc=1
+    if [ "${DFLASH:-1}" = 1 ] && [ -f runs/k3-mini-drafter/train_log.jsonl ]; then
       # the DFlash layout (2 Qwen3 layers, block 9 = 8 drafts, no Markov or confidence head) from the same
       # regenerated sequences for as many steps as the DSpark drafter made (resume=true without a checkpoint starts
-      # at step 0 and reads them)
+      # at step 0 and reads them), through the same eval
       steps=$(tail -n 1 runs/k3-mini-drafter/train_log.jsonl \
         | python3 -c "import json, sys; print(json.load(sys.stdin)['step'])")
       rm -rf runs/k3-mini-dflash && mkdir -p runs/k3-mini-dflash
@@ -335,13 +341,9 @@ case "$target" in
       log train-dflash $(train_cmd) recipes/k3-mini.yaml target="$TARGET_DIR" output_dir=runs/k3-mini-dflash \
         resume=true log.wandb_mode=disabled $(code_prompts) ${DRAFTER_ARGS:-} max_steps="$steps" max_minutes=null \
         drafter.backbone=qwen3 drafter.mode=dflash drafter.block_size=9 || rc=1
-      evals+=(--drafter "$(ls -d runs/k3-mini-dflash/best 2>/dev/null || echo runs/k3-mini-dflash/final)" --name dflash)
+      log tau-gap python3 -m eval --target "$TARGET_DIR" --name dflash --out "$OUT/dflash-eval" "${tasks[@]}" \
+        --drafter "$(ls -d runs/k3-mini-dflash/best 2>/dev/null || echo runs/k3-mini-dflash/final)" || rc=1
     fi
-    log tau-gap python3 bench/tau_gap.py --target "$TARGET_DIR" --drafter "$drafter" --n 32 --device cuda \
-      --sequences runs/k3-mini-drafter/sequences.pt || rc=1
-    log tau-gap python3 -m eval --target "$TARGET_DIR" "${evals[@]}" --out "$OUT/tau-gap-eval" \
-      --tasks humaneval,heldout_code,creative,heldout_prose,chat --num-prompts 16 --max-tokens 128 \
-      --max-prompt-tokens 256 || rc=1
     [ "${REST_TESTS:-0}" = 1 ] && { rest_tests || rc=1; }
     echo "tau-gap-k3-mini: done rc=$rc" | tee "$OUT/DONE"
     ;;
