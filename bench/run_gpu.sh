@@ -129,7 +129,8 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)  # absolute: save_autotune writes it 
 NGPU=${NGPU:-$(nvidia-smi -L 2>/dev/null | wc -l)}
 [ "$NGPU" -ge 1 ] 2>/dev/null || { echo "run_gpu.sh: no GPU visible (nvidia-smi -L) and NGPU not set" >&2; exit 2; }
 TARGET_DIR=${TARGET_DIR:-runs/k3-mini/final}
-DRAFTER_DIR=${DRAFTER_DIR:-$(ls -d runs/k3-mini-drafter/best 2>/dev/null || echo runs/k3-mini-drafter/final)}
+best_or_final() { ls -d "$1/best" 2>/dev/null || echo "$1/final"; }  # a drafter run's checkpoint to evaluate
+DRAFTER_DIR=${DRAFTER_DIR:-$(best_or_final runs/k3-mini-drafter)}
 
 SITE=.cache/gpu-site
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -168,6 +169,12 @@ log() {
   return "${PIPESTATUS[0]}"
 }
 
+# same_steps_from SRC DST: DST starts from SRC's regenerated sequences (resume=true without a checkpoint starts at
+# step 0 and reads them); prints the steps SRC made, for DST's max_steps
+same_steps_from() {
+  rm -rf "$2" && mkdir -p "$2" && cp "$1/sequences.pt" "$2/"
+  tail -n 1 "$1/train_log.jsonl" | python3 -c "import json, sys; print(json.load(sys.stdin)['step'])"
+}
 train_cmd() {  # python3 -m train, or accelerate launch over NGPU processes
   if [ "$NGPU" -ge 2 ]; then
     echo python3 -m accelerate.commands.launch --multi_gpu --num_processes "$NGPU" --num_machines 1 \
@@ -253,10 +260,9 @@ case "$target" in
     # shellcheck disable=SC2046
     log ddp-compare $(train_cmd) recipes/k3-mini.yaml target="$TARGET_DIR" output_dir=$many log.wandb_mode=disabled \
       $(code_prompts) "$@" || exit 1
-    steps=$(tail -n 1 $many/train_log.jsonl | python3 -c "import json, sys; print(json.load(sys.stdin)['step'])")
-    mkdir -p $one && cp $many/sequences.pt $one/
-    # one GPU, the same global batch, the same regenerated sequences (resume=true without a checkpoint starts at
-    # step 0 and reads them) and as many steps as the NGPU run made, however long they take
+    steps=$(same_steps_from $many $one)
+    # one GPU, the same global batch, the same regenerated sequences and as many steps as the NGPU run made, however
+    # long they take
     # shellcheck disable=SC2046
     CUDA_VISIBLE_DEVICES=0 log ddp-compare python3 -m train recipes/k3-mini.yaml target="$TARGET_DIR" \
       output_dir=$one resume=true log.wandb_mode=disabled $(code_prompts) "$@" max_steps="$steps" max_minutes=null \
@@ -322,7 +328,7 @@ case "$target" in
     side_tests "$OUT/train-drafter.txt"
     { bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-}; } || rc=1
     side_tests_end
-    drafter=$(ls -d runs/k3-mini-drafter/best 2>/dev/null || echo runs/k3-mini-drafter/final)
+    drafter=$(best_or_final runs/k3-mini-drafter)
     tasks=(--tasks humaneval,heldout_code,creative,heldout_prose,chat --num-prompts 16 --max-tokens 128
       --max-prompt-tokens 256)
     log tau-gap python3 bench/tau_gap.py --target "$TARGET_DIR" --drafter "$drafter" --n 32 --device cuda \
@@ -331,18 +337,14 @@ case "$target" in
       "${tasks[@]}" || rc=1
     if [ "${DFLASH:-1}" = 1 ] && [ -f runs/k3-mini-drafter/train_log.jsonl ]; then
       # the DFlash layout (2 Qwen3 layers, block 9 = 8 drafts, no Markov or confidence head) from the same
-      # regenerated sequences for as many steps as the DSpark drafter made (resume=true without a checkpoint starts
-      # at step 0 and reads them), through the same eval
-      steps=$(tail -n 1 runs/k3-mini-drafter/train_log.jsonl \
-        | python3 -c "import json, sys; print(json.load(sys.stdin)['step'])")
-      rm -rf runs/k3-mini-dflash && mkdir -p runs/k3-mini-dflash
-      cp runs/k3-mini-drafter/sequences.pt runs/k3-mini-dflash/
+      # regenerated sequences for as many steps as the DSpark drafter made, through the same eval
+      steps=$(same_steps_from runs/k3-mini-drafter runs/k3-mini-dflash)
       # shellcheck disable=SC2046,SC2086 # train_cmd, code_prompts and DRAFTER_ARGS are word lists
       log train-dflash $(train_cmd) recipes/k3-mini.yaml target="$TARGET_DIR" output_dir=runs/k3-mini-dflash \
         resume=true log.wandb_mode=disabled $(code_prompts) ${DRAFTER_ARGS:-} max_steps="$steps" max_minutes=null \
         drafter.backbone=qwen3 drafter.mode=dflash drafter.block_size=9 || rc=1
       log tau-gap python3 -m eval --target "$TARGET_DIR" --name dflash --out "$OUT/dflash-eval" "${tasks[@]}" \
-        --drafter "$(ls -d runs/k3-mini-dflash/best 2>/dev/null || echo runs/k3-mini-dflash/final)" || rc=1
+        --drafter "$(best_or_final runs/k3-mini-dflash)" || rc=1
     fi
     [ "${REST_TESTS:-0}" = 1 ] && { rest_tests || rc=1; }
     echo "tau-gap-k3-mini: done rc=$rc" | tee "$OUT/DONE"

@@ -127,15 +127,17 @@ class PipeSink:
                 return
             if msg[0] in _MERGED:  # with the events and snapshots queued behind it, as one message
                 items, snap = [], None
-                while msg is not None:
+                while True:
                     if msg[0] == "events":
                         items += [(rid, ev.wire()) for rid, ev in msg[1]]
                     else:
                         snap = msg[1]
-                    msg = None
-                    if not self._queue.empty():
-                        nxt = self._queue.get()
-                        msg, taken = (nxt, None) if nxt is not _CLOSE and nxt[0] in _MERGED else (None, nxt)
+                    if self._queue.empty():
+                        break
+                    msg = self._queue.get()
+                    if msg is _CLOSE or msg[0] not in _MERGED:
+                        taken = msg
+                        break
                 msg = ("events", items, snap)
             try:
                 self.conn.send(msg)
