@@ -13,7 +13,9 @@ argmax), τ (mean accepted drafts + 1 per block) three ways, and the walked one 
   engine    dspark.Engine generating from the prompt (checked token-for-token against the stored continuation)
 engine == walked means the serving path drafts exactly what training measures; uniform > walked is selection: a
 decode step starts right after a rejection, where the text is harder than at a random position. The continuations'
-4-gram repeat share (eval.measure.repeat_share) says how much of them loops, which a drafter accepts easily. Beside
+4-gram repeat share (eval.measure.repeat_share) says how much of them loops, which a drafter accepts easily; the
+share of blocks whose first draft is accepted, at uniform and at walked anchors, says how much harder a decode's
+starts are. Beside
 a task's τ from `python -m eval` on the same pair (its report has the outputs' repeat share too), walked τ over the
 task's decode length against the task's τ is what the prompts themselves change.
 """
@@ -82,6 +84,8 @@ def main() -> None:
           f"tokens | τ engine | engine == stored continuation | 4-gram repeats |\n|--:|--:|--:|--:|--:|--:|--:|--:|\n"
           f"| {len(rows)} | {D} | {tau(uniform):.3f} | {tau(walked):.3f} | {tau(head):.3f} | {tau(eng):.3f} | "
           f"{same}/{len(rows)} | {sum(repeats) / len(repeats):.1%} |")
+    first = lambda xs: sum(x > 0 for x in xs) / len(xs)  # share of blocks whose first draft is accepted
+    print(f"first draft accepted: uniform anchors {first(uniform):.1%}, walked anchors {first(walked):.1%}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from train.anchors import DecodeStarts, sample_anchors, valid_anchors
+from train.anchors import DecodeStarts, every_anchor, sample_anchors, valid_anchors, walked_accepted
 from train.data import rows_for_step
 
 T, DRAFTS, HARD = 64, 4, 5  # in these tests the drafter misses exactly the tokens at positions 0 mod HARD
@@ -31,6 +31,23 @@ def test_uniform_anchors_are_distinct_valid_positions():
     ok = valid_anchors(mask, DRAFTS)
     assert a.shape == (3, 8) and bool(ok.gather(1, a).all())
     assert all(len(set(r)) == 8 for r in a.tolist()) and a.min() >= 9 and a.max() <= T - 1 - DRAFTS
+
+
+def test_walked_accepted_visits_the_blocks_a_greedy_decode_starts():
+    """every_anchor lists each row's valid anchors in order (a shorter row padded with its first); walked_accepted
+    keeps the accepted counts of the anchors a greedy decode visits, from one past the row's first anchor (the
+    prompt's last token): the same walk as decode_walk, whatever the row's prompt length."""
+    mask = torch.zeros(2, T, dtype=torch.bool)
+    mask[0, 11:] = True  # prompt of 11 tokens: first anchor 10 (its first label 11), the walk starts at 11
+    mask[1, 24:] = True
+    every = every_anchor(mask, DRAFTS)
+    ok = valid_anchors(mask, DRAFTS)
+    assert every[0].tolist() == ok[0].nonzero().flatten().tolist()
+    n1 = int(ok[1].sum())
+    assert every[1, :n1].tolist() == ok[1].nonzero().flatten().tolist() and set(every[1, n1:].tolist()) == {23}
+    walked = walked_accepted(every, accepted_at(every))
+    want = [int(accepted_at(torch.tensor(a))) for s in (11, 24) for a in decode_walk(s)]
+    assert walked == want
 
 
 def test_rejection_anchors_follow_the_decode_walk():

@@ -54,6 +54,28 @@ def sample_anchors(loss_mask: torch.Tensor, num: int, drafts: int, generator: to
     return _top(scores, ok, num)
 
 
+def every_anchor(loss_mask: torch.Tensor, drafts: int) -> torch.Tensor:
+    """Every valid anchor of each row of loss_mask [B, T], in position order -> [B, A] (A: the most any row has; a
+    row with fewer repeats its first)."""
+    ok = valid_anchors(loss_mask, drafts)
+    T = ok.shape[1]
+    return _top(ok.float() * 2 * T - torch.arange(T, dtype=torch.float), ok, int(ok.sum(1).max()))
+
+
+def walked_accepted(anchors: torch.Tensor, accepted: torch.Tensor) -> list[int]:
+    """The accepted drafts of the blocks a greedy decode visits, every row's walk in turn. anchors: [B, A] from
+    every_anchor; accepted: [B, A] each block's accepted drafts. A walk starts one past the row's first anchor (the
+    prompt's last token: the prefill emits the next one) and goes from a to a + accepted(a) + 1 while a is an anchor."""
+    out = []
+    for row, acc in zip(anchors.tolist(), accepted.tolist()):
+        at = dict(zip(row, acc))
+        a = row[0] + 1
+        while a in at:
+            out.append(at[a])
+            a += at[a] + 1
+    return out
+
+
 class DecodeStarts:
     """anchors=rejection (module doc): per train row, the positions where its blocks ended when it was last trained."""
 

@@ -18,13 +18,14 @@ from dspark.checkpoint_io import read_config
 from dspark.config import DrafterRecipe
 from dspark.drafter_json import K3_DEFAULT_ROPE_THETA
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
-from train.anchors import DecodeStarts, sample_anchors, to_device
+from train.anchors import DecodeStarts, every_anchor, sample_anchors, to_device, walked_accepted
 from train.data import rows_for_step, step_generator
 from train.loop import LoopSpec, make_accelerator, run
 from train.losses import LossWeights, drafter_loss
 from train.outputs import preflight, start_run
 from train.sequences import Sequences, check_chat_template, load_sequences
 
+WALKED_ROWS = 16  # holdout rows the eval decodes greedily for tau_walked (all their anchors: a few steps of work)
 log = logging.getLogger(__name__)
 
 
@@ -189,7 +190,14 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
         out = [forward(m, seqs.holdout[i:i + bs], anchors[i:i + bs], loss_fn=step_loss)[1]
                for i in range(0, len(seqs.holdout), bs)]
         vals = torch.stack([torch.stack(list(o.values())) for o in out]).tolist()  # one read: [chunks][metrics]
-        return {k: sum(v[j] for v in vals) / len(vals) for j, k in enumerate(out[0])}
+        ev = {k: sum(v[j] for v in vals) / len(vals) for j, k in enumerate(out[0])}
+        # tau_walked: the τ a greedy decode of the first WALKED_ROWS holdout rows gets (every anchor drafted, then
+        # the blocks its walk visits); below tau, whose uniform anchors count each position of an easy stretch
+        every = every_anchor(seqs.holdout_mask[:WALKED_ROWS], D)
+        acc = torch.cat([forward(m, seqs.holdout[i:i + 1], every[i:i + 1], loss_fn=step_loss)[2]
+                         for i in range(len(every))]).cpu()
+        walked = walked_accepted(every, acc)
+        return {**ev, "tau_walked": 1 + sum(walked) / max(len(walked), 1)}
 
     def save_final(m, path: Path):
         export_drafter(m, path, layout=recipe.export.layout or cfg.mode, tokenizer=tok)
