@@ -141,11 +141,12 @@ def row_facts(a, overrides: list[str], run: Path) -> dict:
     recipe = load_recipe(a.recipe, [*a.set, *overrides, f"output_dir={run}"])
     use_best = (run / "best").is_dir() and "best" in m
     drafter = run / ("best" if use_best else "final")
-    holdout = m["best"]["tau"] if use_best and "tau" in m["best"] else m["final"]["tau"]
-    if use_best and "tau" not in m["best"]:  # kept by another metric: its evaluation's tau
-        holdout = next(h["tau"] for h in m["history"] if h["step"] == m["best"]["step"])
+    ev = m["final"]
+    if use_best:  # the best checkpoint's evaluation (kept by another metric: find it in the history)
+        ev = m["best"] if "tau" in m["best"] else next(h for h in m["history"] if h["step"] == m["best"]["step"])
     return {"overrides": overrides, "mode": recipe.drafter.mode, "drafter": str(drafter), "steps": m["steps"],
-            "train_minutes": m["train_minutes"], "holdout_tau": holdout, "holdout_ce": m["final"].get("ce"),
+            "train_minutes": m["train_minutes"], "holdout_tau": ev["tau"], "holdout_tau_walked": ev.get("tau_walked"),
+            "holdout_ce": m["final"].get("ce"),
             "train_tokens_per_s": tokens_per_s(run, recipe.optim.batch_size)}
 
 
@@ -190,15 +191,16 @@ def markdown(result: dict, a) -> str:
     out = [f"Recipe `{a.recipe}`, target `{a.target}`, common overrides `{' '.join(a.set) or '-'}`; eval "
            f"{a.num_prompts} prompts per task, {a.max_tokens} new tokens, "
            f"{'greedy' if a.temperature == 0 else f'temperature {a.temperature}'}.", "",
-           "| row | overrides | steps | train tok/s | holdout τ | " + " | ".join(f"τ {t}" for t in tasks) + " | "
-           + " | ".join(f"{t} ÷ holdout" for t in tasks) + " |",
-           "|---|---|--:|--:|--:|" + "--:|" * (2 * len(tasks))]
+           "| row | overrides | steps | train tok/s | holdout τ | holdout τ walked | "
+           + " | ".join(f"τ {t}" for t in tasks) + " | " + " | ".join(f"{t} ÷ holdout" for t in tasks) + " |",
+           "|---|---|--:|--:|--:|--:|" + "--:|" * (2 * len(tasks))]
     for n, r in rows.items():
         ov = " ".join(f"`{o}`" for o in r.get("overrides", [])) or "–"
         if "error" in r:
             out.append(f"| {n} | {ov} | {r['error']} |")
             continue
         out.append(f"| {n} | {ov} | {r['steps']} | {f(r['train_tokens_per_s'], 0)} | {f(r['holdout_tau'])} | "
+                   f"{f(r.get('holdout_tau_walked'))} | "
                    + " | ".join(f(r["tau"][t]) for t in tasks) + " | "
                    + " | ".join(f(r["tau_over_holdout"][t]) for t in tasks) + " |")
     if result["dflash_row"] is not None:

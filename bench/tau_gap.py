@@ -15,7 +15,8 @@ engine == walked means the serving path drafts exactly what training measures; u
 decode step starts right after a rejection, where the text is harder than at a random position. The continuations'
 4-gram repeat share (eval.measure.repeat_share) says how much of them loops, which a drafter accepts easily; the
 share of blocks whose first draft is accepted, at uniform and at walked anchors, says how much harder a decode's
-starts are. Beside
+starts are; uniform anchors weighted by 1 / (accepted + 1) (the share of positions a block covers, as a walk passes
+an easy stretch in one block) show how much of uniform > walked is that counting alone. Beside
 a task's τ from `python -m eval` on the same pair (its report has the outputs' repeat share too), walked τ over the
 task's decode length against the task's τ is what the prompts themselves change.
 """
@@ -85,7 +86,8 @@ def main() -> None:
           f"| {len(rows)} | {D} | {tau(uniform):.3f} | {tau(walked):.3f} | {tau(head):.3f} | {tau(eng):.3f} | "
           f"{same}/{len(rows)} | {sum(repeats) / len(repeats):.1%} |")
     first = lambda xs: sum(x > 0 for x in xs) / len(xs)  # share of blocks whose first draft is accepted
-    print(f"first draft accepted: uniform anchors {first(uniform):.1%}, walked anchors {first(walked):.1%}")
+    print(f"first draft accepted: uniform anchors {first(uniform):.1%}, walked anchors {first(walked):.1%}; "
+          f"τ at uniform anchors weighted by 1 / (accepted + 1): {len(uniform) / sum(1 / (x + 1) for x in uniform):.3f}")
 
 
 if __name__ == "__main__":

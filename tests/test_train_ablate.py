@@ -41,6 +41,7 @@ def test_rows_share_sequences_and_budget_and_land_in_one_table(setup, tmp_path):
     for name, r in rows.items():
         m = json.loads((out / "rows" / name / "final_metrics.json").read_text())
         assert r["steps"] == m["steps"] == 3 and r["holdout_tau"] == m["final"]["tau"]
+        assert r["holdout_tau_walked"] == m["final"]["tau_walked"] and 1 <= r["holdout_tau_walked"] <= 9
         assert set(r["tau"]) == {"humaneval", "heldout_prose"} and r["train_tokens_per_s"] > 0
         assert r["tau_over_holdout"]["humaneval"] == pytest.approx(r["tau"]["humaneval"] / r["holdout_tau"])
     assert rows["dflash"]["mode"] == "dflash" and "over_dflash" in rows["kl"] and "over_dflash" not in rows["dflash"]
