@@ -33,6 +33,7 @@ from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E4
 from dspark.device import resolve_device, resolve_dtype  # noqa: E402
 from dspark.spec.draft import sample_markov  # noqa: E402
 from eval.measure import repeat_share  # noqa: E402
+from train.anchors import decode_walk  # noqa: E402
 
 
 @torch.no_grad()
@@ -68,12 +69,9 @@ def main() -> None:
         want = lab[anchors[:, None] + torch.arange(D, device=x.device)]  # [A, D]: the target's tokens per block
         acc = (drafts == want).long().cumprod(1).sum(1).tolist()
         uniform += acc
-        p = P
-        while p - P < len(acc):
-            walked.append(acc[p - P])
-            if p - P < a.head:
-                head.append(acc[p - P])
-            p += acc[p - P] + 1
+        steps = decode_walk(dict(zip(anchors.tolist(), acc)), P)
+        walked += [n for _, n in steps]
+        head += [n for p, n in steps if p - P < a.head]
         repeats.append(repeat_share(row[P:T].tolist()))  # the stored continuation
     n_new = min(int(m.sum()) for m in masks) - 1
     outs = Engine(t, d).generate(prompts, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))

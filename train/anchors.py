@@ -62,18 +62,22 @@ def every_anchor(loss_mask: torch.Tensor, drafts: int) -> torch.Tensor:
     return _top(ok.float() * 2 * T - torch.arange(T, dtype=torch.float), ok, int(ok.sum(1).max()))
 
 
+def decode_walk(accepted: dict[int, int], start: int) -> list[tuple[int, int]]:
+    """(anchor, accepted drafts) of the blocks a greedy decode visits from `start`: a, then a + accepted(a) + 1, while
+    a is a key of `accepted` (anchor -> its block's accepted drafts)."""
+    out, a = [], start
+    while a in accepted:
+        out.append((a, accepted[a]))
+        a += accepted[a] + 1
+    return out
+
+
 def walked_accepted(anchors: torch.Tensor, accepted: torch.Tensor) -> list[int]:
     """The accepted drafts of the blocks a greedy decode visits, every row's walk in turn. anchors: [B, A] from
     every_anchor; accepted: [B, A] each block's accepted drafts. A walk starts one past the row's first anchor (the
-    prompt's last token: the prefill emits the next one) and goes from a to a + accepted(a) + 1 while a is an anchor."""
-    out = []
-    for row, acc in zip(anchors.tolist(), accepted.tolist()):
-        at = dict(zip(row, acc))
-        a = row[0] + 1
-        while a in at:
-            out.append(at[a])
-            a += at[a] + 1
-    return out
+    prompt's last token: the prefill emits the next one)."""
+    return [n for row, acc in zip(anchors.tolist(), accepted.tolist())
+            for _, n in decode_walk(dict(zip(row, acc)), row[0] + 1)]
 
 
 class DecodeStarts:
