@@ -1,7 +1,8 @@
 """Device ops per decode step, by part of the step: a CPU proxy for the CUDA kernels a step's graph replays.
 
     TRITON_INTERPRET=1 python3 bench/step_ops.py --target runs/quickstart/target/final \
-        --drafter runs/quickstart/drafter/final [--runs ar,k4] [--temperatures 0,0.7] [--steps 4] [--ops] [--out F]
+        --drafter runs/quickstart/drafter/final [--runs ar,plain,k4] [--temperatures 0,0.7] [--steps 4] [--ops] \
+        [--out F]
 
 At batch 1 on an H200 a small pair's decode step is a chain of tiny kernels of some 1.8 µs each, so its time follows
 its kernel count (bench/RESULTS.md, "Where a decode step's time goes"). This counts, over a few decode steps of
@@ -164,7 +165,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--runs", default="ar,k4", help="ar and/or kN (N drafts pinned)")
+    ap.add_argument("--runs", default="ar,k4", help="ar, plain (the drafter loaded, every step k = 0) and/or kN (N "
+                    "drafts pinned)")
     ap.add_argument("--temperatures", default="0")
     ap.add_argument("--steps", type=int, default=4, help="decode steps counted per run")
     ap.add_argument("--max-tokens", type=int, default=24)
@@ -177,10 +179,12 @@ def main(argv=None) -> int:
     prompts = encode(build_task(a.task), target.tokenizer, 2, 256)
     rows = []
     for name in a.runs.split(","):
-        k = None if name == "ar" else int(name.removeprefix("k"))
+        k = None if name in ("ar", "plain") else int(name.removeprefix("k"))
         for t in (float(x) for x in a.temperatures.split(",")):
-            engine = Engine(target, None if k is None else drafter, num_speculative_tokens=k, max_batch_size=1,
+            engine = Engine(target, None if name == "ar" else drafter, num_speculative_tokens=k, max_batch_size=1,
                             max_model_len=max(map(len, prompts)) + a.max_tokens + 16)
+            if name == "plain":  # what the k policy runs where drafting does not pay
+                engine._choose_k = lambda reqs, ahead=0: 0
             params = SamplingParams(max_tokens=a.max_tokens, temperature=t, seed=0, ignore_eos=True)
             r = {"run": name, "temperature": t} | step_ops(engine, prompts, params, a.steps)
             rows.append(r)

@@ -62,7 +62,7 @@ class PrefillRunner:
         left to flush_context) -> logits [B, T, V]."""
         if self.aux_ids is None:
             return self.target(ids, batch=batch)
-        logits, aux = self.target(ids, batch=batch, aux_layer_ids=self.aux_ids)
+        logits, aux = self.target(ids, batch=batch, aux_layer_ids=self.aux_ids, aux_parts=stash)
         (self.drafts.stash_context if stash else self.drafts.write_context)(batch, aux)
         return logits
 

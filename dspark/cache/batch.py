@@ -1,6 +1,7 @@
 """The joint between the models and the cache: what one forward pass over a batch of requests sees.
 
-Every target model takes `forward(input_ids, batch=None, aux_layer_ids=None)`:
+Every target model takes `forward(input_ids, batch=None, aux_layer_ids=None, aux_parts=False)` (aux_parts: the aux
+hidden states as a list per layer instead of their concatenation):
 - `batch=None`: a plain full-sequence causal forward (training, teacher forcing, tests).
 - `batch=ForwardBatch(...)`: row b holds `num_new[b]` new tokens (right-padded to T) that follow
   `num_cached[b]` tokens already in `batch.cache`. Prefill, single-token decode and the k+1-token verify

@@ -36,15 +36,16 @@ models import kernels, kernels never import models. Modules:
   chain_inputs   a step's inputs from the step before it on the device (async scheduling)
   publish        a captured step's output kept for the next step and posted for the host (a two-turn ring and a count)
   argmax         torch.argmax over the last dim for a decode step's few rows (the target's greedy pick)
+  project_rows   a plain step's context stash: the projection of the aux hidden states, written at their cache rows
 Where they run, on CUDA without autograd: the K3 layers dispatch kda_decode (cached steps of <= 17 tokens), attn_res
 (inference), moe_route, moe_combine and the MoE's grouped_gemv (decode_gemv.py); the Qwen3 target and drafter layers
 qk_norm_rope_ on cached forwards (norm_rope elsewhere; in a decode step it also writes the cache rows) and
 paged_attention in a decode step, every residual add before a norm add_rms_norm, MLA with RoPE (the K3 drafter)
 rope_interleaved; every gated MLP glu; every decode step view_indices, every captured one publish, its draft steps
-draft_block; the engine's draft step runs markov_sample for greedy drafts and for rows under a temperature alone, its
-greedy steps argmax (the target's picks; a greedy prefill's first tokens too) and greedy_verify and its sampled steps
-counter_uniform, rejection_verify and greedy_verify's pack, every other sampled draw (dspark.spec.sampling.sample_from)
-inverse_cdf.
+draft_block, its plain steps (a drafter loaded, k = 0) project_rows; the engine's draft step runs markov_sample for
+greedy drafts and for rows under a temperature alone, its greedy steps argmax (the target's picks; a greedy prefill's
+first tokens too) and greedy_verify and its sampled steps counter_uniform, rejection_verify and greedy_verify's pack,
+every other sampled draw (dspark.spec.sampling.sample_from) inverse_cdf.
 decode_gemv's Qwen3 matvecs are not used by the engine's paged step; they are tested against their references and
 timed by bench/gpu_kernels.py. DSPARK_KERNELS=0 turns all of them off (the torch modules run instead).
 

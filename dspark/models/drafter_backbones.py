@@ -97,6 +97,11 @@ class Qwen3Backbone:
         """aux: [B, L, n*target_hidden] -> fc(aux) [B, L, H] (ctx before its norm)."""
         return self.fc(aux.to(self.fc.weight.dtype))
 
+    @property
+    def project_weight(self) -> torch.Tensor:
+        """[H, n*target_hidden]: project's weight (a linear map without bias)."""
+        return self.fc.weight
+
     def context_of(self, projected: torch.Tensor) -> torch.Tensor:
         return self.hidden_norm(projected)
 
@@ -161,6 +166,11 @@ class K3Backbone:
     def project(self, aux: torch.Tensor) -> torch.Tensor:
         """aux: [B, L, n*target_hidden] -> context_proj(aux) [B, L, H] (ctx before its norm)."""
         return self.context_proj(aux.to(self.context_proj.weight.dtype))
+
+    @property
+    def project_weight(self) -> torch.Tensor:
+        """[H, n*target_hidden]: project's weight (a linear map without bias)."""
+        return self.context_proj.weight
 
     def context_of(self, projected: torch.Tensor) -> torch.Tensor:
         return self.context_norm(projected)

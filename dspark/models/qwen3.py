@@ -1,11 +1,12 @@
 """Qwen3 dense GQA target: one readable file, HF `Qwen3ForCausalLM` weights. In memory [q | k | v] and [gate | up]
 are one merged weight each (qkv_proj, gate_up_proj); the checkpoint keeps HF's names (dspark.checkpoint_io).
 
-forward(input_ids, batch=None, aux_layer_ids=None):
+forward(input_ids, batch=None, aux_layer_ids=None, aux_parts=False):
 - batch=None: full causal forward (training, teacher forcing);
 - batch=ForwardBatch: prefill / decode / verify against a cache (see dspark.cache.batch);
 - aux_layer_ids: 0-based "after layer i" ids (vLLM's `target_layer_ids`); returns (logits, aux) with the
-  hidden states (hidden + residual, before the final norm) after each listed layer concatenated on the last dim.
+  hidden states (hidden + residual, before the final norm) after each listed layer concatenated on the last dim
+  (aux_parts: as a list, one tensor per layer, not concatenated).
 """
 from __future__ import annotations
 
@@ -155,7 +156,7 @@ class Qwen3ForCausalLM(nn.Module):
         return self.lm_head(self.model.norm(hidden_prenorm))
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch | None = None,
-                aux_layer_ids: list[int] | None = None):
+                aux_layer_ids: list[int] | None = None, aux_parts: bool = False):
         B, T = input_ids.shape
         ids = check_aux_layer_ids(aux_layer_ids, self.num_layers)
         pos = batch.positions(T) if batch is not None else torch.arange(T, device=input_ids.device)
@@ -170,7 +171,9 @@ class Qwen3ForCausalLM(nn.Module):
         if self.num_layers - 1 in ids:
             aux.append(h)
         logits = self.lm_head(n)
-        return logits if aux_layer_ids is None else (logits, torch.cat(aux, dim=-1))
+        if aux_layer_ids is None:
+            return logits
+        return logits, (aux if aux_parts else torch.cat(aux, dim=-1))
 
     # --- checkpoints (HF layout) ---
     def save_pretrained(self, out_dir: str | Path) -> None:

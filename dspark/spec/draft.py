@@ -17,6 +17,7 @@ import torch
 from dspark.kernels.draft_block import draft_block
 from dspark.kernels.markov_sample import markov_sample
 from dspark.kernels.paged_attention import Pages
+from dspark.kernels.project_rows import project_rows_
 from dspark.models.drafter import DSparkDrafter
 from dspark.spec.sampling import RowSampling, process_logits, sample_from
 
@@ -133,12 +134,18 @@ class DraftRunner:
             if sink is None:
                 batch.cache.attn_write(layer, r)
 
-    def stash_context(self, batch, aux: torch.Tensor) -> None:
-        """After a plain (k = 0) step's target forward: only the projection of aux [B, T, H] (ctx before its
-        norm), one row per position in the stash layer. The norm and the per-layer rows (projections, norms, RoPE:
-        most of the context write's kernels) wait for flush_context, which runs once before the request drafts
-        again; the stash holds the projection in the drafter's dtype, so the flushed rows equal written ones."""
-        batch.cache.attn_write(self.stash_layer, self.drafter.project(aux))
+    def stash_context(self, batch, parts: list[torch.Tensor]) -> None:
+        """After a plain (k = 0) step's target forward: only the projection of its aux parts (per aux layer
+        [B, T, Ht]) (ctx before its norm), one row per position in the stash layer, in one kernel where the cache
+        takes it (dspark/kernels/project_rows.py: no cat, no separate copy). The norm and the per-layer rows
+        (projections, norms, RoPE: most of the context write's kernels) wait for flush_context, which runs once
+        before the request drafts again; the stash holds the projection in the drafter's dtype, so the flushed rows
+        equal written ones up to the GEMM's rounding."""
+        pages = batch.cache.attn_pages(self.stash_layer)
+        if pages is None:
+            batch.cache.attn_write(self.stash_layer, self.drafter.project(torch.cat(parts, -1)))
+        else:
+            project_rows_(parts, self.drafter.project_weight, *pages.sink)
 
     def flush_context(self, view) -> None:
         """The context rows of the stashed positions a view covers (view.num_cached = the first stashed position,

@@ -1,6 +1,7 @@
 """K3ForCausalLM: the Kimi K3 / Kimi Linear text model (KDA + NoPE MLA, AttnRes, LatentMoE/MXFP4) in plain torch.
 
-forward(input_ids [B, T], batch=None, aux_layer_ids=None) -> logits [B, T, V], or (logits, aux [B, T, n*hidden]).
+forward(input_ids [B, T], batch=None, aux_layer_ids=None, aux_parts=False) -> logits [B, T, V], or (logits,
+aux [B, T, n*hidden]); aux_parts: aux as the list of the n layers' [B, T, hidden].
 Checkpoints use the exact HF names (docs/k3-model.md, "Checkpoint names"); a kimi_k3-wrapped config puts them
 under `language_model.`. In memory the merged projections and the stacked experts are the only copy of their blocks
 (checkpoint_state_dict gives the HF names as views).
@@ -113,12 +114,14 @@ class K3ForCausalLM(nn.Module):
                     aux[i] = h
         return h, aux
 
-    def forward(self, input_ids: torch.Tensor, batch=None, aux_layer_ids: list[int] | None = None):
+    def forward(self, input_ids: torch.Tensor, batch=None, aux_layer_ids: list[int] | None = None,
+                aux_parts: bool = False):
         h, aux = self.hidden_states(input_ids, batch, aux_layer_ids)
         logits = self.lm_head(self.model.norm(h))
         if aux_layer_ids is None:
             return logits
-        return logits, torch.cat([aux[i] for i in aux_layer_ids], -1)
+        parts = [aux[i] for i in aux_layer_ids]
+        return logits, (parts if aux_parts else torch.cat(parts, -1))
 
     def cache_layout(self) -> tuple[dict[int, int], dict[int, tuple[int, int, int, int, int]]]:
         """MLA layers: the per-token latent row width (kv_lora_rank + qk_rope_head_dim); KDA layers: the state
