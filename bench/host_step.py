@@ -99,10 +99,10 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
     sink = PipeSink(theirs)
     runner = PipeRunner(engine, theirs, sink)
     loop = threading.Thread(target=runner.serve, daemon=True)
+    for i, p in enumerate(prompts):  # all queued in the pipe before the loop starts: the same batches as generate
+        ours.send(("add", f"r{i}", p, params))
     loop.start()
     try:
-        for i, p in enumerate(prompts):
-            ours.send(("add", f"r{i}", p, params))
         while not done.wait(1.0):
             if not loop.is_alive() or not reader.is_alive():
                 raise RuntimeError(f"the engine loop or the pipe's reader stopped with {left[0]} requests open "

@@ -363,3 +363,19 @@ def test_dflash_drafter_on_a_k3_target_trains_with_qwen3_layers(setup, tmp_path)
     assert Engine(k3, drafter).generate([prompt], params)[0].token_ids == ar  # lossless in the engine
     res = train(recipe(setup, "k3-dflash-bad", **{**over, "drafter": {"backbone": "k3", "mode": "dflash"}}))
     assert res.returncode == 2 and "drafter.backbone=qwen3" in res.stderr.strip().splitlines()[-1], res.stderr[-500:]
+
+
+def test_tau_walked_with_more_holdout_rows_and_a_wider_batch_than_it_walks(setup, tmp_path):
+    """The holdout eval's tau_walked walks the first WALKED_ROWS holdout rows in batches of optim.batch_size: with
+    more holdout rows than that and a wider batch, each batch's rows are the walked ones (the run finishes and reports
+    a τ within the block)."""
+    texts = [json.loads(line)["text"] for line in (setup / "data.jsonl").read_text().splitlines()]
+    pieces = [t[i:i + 200] for t in texts for i in range(0, len(t) - 199, 200)]  # enough rows for 20 held out
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in pieces[:400]))
+    regen = {"dataset": str(tmp_path / "data.jsonl"), "seq_len": 32, "holdout_sequences": 20,
+             "regenerate": {"enabled": True, "num_sequences": 4, "prompt_tokens": 12, "new_tokens": 8}}
+    res = train(recipe(setup, "walk", max_steps=2, data=regen), "optim.batch_size=32", "log.eval_every=2")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert len(torch.load(setup / "walk" / "sequences.pt")["holdout"]) == 20
+    final = json.loads((setup / "walk" / "final_metrics.json").read_text())["final"]
+    assert 1.0 <= final["tau_walked"] <= 3.0

@@ -194,7 +194,7 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
         # tau_walked: the τ a greedy decode of the first WALKED_ROWS holdout rows gets (every anchor drafted, then
         # the blocks its walk visits); below tau, whose uniform anchors count each position of an easy stretch
         every = every_anchor(seqs.holdout_mask[:WALKED_ROWS], D)
-        acc = torch.cat([forward(m, seqs.holdout[i:i + bs], every[i:i + bs], loss_fn=step_loss)[2]
+        acc = torch.cat([forward(m, seqs.holdout[i:min(i + bs, len(every))], every[i:i + bs], loss_fn=step_loss)[2]
                          for i in range(0, len(every), bs)]).cpu()
         walked = walked_accepted(every, acc)
         return {**ev, "tau_walked": 1 + sum(walked) / max(len(walked), 1)}
