@@ -7,14 +7,16 @@ as in tests/test_kernels.py). CUDA (skipped without a GPU): decode-sized rows in
 import pytest
 import torch
 
-from dspark.kernels.project_rows import MAX_ROWS, project_rows_, project_rows_ref
+from dspark.kernels.project_rows import MAX_PARTS, MAX_ROWS, project_rows_, project_rows_ref
 from tests.interp import interpreter_checks
 from tests.targets import device_of, make_target
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-# (rows, part widths, outputs, dtype): one row (a decode step at batch 1), ragged widths, four parts, a full tile
+# (rows, part widths, outputs, dtype): one row (a decode step at batch 1), ragged widths, four and eight parts, the
+# most rows
 SHAPES = {"one_row": (1, (64, 64), 48, torch.float32), "ragged": (5, (100, 30, 17), 70, torch.float32),
-          "four_parts": (17, (32, 32, 32, 32), 40, torch.float32), "bf16": (MAX_ROWS, (64, 64), 96, torch.bfloat16)}
+          "four_parts": (17, (32, 32, 32, 32), 40, torch.float32), "bf16": (MAX_ROWS, (64, 64), 96, torch.bfloat16),
+          "eight_parts": (3, (16,) * MAX_PARTS, 24, torch.float32)}
 
 
 def _project_checks(kernel, device="cpu") -> dict:

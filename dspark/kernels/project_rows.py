@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from dspark.kernels import as_rows, interpreting, tl, triton, use_triton
 
-MAX_PARTS = 4  # aux layers one launch reads (the kernel takes one pointer per part)
+MAX_PARTS = 8  # aux layers one launch reads (the kernel takes one pointer per part; k3-mini's drafter reads 5)
 MAX_ROWS = 64  # rows of a decode step's stash; more (a prefill's) go through cuBLAS and a copy
 
 
@@ -43,7 +43,8 @@ def _part(acc, A, sa, W, sw, col0, K, rm, rn, mm, nm, BLOCK_K: tl.constexpr, DOT
 
 
 @triton.jit
-def _project_rows_kernel(A0, A1, A2, A3, s0, s1, s2, s3, K0, K1, K2, K3, W, sw, P, sp, D, M, N,
+def _project_rows_kernel(A0, A1, A2, A3, A4, A5, A6, A7, s0, s1, s2, s3, s4, s5, s6, s7,
+                         K0, K1, K2, K3, K4, K5, K6, K7, W, sw, P, sp, D, M, N,
                          PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_F32: tl.constexpr):
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -51,12 +52,27 @@ def _project_rows_kernel(A0, A1, A2, A3, s0, s1, s2, s3, K0, K1, K2, K3, W, sw, 
     mm, nm = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc = _part(acc, A0, s0, W, sw, 0, K0, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+    c = K0
     if PARTS > 1:
-        acc = _part(acc, A1, s1, W, sw, K0, K1, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        acc = _part(acc, A1, s1, W, sw, c, K1, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        c += K1
     if PARTS > 2:
-        acc = _part(acc, A2, s2, W, sw, K0 + K1, K2, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        acc = _part(acc, A2, s2, W, sw, c, K2, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        c += K2
     if PARTS > 3:
-        acc = _part(acc, A3, s3, W, sw, K0 + K1 + K2, K3, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        acc = _part(acc, A3, s3, W, sw, c, K3, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        c += K3
+    if PARTS > 4:
+        acc = _part(acc, A4, s4, W, sw, c, K4, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        c += K4
+    if PARTS > 5:
+        acc = _part(acc, A5, s5, W, sw, c, K5, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        c += K5
+    if PARTS > 6:
+        acc = _part(acc, A6, s6, W, sw, c, K6, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        c += K6
+    if PARTS > 7:
+        acc = _part(acc, A7, s7, W, sw, c, K7, rm, rn, mm, nm, BLOCK_K, DOT_F32)
     dest = tl.load(D + rm, mask=mm, other=0)
     tl.store(P + dest[:, None] * sp + rn[None, :], acc.to(P.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
@@ -70,10 +86,11 @@ def project_rows_triton(parts: list[torch.Tensor], weight: torch.Tensor, pool: t
         return
     pad = rows + [rows[0]] * (MAX_PARTS - len(rows))  # unused pointers (PARTS leaves them unread)
     ks = [r.shape[1] for r in rows] + [0] * (MAX_PARTS - len(rows))
-    block_m = 16 if M <= 16 else 32 if M <= 32 else 64
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, 32))
+    # few rows: narrow output tiles, so that more programs stream the weight (a decode step at batch 1 reads all of it)
+    block_m, block_n = (16, 16) if M <= 16 else (32, 32) if M <= 32 else (64, 32)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
     _project_rows_kernel[grid](*pad, *(r.stride(0) for r in pad), *ks, weight, weight.stride(0), pool, pool.stride(0),
-                               dest, M, N, PARTS=len(rows), BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=64,
+                               dest, M, N, PARTS=len(rows), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
                                DOT_F32=weight.dtype == torch.float32 or interpreting(), num_warps=4)
 
 
