@@ -6,8 +6,8 @@ hidden states, written at their tokens' cache rows (torch: the cat of the aux pa
 
 Products accumulate in fp32 with one rounding, to the pool's dtype, at the end (fp32 weights, and any dtype under
 TRITON_INTERPRET=1, whose tl.dot mis-handles bf16 operands, multiply in fp32). Grid (cdiv(M, BLOCK_M),
-cdiv(N, BLOCK_N)): each program a tile of rows and outputs, reading the parts in place (one pointer each) over their
-K in BLOCK_K chunks. For decode-sized M (<= MAX_ROWS) and up to MAX_PARTS parts; otherwise the torch definition.
+cdiv(N, BLOCK_N)): each program a tile of rows and outputs, reading the parts in place (a tuple of pointers) over
+their K in BLOCK_K chunks. For decode-sized M (<= MAX_ROWS) and up to MAX_PARTS parts; otherwise the torch definition.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from dspark.kernels import as_rows, interpreting, tl, triton, use_triton
 
-MAX_PARTS = 8  # aux layers one launch reads (the kernel takes one pointer per part; k3-mini's drafter reads 5)
+MAX_PARTS = 8  # aux layers one launch reads (each compiles its own unrolled loop; k3-mini's drafter reads 5)
 MAX_ROWS = 64  # rows of a decode step's stash; more (a prefill's) go through cuBLAS and a copy
 
 
@@ -43,36 +43,17 @@ def _part(acc, A, sa, W, sw, col0, K, rm, rn, mm, nm, BLOCK_K: tl.constexpr, DOT
 
 
 @triton.jit
-def _project_rows_kernel(A0, A1, A2, A3, A4, A5, A6, A7, s0, s1, s2, s3, s4, s5, s6, s7,
-                         K0, K1, K2, K3, K4, K5, K6, K7, W, sw, P, sp, D, M, N,
-                         PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+def _project_rows_kernel(A, SA, KA, W, sw, P, sp, D, M, N, PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+    """A, SA, KA: tuples of the parts' pointers, row strides and widths (part i: weight columns from KA[0..i-1])."""
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mm, nm = rm < M, rn < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc = _part(acc, A0, s0, W, sw, 0, K0, rm, rn, mm, nm, BLOCK_K, DOT_F32)
-    c = K0
-    if PARTS > 1:
-        acc = _part(acc, A1, s1, W, sw, c, K1, rm, rn, mm, nm, BLOCK_K, DOT_F32)
-        c += K1
-    if PARTS > 2:
-        acc = _part(acc, A2, s2, W, sw, c, K2, rm, rn, mm, nm, BLOCK_K, DOT_F32)
-        c += K2
-    if PARTS > 3:
-        acc = _part(acc, A3, s3, W, sw, c, K3, rm, rn, mm, nm, BLOCK_K, DOT_F32)
-        c += K3
-    if PARTS > 4:
-        acc = _part(acc, A4, s4, W, sw, c, K4, rm, rn, mm, nm, BLOCK_K, DOT_F32)
-        c += K4
-    if PARTS > 5:
-        acc = _part(acc, A5, s5, W, sw, c, K5, rm, rn, mm, nm, BLOCK_K, DOT_F32)
-        c += K5
-    if PARTS > 6:
-        acc = _part(acc, A6, s6, W, sw, c, K6, rm, rn, mm, nm, BLOCK_K, DOT_F32)
-        c += K6
-    if PARTS > 7:
-        acc = _part(acc, A7, s7, W, sw, c, K7, rm, rn, mm, nm, BLOCK_K, DOT_F32)
+    col0 = 0
+    for i in tl.static_range(PARTS):
+        acc = _part(acc, A[i], SA[i], W, sw, col0, KA[i], rm, rn, mm, nm, BLOCK_K, DOT_F32)
+        col0 += KA[i]
     dest = tl.load(D + rm, mask=mm, other=0)
     tl.store(P + dest[:, None] * sp + rn[None, :], acc.to(P.dtype.element_ty), mask=mm[:, None] & nm[None, :])
 
@@ -84,13 +65,12 @@ def project_rows_triton(parts: list[torch.Tensor], weight: torch.Tensor, pool: t
     M, N = rows[0].shape[0], weight.shape[0]
     if M == 0:
         return
-    pad = rows + [rows[0]] * (MAX_PARTS - len(rows))  # unused pointers (PARTS leaves them unread)
-    ks = [r.shape[1] for r in rows] + [0] * (MAX_PARTS - len(rows))
     # few rows: narrow output tiles, so that more programs stream the weight (a decode step at batch 1 reads all of it)
     block_m, block_n = (16, 16) if M <= 16 else (32, 32) if M <= 32 else (64, 32)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _project_rows_kernel[grid](*pad, *(r.stride(0) for r in pad), *ks, weight, weight.stride(0), pool, pool.stride(0),
-                               dest, M, N, PARTS=len(rows), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64,
+    _project_rows_kernel[grid](tuple(rows), tuple(r.stride(0) for r in rows), tuple(r.shape[1] for r in rows), weight,
+                               weight.stride(0), pool, pool.stride(0), dest, M, N, PARTS=len(rows), BLOCK_M=block_m,
+                               BLOCK_N=block_n, BLOCK_K=64,
                                DOT_F32=weight.dtype == torch.float32 or interpreting(), num_warps=4)
 
 
