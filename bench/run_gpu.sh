@@ -54,8 +54,9 @@
 #                  bench/tau_gap.py on 32 holdout sequences and python -m eval on the same pair (16 prompts x 128
 #                  tokens per task) -> $OUT/tau-gap.txt, $OUT/tau-gap-eval/; then (DFLASH=0 skips it) the DFlash
 #                  layout (2 Qwen3 layers, block 9) trained from the same sequences for as many steps, through the
-#                  same eval -> $OUT/dflash-eval/; REST_TESTS=1 then runs the CUDA tests the side run did not reach;
-#                  one detached run (writes OUT/DONE)
+#                  same eval -> $OUT/dflash-eval/; then (REGEN_PROFILE=0 skips it) the step timeline of the
+#                  regeneration's AR step at 512 rows with 3 steps profiled -> $OUT/regen-profile.json; REST_TESTS=1
+#                  then runs the CUDA tests the side run did not reach; one detached run (writes OUT/DONE)
 #   k3-mini        the k3-mini pair from scratch, then its measurements: train-target, train-drafter, pair (with a
 #                  kernel profile), serve; TARGET_ARGS and DRAFTER_ARGS go to the two trainings (`max_minutes=2.5`)
 #   served         every figure of the served path from scratch, as one detached run (its own OUT): the k3-mini pair
@@ -345,6 +346,12 @@ case "$target" in
         drafter.backbone=qwen3 drafter.mode=dflash drafter.block_size=9 || rc=1
       log tau-gap python3 -m eval --target "$TARGET_DIR" --name dflash --out "$OUT/dflash-eval" "${tasks[@]}" \
         --drafter "$(best_or_final runs/k3-mini-dflash)" || rc=1
+    fi
+    if [ "${REGEN_PROFILE:-1}" = 1 ] && [ -d "$drafter" ]; then
+      # the regeneration's decode step (512 rows, AR, greedy) under the profiler: its kernels and the host's share
+      log regen-profile python3 bench/step_timeline.py --target "$TARGET_DIR" --drafter "$drafter" --runs ar \
+        --temperatures 0 --batches 512 --prompts 512 --max-tokens 24 --kernels 3 --kernels-batch 512 \
+        --out "$OUT/regen-profile.json" || rc=1
     fi
     [ "${REST_TESTS:-0}" = 1 ] && { rest_tests || rc=1; }
     echo "tau-gap-k3-mini: done rc=$rc" | tee "$OUT/DONE"

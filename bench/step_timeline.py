@@ -2,7 +2,7 @@
 
     python3 bench/step_timeline.py --target runs/quickstart/target/final --drafter runs/quickstart/drafter/final \
         [--runs ar,k4,auto] [--temperatures 0,0.7] [--batches 1,16] [--prompts 16] [--max-tokens 128] [--out F.json]
-        [--kernels 8] [--per-step]
+        [--kernels 8 [--kernels-batch 1]] [--per-step]
 
 Each run (ar: no drafter; kN: N drafts pinned; auto: the k policy) decodes at least --prompts requests, --batches
 of them at a time, through Engine.generate (overlap as the engine defaults it). Per decode step it records, on the
@@ -14,7 +14,7 @@ than the device's busy time is the host's, and the phases say which part. Those 
 each run first decodes the same requests with Engine.step alone timed: `host` (the step less its waits for the
 device: the host's own work) and `cycle_bare` come from that pass. Means over the decode steps between prefills;
 --per-step keeps every step (with the launch's host time before and after its replay call), --kernels N profiles N
-steps at batch 1 (torch.profiler, CPU and CUDA): the device's kernels, and the host's time per step with the calls
+steps at batch --kernels-batch (default 1; torch.profiler, CPU and CUDA): the device's kernels, and the host's time per step with the calls
 it spends it in (the CUDA runtime's and torch's; the profiler's own cost per call included). On CUDA each run ends
 with the host's time in CUDAGraph.replay for each of its one-row step graphs. An auto run also reports the cycles
 the k policy sampled in the unprobed pass, per kind of step and by place in a run of that kind (PolicySamples).
@@ -262,9 +262,11 @@ def kernels(engine: Engine, prompts: list[list[int]], temperature: float, steps:
     device's kernels per step and the top ones by device time (µs; the kernels inside graphs too); on the host,
     Engine.step's time per step, its waits for the device (the CUDA synchronize calls), the rest (the host's own
     work) and the top host calls by self time per step."""
-    for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=steps * 8 + 8, temperature=temperature, ignore_eos=True))
-    for _ in range(3):  # prefill, first token, the first decode step
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=steps * 8 + 8, temperature=temperature, ignore_eos=True))
+            for p in prompts]
+    while any(r.num_computed < len(r.prompt_ids) for r in reqs):  # the prefills (several steps for many rows)
+        engine.step()
+    for _ in range(2):  # the first token, the first decode step
         engine.step()
     cuda = engine.device.type == "cuda"
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
@@ -326,10 +328,14 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kernels", type=int, default=0, help="also profile this many decode steps per run and "
-                    "temperature at batch 1: the device's kernels (CUDA), the host's time and calls")
+                    "temperature at batch --kernels-batch: the device's kernels (CUDA), the host's time and calls")
+    ap.add_argument("--kernels-batch", type=int, default=1, help="rows of the profiled steps (at most the largest "
+                    "of --batches)")
     ap.add_argument("--per-step", action="store_true", help="keep every decode step's figures in --out")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
+    if not 1 <= a.kernels_batch <= max(int(b) for b in a.batches.split(",")):
+        ap.error(f"--kernels-batch: expected 1..the largest of --batches ({a.batches}), got {a.kernels_batch}")
     dev = resolve_device(a.device)
     target = load_target(a.target, device=dev, dtype=resolve_dtype(a.dtype, dev))
     drafter = load_drafter(a.drafter, target)
@@ -337,6 +343,7 @@ def main(argv=None) -> None:
     prompts = encode(task, target.tokenizer, a.prompts, 256)
     temps = [float(t) for t in a.temperatures.split(",")]
     batches = [int(b) for b in a.batches.split(",")]
+    rows = [prompts[i % len(prompts)] for i in range(a.kernels_batch)]  # the profiled steps' requests
     mml = max(len(p) for p in prompts) + a.max_tokens + drafter.config.num_drafts + 1
     res = {"command": "python3 bench/step_timeline.py " + " ".join(argv or sys.argv[1:]), "runs": []}
     cols = ("tok_s_bare", "host", "cycle_bare", "cycle", "device_busy", "device_idle", "step", "launch", "replay_call",
@@ -374,14 +381,15 @@ def main(argv=None) -> None:
                               f"mean {v['mean']:.3f}; by place in a run of its kind {places} -->", flush=True)
             if a.kernels:
                 res.setdefault("kernels", []).append({"run": name, "temperature": t,
-                                                      **kernels(engine, prompts[:1], t, a.kernels)})
+                                                      "batch": a.kernels_batch, **kernels(engine, rows, t,
+                                                                                          a.kernels)})
         if dev.startswith("cuda"):
             res.setdefault("replay", []).extend({"run": name, **r} for r in replay_costs(engine))
         del engine
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
     for kr in res.get("kernels", []):
-        print(f"\n{kr['run']} T={kr['temperature']:g}: {kr['kernels_per_step']:.0f} kernels, "
+        print(f"\n{kr['run']} T={kr['temperature']:g} B={kr['batch']}: {kr['kernels_per_step']:.0f} kernels, "
               f"{kr['device_us_per_step']:.0f} µs per step on the device; the top ones (per step: calls, µs):")
         for name, calls, us in kr["top"]:
             print(f"  {calls:5.1f} {us:7.1f}  {name}")

@@ -24,7 +24,8 @@ def test_step_timeline_phases_add_up(models, tmp_path):
     out = tmp_path / "timeline.json"
     cmd = [sys.executable, "bench/step_timeline.py", "--target", str(target), "--drafter", str(drafter),
            "--runs", "ar,k2,auto", "--temperatures", "0,0.7", "--batches", "1,2", "--prompts", "2",
-           "--max-tokens", "40", "--device", "cpu", "--per-step", "--kernels", "3", "--out", str(out)]
+           "--max-tokens", "40", "--device", "cpu", "--per-step", "--kernels", "3", "--kernels-batch", "2",
+           "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     res_json = json.loads(out.read_text())
@@ -50,6 +51,7 @@ def test_step_timeline_phases_add_up(models, tmp_path):
     # the profiled steps (one per run and temperature): the host's time per step, split into waits and its own work
     prof = res_json["kernels"]
     assert [(k["run"], k["temperature"]) for k in prof] == [(n, t) for n in ("ar", "k2", "auto") for t in (0.0, 0.7)]
+    assert all(k["batch"] == 2 for k in prof)
     for k in prof:
         assert k["host_step_us"] > 0 and 0 < k["host_own_us"] <= k["host_step_us"] and k["host_top"]
         assert k["kernels_per_step"] == 0  # no device on the CPU
