@@ -40,7 +40,7 @@ def _project_checks(kernel, device="cpu") -> dict:
     return res
 
 
-def _plain_stash_check(kind: str, calls: list) -> float:
+def _plain_stash_check(kind: str, calls: list, n_prompts: int = 2, new_tokens: int = 12) -> float:
     """Mismatches (0 = none) of the engine under a k schedule of plain runs and drafting steps with the kernel on:
     every output the target's greedy, the drafter rows of every committed position those of one plain forward."""
     from dspark.engine import Engine
@@ -54,8 +54,8 @@ def _plain_stash_check(kind: str, calls: list) -> float:
     engine = Engine(target, drafter, max_batch_size=2, prefill_chunk=8)
     schedule = iter([0, 0, 0, engine.k, 0, engine.k, 0, 0] * 10)
     engine.policy.choose = lambda *a: next(schedule)
-    prompts = [list(range(5, 16)), list(range(40, 47))]
-    reqs = [engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+    prompts = [list(range(5, 16)), list(range(40, 47))][:n_prompts]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=new_tokens, ignore_eos=True)) for p in prompts]
     before, bad, checked = len(calls), 0, 0
     while engine.has_work():
         engine.step()
@@ -64,7 +64,7 @@ def _plain_stash_check(kind: str, calls: list) -> float:
                 checked += _context_rows_match(engine, target, drafter, r)
             except AssertionError:
                 bad += 1
-    bad += sum(r.output().token_ids != reference_greedy(target, p, 12) for r, p in zip(reqs, prompts))
+    bad += sum(r.output().token_ids != reference_greedy(target, p, new_tokens) for r, p in zip(reqs, prompts))
     return float(bad + (len(calls) == before) + (checked < 2))  # the stash went through the kernel, rows checked
 
 
@@ -101,8 +101,9 @@ def _interp_checks() -> dict:
     calls = []
     kernel = pr.project_rows_triton
     pr.project_rows_triton = lambda *a: (calls.append(1), kernel(*a))[-1]
-    for kind in ("qwen3", "k3"):
-        res[f"{kind}_engine_plain_stash"] = [_plain_stash_check(kind, calls), 0.0]
+    res["qwen3_engine_plain_stash"] = [_plain_stash_check("qwen3", calls), 0.0]
+    # K3 (its aux parts from the AttnRes stream): one short request, the interpreted KDA kernels being slow
+    res["k3_engine_plain_stash"] = [_plain_stash_check("k3", calls, n_prompts=1, new_tokens=9), 0.0]
     res["plain_step_one_op_more_than_ar"] = [abs(_plain_step_extra_ops() - 1.0), 0.0]
     return res
 
