@@ -14,10 +14,11 @@ than the device's busy time is the host's, and the phases say which part. Those 
 each run first decodes the same requests with Engine.step alone timed: `host` (the step less its waits for the
 device: the host's own work) and `cycle_bare` come from that pass. Means over the decode steps between prefills;
 --per-step keeps every step (with the launch's host time before and after its replay call), --kernels N profiles N
-steps at batch --kernels-batch (default 1; torch.profiler, CPU and CUDA): the device's kernels, and the host's time per step with the calls
-it spends it in (the CUDA runtime's and torch's; the profiler's own cost per call included). On CUDA each run ends
-with the host's time in CUDAGraph.replay for each of its one-row step graphs. An auto run also reports the cycles
-the k policy sampled in the unprobed pass, per kind of step and by place in a run of that kind (PolicySamples).
+steps at batch --kernels-batch (default 1; torch.profiler, CPU and CUDA): the device's kernels, and the host's time
+per step with the calls it spends it in (the CUDA runtime's and torch's; the profiler's own cost per call included).
+On CUDA each run ends with the host's time in CUDAGraph.replay for each of its one-row step graphs. An auto run also
+reports the cycles the k policy sampled in the unprobed pass, per kind of step and by place in a run of that kind
+(PolicySamples).
 """
 from __future__ import annotations
 
