@@ -161,6 +161,17 @@ def step_ops(engine: Engine, prompts: list[list[int]], params: SamplingParams, s
             "ops": {f"{p} / {o}": c / n for (p, o), c in sorted(counter.ops.items())}}
 
 
+def engine_for(run: str, target, drafter, max_model_len: int) -> Engine:
+    """A run's engine at batch 1: ar (no drafter), plain (the drafter loaded, every step k = 0: what the k policy runs
+    where drafting does not pay) or kN (N drafts pinned)."""
+    k = None if run in ("ar", "plain") else int(run.removeprefix("k"))
+    engine = Engine(target, None if run == "ar" else drafter, num_speculative_tokens=k, max_batch_size=1,
+                    max_model_len=max_model_len)
+    if run == "plain":
+        engine.policy.choose = lambda *a, **kw: 0
+    return engine
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
@@ -179,12 +190,8 @@ def main(argv=None) -> int:
     prompts = encode(build_task(a.task), target.tokenizer, 2, 256)
     rows = []
     for name in a.runs.split(","):
-        k = None if name in ("ar", "plain") else int(name.removeprefix("k"))
         for t in (float(x) for x in a.temperatures.split(",")):
-            engine = Engine(target, None if name == "ar" else drafter, num_speculative_tokens=k, max_batch_size=1,
-                            max_model_len=max(map(len, prompts)) + a.max_tokens + 16)
-            if name == "plain":  # what the k policy runs where drafting does not pay
-                engine._choose_k = lambda reqs, ahead=0: 0
+            engine = engine_for(name, target, drafter, max(map(len, prompts)) + a.max_tokens + 16)
             params = SamplingParams(max_tokens=a.max_tokens, temperature=t, seed=0, ignore_eos=True)
             r = {"run": name, "temperature": t} | step_ops(engine, prompts, params, a.steps)
             rows.append(r)

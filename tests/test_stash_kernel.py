@@ -74,7 +74,6 @@ def _plain_step_extra_ops() -> float:
     import sys
     from pathlib import Path
 
-    from dspark.engine import Engine
     from dspark.request import SamplingParams
     from tests.test_engine import make_drafter
 
@@ -82,11 +81,10 @@ def _plain_step_extra_ops() -> float:
     import step_ops
 
     target = make_target("qwen3")
+    drafter = make_drafter(target)
     prompts, params = [list(range(5, 25)), list(range(40, 52))], SamplingParams(max_tokens=8, ignore_eos=True)
-    ar = step_ops.step_ops(Engine(target, None, max_batch_size=1, max_model_len=128), prompts, params, 3)
-    engine = Engine(target, make_drafter(target), max_batch_size=1, max_model_len=128)
-    engine._choose_k = lambda reqs, ahead=0: 0
-    plain = step_ops.step_ops(engine, prompts, params, 3)
+    ar, plain = (step_ops.step_ops(step_ops.engine_for(run, target, drafter, 128), prompts, params, 3)
+                 for run in ("ar", "plain"))
     assert plain["keys"] == {"rows=1 k=0 mode=greedy": 3}, plain["keys"]
     return plain["ops_per_step"] - ar["ops_per_step"]
 

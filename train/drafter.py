@@ -193,9 +193,9 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
         ev = {k: sum(v[j] for v in vals) / len(vals) for j, k in enumerate(out[0])}
         # tau_walked: the τ a greedy decode of the first WALKED_ROWS holdout rows gets (every anchor drafted, then
         # the blocks its walk visits); below tau, whose uniform anchors count each position of an easy stretch
-        every = every_anchor(seqs.holdout_mask[:WALKED_ROWS], D)
-        acc = torch.cat([forward(m, seqs.holdout[i:min(i + bs, len(every))], every[i:i + bs], loss_fn=step_loss)[2]
-                         for i in range(0, len(every), bs)]).cpu()
+        rows, every = seqs.holdout[:WALKED_ROWS], every_anchor(seqs.holdout_mask[:WALKED_ROWS], D)
+        acc = torch.cat([forward(m, rows[i:i + bs], every[i:i + bs], loss_fn=step_loss)[2]
+                         for i in range(0, len(rows), bs)]).cpu()
         walked = walked_accepted(every, acc)
         return {**ev, "tau_walked": 1 + sum(walked) / max(len(walked), 1)}
 

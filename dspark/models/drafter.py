@@ -59,7 +59,7 @@ class DSparkDrafter(nn.Module):
     `DSparkDrafter(cfg, embed, lm_head)` builds the subclass of `cfg.backbone` (BACKBONES: this class with a
     drafter_backbones mixin), which registers its modules under the vLLM names and implements the interface:
       row_width: int                                  per-token context row width in the paged cache
-      project(aux [B, L, n*Ht]) -> [B, L, H]          the context projection (fc / context_proj)
+      project_weight [H, n*Ht]                        the context projection's weight (fc / context_proj, no bias)
       context_of(projected [B, L, H]) -> ctx [B, L, H]  its norm (hidden_norm / context_norm)
       context_rows(ctx [B, L, H], positions [B, L] | [L], sinks=None) -> per draft layer [B, L, row_width] (sinks:
         per layer a cache's (pool rows, dest) or None, where the rows are also written)
@@ -106,6 +106,12 @@ class DSparkDrafter(nn.Module):
         return next(self.parameters()).dtype
 
     # ---------------------------------------------------------------- pieces
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux: [B, L, n*target_hidden] -> [B, L, H]: the context projection (ctx before its norm), aux cast to the
+        weight's dtype."""
+        w = self.project_weight
+        return F.linear(aux.to(w.dtype), w)
+
     def context(self, aux: torch.Tensor) -> torch.Tensor:
         """aux: [B, L, n*target_hidden] -> ctx [B, L, H], what the context rows are made from."""
         return self.context_of(self.project(aux))

@@ -93,13 +93,8 @@ class Qwen3Backbone:
     def row_width(self) -> int:
         return 2 * self.config.num_key_value_heads * self.config.head_dim
 
-    def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux: [B, L, n*target_hidden] -> fc(aux) [B, L, H] (ctx before its norm)."""
-        return self.fc(aux.to(self.fc.weight.dtype))
-
     @property
     def project_weight(self) -> torch.Tensor:
-        """[H, n*target_hidden]: project's weight (a linear map without bias)."""
         return self.fc.weight
 
     def context_of(self, projected: torch.Tensor) -> torch.Tensor:
@@ -163,13 +158,8 @@ class K3Backbone:
     def row_width(self) -> int:
         return self.config.kv_lora_rank + self.config.qk_rope_head_dim
 
-    def project(self, aux: torch.Tensor) -> torch.Tensor:
-        """aux: [B, L, n*target_hidden] -> context_proj(aux) [B, L, H] (ctx before its norm)."""
-        return self.context_proj(aux.to(self.context_proj.weight.dtype))
-
     @property
     def project_weight(self) -> torch.Tensor:
-        """[H, n*target_hidden]: project's weight (a linear map without bias)."""
         return self.context_proj.weight
 
     def context_of(self, projected: torch.Tensor) -> torch.Tensor:

@@ -134,18 +134,14 @@ class DraftRunner:
             if sink is None:
                 batch.cache.attn_write(layer, r)
 
-    def stash_context(self, batch, parts: list[torch.Tensor]) -> None:
-        """After a plain (k = 0) step's target forward: only the projection of its aux parts (per aux layer
-        [B, T, Ht]) (ctx before its norm), one row per position in the stash layer, in one kernel where the cache
-        takes it (dspark/kernels/project_rows.py: no cat, no separate copy). The norm and the per-layer rows
+    def stash_context(self, view, parts: list[torch.Tensor]) -> None:
+        """After a plain (k = 0) decode step's target forward (view: its DeviceView): only the projection of its aux
+        parts (per aux layer [B, T, Ht]; ctx before its norm), one row per position in the stash layer, written by
+        one kernel (dspark/kernels/project_rows.py: no cat, no separate copy). The norm and the per-layer rows
         (projections, norms, RoPE: most of the context write's kernels) wait for flush_context, which runs once
         before the request drafts again; the stash holds the projection in the drafter's dtype, so the flushed rows
         equal written ones up to the GEMM's rounding."""
-        pages = batch.cache.attn_pages(self.stash_layer)
-        if pages is None:
-            batch.cache.attn_write(self.stash_layer, self.drafter.project(torch.cat(parts, -1)))
-        else:
-            project_rows_(parts, self.drafter.project_weight, *pages.sink)
+        project_rows_(parts, self.drafter.project_weight, *view.attn_pages(self.stash_layer).sink)
 
     def flush_context(self, view) -> None:
         """The context rows of the stashed positions a view covers (view.num_cached = the first stashed position,
