@@ -51,7 +51,8 @@
 #                  writes OUT/DONE); PEER_RESUME=1 goes on in OUT/peer where a run stopped (its target kept)
 #   tau-gap-k3-mini  the k3-mini pair from scratch (TARGET_ARGS, DRAFTER_ARGS; the CUDA tests beside the target's
 #                  training and the regeneration, as ablate-k3-mini), then where its task τ parts from its holdout τ:
-#                  bench/tau_gap.py on 32 holdout sequences and python -m eval on the same pair (16 prompts x 128
+#                  bench/tau_gap.py on 32 holdout sequences (with --eager; TAU_GAP_VARIANTS=0 skips its runs with
+#                  DSPARK_KERNELS=0 and in fp32) and python -m eval on the same pair (16 prompts x 128
 #                  tokens per task) -> $OUT/tau-gap.txt, $OUT/tau-gap-eval/; then (DFLASH=0 skips it) the DFlash
 #                  layout (2 Qwen3 layers, block 9) trained from the same sequences for as many steps, through the
 #                  same eval -> $OUT/dflash-eval/; then (REGEN_PROFILE=0 skips it) the step timeline of the
@@ -97,6 +98,9 @@
 #   wait SECONDS   wait (at most SECONDS) for a detached run in RUN_OUT (default runs/gpu) to write RUN_OUT/DONE, then
 #                  pack its logs and results into $OUT/results.tgz and print their tables (a remote runner returns
 #                  only what its own OUT holds)
+#   regen-speed    the drafter's regeneration under bf16 (as trained) and fp32 (mixed_precision=no): a k3-mini target
+#                  (TARGET_ARGS, default max_steps=20), then recipes/k3-mini.yaml for one step with REGEN_N (2048)
+#                  sequences under each -> $OUT/regen-speed.txt (the trainer's regenerate lines)
 #   exec CMD ...   any command in this environment (the carried wheels, multicast off, the autotune cache)
 #
 # ARGS go to the command the target runs: recipe overrides for train-* and ddp-compare (`max_minutes=5.5`), flags for
@@ -121,7 +125,7 @@ target=${1:-}
 case "$target" in
   kernels|tests-cuda|train-quickstart|train-target|train-drafter|ddp-compare|pair|timeline|floor|serve|flex) ;;
   ablate|peer|train-speed) ;;
-  ablate-k3-mini|peer-qwen3-mini|tau-gap-k3-mini|k3-mini|served|quickstart|detach|wait|exec) ;;
+  ablate-k3-mini|peer-qwen3-mini|tau-gap-k3-mini|k3-mini|served|quickstart|regen-speed|detach|wait|exec) ;;
   -h|--help|"") awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
   *) echo "run_gpu.sh: unknown target '$target' (see: bash bench/run_gpu.sh --help)" >&2; exit 2 ;;
 esac
@@ -187,10 +191,6 @@ train_cmd() {  # python3 -m train, or accelerate launch over NGPU processes
 
 # the drafter recipe's function-body prompts come from the carried tokenizer dir (built where the corpus is);
 # without them this machine would need the corpus texts and `datasets`
-code_prompts() {
-  ls .cache/tokenizer-mini-8192/code-prompts-*.pt >/dev/null 2>&1 || echo "data.regenerate.code_prompts=0"
-}
-
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
   torch.cuda.get_device_name(), 'x', torch.cuda.device_count())"
 python3 -c "import fla; print('fla', getattr(fla, '__version__', '?'))" 2>/dev/null || echo "fla: not installed"
@@ -248,9 +248,9 @@ case "$target" in
     cp runs/k3-mini/final_metrics.json "$OUT/train-target-metrics.json" 2>/dev/null
     ;;
   train-drafter)
-    # shellcheck disable=SC2046 # train_cmd and code_prompts are word lists
+    # shellcheck disable=SC2046 # train_cmd is a word list
     log train-drafter $(train_cmd) recipes/k3-mini.yaml target="$TARGET_DIR" log.wandb_mode=disabled \
-      $(code_prompts) "$@" || rc=$?
+      "$@" || rc=$?
     cp runs/k3-mini-drafter/final_metrics.json "$OUT/train-drafter-metrics.json" 2>/dev/null
     cp runs/k3-mini-drafter/profile.txt "$OUT/train-drafter-profile.txt" 2>/dev/null
     ;;
@@ -260,13 +260,13 @@ case "$target" in
     rm -rf $many $one
     # shellcheck disable=SC2046
     log ddp-compare $(train_cmd) recipes/k3-mini.yaml target="$TARGET_DIR" output_dir=$many log.wandb_mode=disabled \
-      $(code_prompts) "$@" || exit 1
+      "$@" || exit 1
     steps=$(same_steps_from $many $one)
     # one GPU, the same global batch, the same regenerated sequences and as many steps as the NGPU run made, however
     # long they take
     # shellcheck disable=SC2046
     CUDA_VISIBLE_DEVICES=0 log ddp-compare python3 -m train recipes/k3-mini.yaml target="$TARGET_DIR" \
-      output_dir=$one resume=true log.wandb_mode=disabled $(code_prompts) "$@" max_steps="$steps" max_minutes=null \
+      output_dir=$one resume=true log.wandb_mode=disabled "$@" max_steps="$steps" max_minutes=null \
       || rc=$?
     log ddp-compare python3 bench/ddp_compare.py $one $many || rc=$?
     cp $one/train_log.jsonl "$OUT/ddp-train-log-1gpu.jsonl"; cp $many/train_log.jsonl "$OUT/ddp-train-log-${NGPU}gpu.jsonl"
@@ -299,9 +299,9 @@ case "$target" in
     log flex python3 bench/check_flex_cuda.py --diagnose "$@" || rc=$?
     ;;
   ablate)
-    # shellcheck disable=SC2046 # train_cmd and code_prompts are word lists
+    # shellcheck disable=SC2046 # train_cmd is a word list
     log ablate python3 bench/ablate_drafter.py recipes/k3-mini.yaml --target "$TARGET_DIR" --out "$OUT/ablate" \
-      --train-cmd "$(train_cmd)" --num-prompts 16 --max-tokens 128 --set $(code_prompts) "$@" || rc=$?
+      --train-cmd "$(train_cmd)" --num-prompts 16 --max-tokens 128 --set "$@" || rc=$?
     ;;
   peer)
     log peer python3 bench/peer_speculators.py --target "${PEER_TARGET:-runs/peer-target/final}" --out "$OUT/peer" \
@@ -332,17 +332,23 @@ case "$target" in
     drafter=$(best_or_final runs/k3-mini-drafter)
     tasks=(--tasks humaneval,heldout_code,creative,heldout_prose,chat --num-prompts 16 --max-tokens 128
       --max-prompt-tokens 256)
-    log tau-gap python3 bench/tau_gap.py --target "$TARGET_DIR" --drafter "$drafter" --n 32 --device cuda \
-      --sequences runs/k3-mini-drafter/sequences.pt || rc=1
+    gap=(python3 bench/tau_gap.py --target "$TARGET_DIR" --drafter "$drafter" --n 32 --device cuda
+      --sequences runs/k3-mini-drafter/sequences.pt)
+    log tau-gap "${gap[@]}" --eager || rc=1
+    if [ "${TAU_GAP_VARIANTS:-1}" = 1 ]; then  # where the engine parts from the walk: kernels, then precision
+      echo "DSPARK_KERNELS=0:" >> "$OUT/tau-gap.txt"
+      DSPARK_KERNELS=0 log tau-gap "${gap[@]}" || rc=1
+      log tau-gap "${gap[@]}" --dtype float32 || rc=1
+    fi
     log tau-gap python3 -m eval --target "$TARGET_DIR" --drafter "$drafter" --name k3-mini --out "$OUT/tau-gap-eval" \
       "${tasks[@]}" || rc=1
     if [ "${DFLASH:-1}" = 1 ] && [ -f runs/k3-mini-drafter/train_log.jsonl ]; then
       # the DFlash layout (2 Qwen3 layers, block 9 = 8 drafts, no Markov or confidence head) from the same
       # regenerated sequences for as many steps as the DSpark drafter made, through the same eval
       steps=$(same_steps_from runs/k3-mini-drafter runs/k3-mini-dflash)
-      # shellcheck disable=SC2046,SC2086 # train_cmd, code_prompts and DRAFTER_ARGS are word lists
+      # shellcheck disable=SC2046,SC2086 # train_cmd and DRAFTER_ARGS are word lists
       log train-dflash $(train_cmd) recipes/k3-mini.yaml target="$TARGET_DIR" output_dir=runs/k3-mini-dflash \
-        resume=true log.wandb_mode=disabled $(code_prompts) ${DRAFTER_ARGS:-} max_steps="$steps" max_minutes=null \
+        resume=true log.wandb_mode=disabled ${DRAFTER_ARGS:-} max_steps="$steps" max_minutes=null \
         drafter.backbone=qwen3 drafter.mode=dflash drafter.block_size=9 || rc=1
       log tau-gap python3 -m eval --target "$TARGET_DIR" --name dflash --out "$OUT/dflash-eval" "${tasks[@]}" \
         --drafter "$(best_or_final runs/k3-mini-dflash)" || rc=1
@@ -480,6 +486,16 @@ case "$target" in
     cat "$run_out"/peer/peer.md "$run_out"/ablate/ablation.md "$run_out"/speed-*/speed.md 2>/dev/null
     grep -h "^|" "$run_out"/serve.txt "$run_out"/pair.txt "$run_out"/timeline.txt 2>/dev/null | tail -n 80
     cat "$run_out/DONE" 2>/dev/null || echo "not done yet"
+    ;;
+  regen-speed)
+    # shellcheck disable=SC2086 # TARGET_ARGS is a word list
+    log train-target python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled ${TARGET_ARGS:-max_steps=20} \
+      || rc=$?
+    for mp in bf16 no; do
+      python3 -m train recipes/k3-mini.yaml target=runs/k3-mini/final output_dir="runs/regen-$mp" \
+        mixed_precision=$mp max_steps=1 log.wandb_mode=disabled \
+        data.regenerate.num_sequences="${REGEN_N:-2048}" 2>&1 | grep "regenerate:" | tee -a "$OUT/regen-speed.txt"
+    done
     ;;
   exec)
     [ $# -gt 0 ] || { echo "run_gpu.sh exec: give the command to run" >&2; exit 2; }

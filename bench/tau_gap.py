@@ -47,6 +47,7 @@ def main() -> None:
                     "this many continuation tokens (a task's decode length)")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, float32 on CPU")
+    ap.add_argument("--eager", action="store_true", help="also decode with an engine without CUDA graphs")
     a = ap.parse_args()
     torch.set_num_threads(2)
     device = resolve_device(a.device, "--device")
@@ -55,7 +56,7 @@ def main() -> None:
     s = torch.load(a.sequences, weights_only=False)
     rows, masks = s["holdout"][: a.n], s["holdout_mask"][: a.n]
     D = d.config.num_drafts
-    uniform, walked, head, repeats, prompts = [], [], [], [], []
+    uniform, walked, head, repeats, prompts, walks = [], [], [], [], [], []
     for row, mask in zip(rows, masks):
         P = int(mask.float().argmax())  # first continuation position = prompt length
         T = int(mask.sum()) + P
@@ -71,14 +72,16 @@ def main() -> None:
         uniform += acc
         steps = decode_walk(dict(zip(anchors.tolist(), acc)), P)
         walked += [n for _, n in steps]
+        walks.append([n for _, n in steps])
         head += [n for p, n in steps if p - P < a.head]
         repeats.append(repeat_share(row[P:T].tolist()))  # the stored continuation
     n_new = min(int(m.sum()) for m in masks) - 1
-    outs = Engine(t, d).generate(prompts, SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True))
-    same = sum(o.token_ids == r[len(p):len(p) + n_new].tolist() for o, r, p in zip(outs, rows, prompts))
+    params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
+    stored = [r[len(p):len(p) + n_new].tolist() for r, p in zip(rows, prompts)]
+    outs = Engine(t, d).generate(prompts, params)
     print(f"holdout rows: prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {n_new} new tokens each")
     eng = [x for o in outs for x in o.accepted_per_step]
-    tau = lambda xs: 1 + sum(xs) / len(xs)
+    same = sum(o.token_ids == want for o, want in zip(outs, stored))
     print(f"| sequences | block drafts | τ uniform anchors (trainer) | τ walked anchors | τ walked, first {a.head} "
           f"tokens | τ engine | engine == stored continuation | 4-gram repeats |\n|--:|--:|--:|--:|--:|--:|--:|--:|\n"
           f"| {len(rows)} | {D} | {tau(uniform):.3f} | {tau(walked):.3f} | {tau(head):.3f} | {tau(eng):.3f} | "
@@ -86,6 +89,29 @@ def main() -> None:
     first = lambda xs: sum(x > 0 for x in xs) / len(xs)  # share of blocks whose first draft is accepted
     print(f"first draft accepted: uniform anchors {first(uniform):.1%}, walked anchors {first(walked):.1%}; "
           f"τ at uniform anchors weighted by 1 / (accepted + 1): {len(uniform) / sum(1 / (x + 1) for x in uniform):.3f}")
+    print(same_text("engine", outs, stored, walks))
+    if a.eager:
+        outs = Engine(t, d, graphs=False).generate(prompts, params)
+        print(f"engine without CUDA graphs: τ {tau([x for o in outs for x in o.accepted_per_step]):.3f}; "
+              + same_text("it", outs, stored, walks))
+
+
+def tau(accepted: list[int]) -> float:
+    """Mean accepted drafts + 1 per block."""
+    return 1 + sum(accepted) / len(accepted)
+
+
+def same_text(name: str, outs, stored: list[list[int]], walks: list[list[int]]) -> str:
+    """On the rows an engine reproduced (the same text), its steps against the walk's: serving drafts what training
+    measures when every step accepts what the walk's block at that anchor did (bf16 rounds a few near-ties apart)."""
+    pairs = [(o.accepted_per_step, w) for o, want, w in zip(outs, stored, walks) if o.token_ids == want]
+    if not pairs:
+        return f"{name} reproduced no stored continuation"
+    # the walk stops D tokens before the end; an engine's last step stops at max_tokens
+    steps = [(e, w) for eng, walk in pairs for e, w in zip(eng[:-1], walk)]
+    return (f"on the {len(pairs)} rows {name} reproduced: τ engine {tau([e for e, _ in steps]):.3f} against walked "
+            f"{tau([w for _, w in steps]):.3f} over their first {len(steps)} steps, {sum(e == w for e, w in steps)} "
+            f"of them accepting as many drafts as the walk")
 
 
 if __name__ == "__main__":

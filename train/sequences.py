@@ -280,7 +280,8 @@ def load_sequences(recipe, target, tok, accelerator=None) -> Sequences:
             else:  # its own generator: the holdout prompts do not depend on how the train prompts were drawn
                 prompts = pick_prompts(items, n, lens, torch.Generator().manual_seed(recipe.seed + 1),
                                        passes=d.dataset is None)
-            log.info("regenerate: the target continues %d %s prompts by %d tokens", len(prompts), split,
+            log.info("regenerate: the target (%s) continues %d %s prompts by %d tokens",
+                     str(next(target.parameters()).dtype).removeprefix("torch."), len(prompts), split,
                      d.regenerate.new_tokens)
             rows = _regenerate_shared(recipe, target, tok, prompts, split, accelerator)
             # the prompt's last token anchors the first block of the response
