@@ -72,6 +72,36 @@ def _icdf_invalid(w, u, ids) -> int:
     return int((~ok).sum())
 
 
+def _kda_slots_checks(device="cpu", dtype=torch.float32, H=2, D=16) -> dict:
+    """kda_decode_slots (the kernel where dispatched) against its definition: three rows at pool rows 4, 1 and the
+    scratch row 5, the last one padding (length 0); after a step without recording every pool row is the
+    definition's (the untouched ones as they were), with recording the pools are left as they were. name ->
+    [max abs error over outputs and pools, tolerance]."""
+    from dspark.kernels.kda_decode import kda_decode_slots, kda_decode_slots_ref
+
+    res = {}
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, T, lens, record in (("final_t1", 1, [1, 1, 0], False), ("final_t3_lengths", 3, [3, 2, 0], False),
+                                  ("allstates_t9", 9, [9, 4, 0], True)):
+        inp = _kda_inputs(B=3, T=T, H=H, D=D, dtype=dtype, device=device, seed=T)
+        g = torch.Generator().manual_seed(11)
+        pools = [(torch.randn(6, H, D, D, generator=g) * 0.3).to(device),
+                 torch.randn(6, 3, 3 * H * D, generator=g).to(device, dtype)]  # state fp32, window in qkv's dtype
+        args = [inp[k] for k in ("qkv", "f", "beta", "gate", "conv_w")]
+        norm = [inp[k] for k in ("A_log", "dt_bias", "o_norm_w")]
+        slots, lengths = torch.tensor([4, 1, 5], device=device), torch.tensor(lens, device=device)
+        outs = []
+        for fn in (kda_decode_slots_ref, kda_decode_slots):
+            S_pool, win_pool = (t.clone() for t in pools)
+            out, S, ext = fn(*args, win_pool, *norm, S_pool, slots, -5.0, return_all_states=record, lengths=lengths)
+            outs.append((out, ext, S if record else S_pool, win_pool))
+        err = max(_err(a, b) for a, b in zip(*outs))
+        if record:  # the pools as they were
+            err = max(err, _err(outs[1][3], pools[1]), _err(S_pool, pools[0]))
+        res[f"kda_slots_{name}"] = [err, tol]
+    return res
+
+
 # ------------------------------------------------------------------------------------------ interpreter (subprocess)
 def _interp_checks() -> dict:
     """Runs with TRITON_INTERPRET=1: name -> [max abs error, tolerance]."""
@@ -136,6 +166,7 @@ def _interp_checks() -> dict:
         assert not views["qkv"].is_contiguous()
         res[f"kda_strided_slices_t{T}"] = [max(_err(a, b) for a, b in zip(kda_decode_ref(**inp),
                                                                           kda_decode_triton(**{**inp, **views}))), 1e-5]
+    res.update(_kda_slots_checks())  # the pools read and written in place, through the dispatcher
     # AttnRes: fp32, 1e-5; d = 80 with 32-wide chunks (a ragged tail), strided sources + prefix, output norm
     g = torch.Generator().manual_seed(1)
     v = torch.randn(3, 9, 80, generator=g) * torch.rand(1, 9, 1, generator=g) * 3
@@ -617,6 +648,7 @@ def interp():
 ARGMAX_CASES = ["fp32", "bf16", "fp16", "slices", "bkv_padded_view", "bkv_position_view", "bkv_copied", "one_row",
                 "no_rows", *(f"ties_{d}{s}" for d in ("float32", "bfloat16") for s in ("", "_chunks", "_slices"))]
 INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9",
+                "kda_slots_final_t1", "kda_slots_final_t3_lengths", "kda_slots_allstates_t9",
                 "kda_t17_softplus", "kda_unmerged_verify_t9", "kda_strided_slices_t1", "kda_strided_slices_t9",
                 "attnres_plain", "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16",
                 "mxfp4_grouped", "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog",
@@ -789,6 +821,12 @@ def test_cuda_kda_decode(T, all_states):
     # fp32 state; the reference rounds conv/SiLU outputs to bf16, the kernel not (H200: 1.2e-2 .. 1.3e-2 measured)
     assert _err(out[1], ref[1]) <= 2e-2
     assert _err(out[2], ref[2]) == 0
+
+
+@cuda
+def test_cuda_kda_decode_slots():
+    for name, (err, tol) in _kda_slots_checks("cuda", torch.bfloat16, H=32, D=128).items():
+        assert err <= tol, f"{name}: {err} > {tol}"
 
 
 @cuda

@@ -40,6 +40,10 @@ class CacheView(Protocol):
     def kda_read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (S [B, H, K, V] fp32 recurrent state, conv window [B, W-1, C] of the last raw conv inputs)."""
 
+    def kda_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(state pool [N, H, K, V] fp32, conv window pool [N, W-1, C], the rows' slots [B]) to read and write in
+        place (dspark.kernels.kda_decode.kda_decode_slots), or None (then kda_read / kda_write)."""
+
     def kda_write(self, layer: int, states: torch.Tensor, conv: torch.Tensor) -> None:
         """record=False: final states [B, H, K, V] and final window conv [B, W-1, C] (per row, after its
         num_new valid tokens). record=True: states [B, T, H, K, V] after each position and
@@ -122,6 +126,9 @@ class DenseCache:
     def kda_read(self, layer: int):
         """(None, None) before the first write: the layer starts from a zero state and a zero window."""
         return self.kda.get(layer, (None, None))
+
+    def kda_pools(self, layer: int) -> None:
+        return None  # per-request tensors, no pools: kda_read / kda_write
 
     def kda_write(self, layer: int, states: torch.Tensor, conv: torch.Tensor) -> None:
         """record=False: states [B,H,K,V] and conv [B,W-1,C] are final. record=True: states [B,T,H,K,V] after

@@ -116,6 +116,11 @@ class DeviceView:
     def kda_read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.S[layer].index_select(0, self.slots), self.conv[layer].index_select(0, self.slots)
 
+    def kda_pools(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The layer's state and window pools and the rows' slots, for a kernel that reads (and, without recording,
+        writes) them in place."""
+        return self.S[layer], self.conv[layer], self.slots
+
     def kda_write(self, layer: int, states: torch.Tensor, conv: torch.Tensor) -> None:
         """record=False: final S [B, H, K, V] and window [B, W-1, C]; record=True: S after each position
         [B, T, H, K, V] and the extended window [B, W-1+T, C], kept until commit."""

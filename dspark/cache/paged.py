@@ -70,6 +70,9 @@ class PagedView:
     def kda_read(self, layer: int):
         return self.cache.state.read(layer, self.slots)
 
+    def kda_pools(self, layer: int) -> None:
+        return None  # a prefill's slots start from "no state yet" (kda_read), which the pools do not say
+
     def kda_write(self, layer: int, states: torch.Tensor, conv: torch.Tensor) -> None:
         if self.fb.record:
             self.cache.state.write_pending(layer, self.slots, states, conv)

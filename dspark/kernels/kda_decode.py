@@ -13,6 +13,8 @@ Per token t of head h (fp32):
 Outputs: out [B, T, P] (qkv dtype), state_final [B, H, K, V] fp32 or all states [B, T, H, K, V] fp32, and
 ext = cat(window, qkv) [B, W-1+T, 3P] (the extended conv window; the caller keeps its last W-1 valid rows).
 Rows t >= lengths[b] are padding exactly as in the layer: raw input zeroed, g = beta = 0 (state untouched).
+kda_decode_slots reads state and window in place from a cache's pools (row slots[b]) and, without all states,
+writes the final state and the kept window back there: no gather or scatter launches around the step.
 Kernels: one program per (request, head, slice of BV value columns) holds S[:, slice] [K, BV] in registers for all
 T (the delta rule is column-wise in V); what does not depend on S is computed for all T tokens before the serial
 loop (see _kda_decode_kernel). A second launch applies the gated per-head RMSNorm (it needs all columns).
@@ -102,12 +104,12 @@ def kda_decode_ref(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w,
 # Triton kernels: the delta rule on grid (B, H, D/BV), then the gated norm on grid (B*T, H)
 # ---------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _raw_tile(qkv_ptr, win_ptr, b, pos, ch, dm, T, n_valid, P3, SQ, W: tl.constexpr):
-    """ext[b, pos, ch] as fp32 [len(pos), len(ch)]: the conv window for pos < W-1, else the (valid) new token
-    pos-W+1 (zero past the valid length or past T). SQ: qkv's row stride."""
+def _raw_tile(qkv_ptr, win_ptr, b, wb, pos, ch, dm, T, n_valid, P3, SQ, W: tl.constexpr):
+    """ext[b, pos, ch] as fp32 [len(pos), len(ch)]: the conv window (its row wb) for pos < W-1, else the (valid) new
+    token pos-W+1 (zero past the valid length or past T). SQ: qkv's row stride."""
     tok = pos - (W - 1)
     m = dm[None, :]
-    xw = tl.load(win_ptr + (b * (W - 1) + pos[:, None]) * P3 + ch[None, :], mask=m & (pos < W - 1)[:, None],
+    xw = tl.load(win_ptr + (wb * (W - 1) + pos[:, None]) * P3 + ch[None, :], mask=m & (pos < W - 1)[:, None],
                  other=0.0)
     xr = tl.load(qkv_ptr + (b * T + tok[:, None]) * SQ + ch[None, :],
                  mask=m & ((tok >= 0) & (tok < n_valid) & (tok < T))[:, None], other=0.0)
@@ -115,23 +117,23 @@ def _raw_tile(qkv_ptr, win_ptr, b, pos, ch, dm, T, n_valid, P3, SQ, W: tl.conste
 
 
 @triton.jit
-def _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, ch, dm, T, n_valid, P3, SQ, W: tl.constexpr, BT: tl.constexpr,
-               BD: tl.constexpr):
+def _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, wb, tt, ch, dm, T, n_valid, P3, SQ, W: tl.constexpr,
+               BT: tl.constexpr, BD: tl.constexpr):
     """SiLU(causal depthwise conv) of channels ch for tokens tt: sum_w ext[t + w] * conv_w[ch, w] -> [BT, BD]."""
     acc = tl.zeros([BT, BD], dtype=tl.float32)
     for w in tl.static_range(W):
-        acc += _raw_tile(qkv_ptr, win_ptr, b, tt + w, ch, dm, T, n_valid, P3, SQ, W) * tl.load(
+        acc += _raw_tile(qkv_ptr, win_ptr, b, wb, tt + w, ch, dm, T, n_valid, P3, SQ, W) * tl.load(
             convw_ptr + ch * W + w, mask=dm, other=0.0).to(tl.float32)[None, :]
     return acc * tl.sigmoid(acc)
 
 
 @triton.jit
 def _kda_tiles(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, ext_ptr, len_ptr,
-               b, h, j, T, H, P, SQ, SF, SB, lower_bound, scale,
+               b, wb, h, j, T, H, P, SQ, SF, SB, lower_bound, scale,
                D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                W: tl.constexpr, USE_LB: tl.constexpr, HAS_LEN: tl.constexpr):
     """What does not depend on the state, for all T tokens of program (b, h, j) (value columns j*BV..): the
-    extended conv window written by j == 0; Q, K [BT, BD] (conv + SiLU + L2 norm, q scaled), V [BT, BV] (conv +
+    extended conv window (the window's row wb) written by j == 0; Q, K [BT, BD] (conv + SiLU + L2 norm, q scaled), V [BT, BV] (conv +
     SiLU), the log decay G [BT, BD] and sigmoid(beta) [BT], both 0 on padding rows (t >= the row's valid length),
     which then leave the state untouched."""
     P3 = 3 * P
@@ -147,12 +149,12 @@ def _kda_tiles(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, 
     if j == 0:  # extended window ext[b, pos] = window[b, pos] (pos < W-1) else qkv[b, pos-W+1] (zeroed past length)
         pe = tl.arange(0, BE)
         for part in tl.static_range(3):
-            x = _raw_tile(qkv_ptr, win_ptr, b, pe, cq + part * P, dm, T, n_valid, P3, SQ, W)
+            x = _raw_tile(qkv_ptr, win_ptr, b, wb, pe, cq + part * P, dm, T, n_valid, P3, SQ, W)
             tl.store(ext_ptr + (b * (T + W - 1) + pe[:, None]) * P3 + (cq + part * P)[None, :],
                      x.to(ext_ptr.dtype.element_ty), mask=(pe[:, None] < T + W - 1) & dm[None, :])
-    Q = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, cq, dm, T, n_valid, P3, SQ, W, BT, BD)  # [BT, BD]
-    K = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, P + cq, dm, T, n_valid, P3, SQ, W, BT, BD)
-    V = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, tt, 2 * P + h * D + vo, vm, T, n_valid, P3, SQ, W, BT, BV)
+    Q = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, wb, tt, cq, dm, T, n_valid, P3, SQ, W, BT, BD)  # [BT, BD]
+    K = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, wb, tt, P + cq, dm, T, n_valid, P3, SQ, W, BT, BD)
+    V = _conv_silu(qkv_ptr, win_ptr, convw_ptr, b, wb, tt, 2 * P + h * D + vo, vm, T, n_valid, P3, SQ, W, BT, BV)
     Q = Q * (1.0 / tl.sqrt(tl.sum(Q * Q, 1) + 1e-6))[:, None] * scale
     K = K * (1.0 / tl.sqrt(tl.sum(K * K, 1) + 1e-6))[:, None]
     tm = (tt[:, None] < T) & dm[None, :]
@@ -186,11 +188,11 @@ def _state_slice(s_in_ptr, b, h, j, H, D: tl.constexpr, BD: tl.constexpr, BV: tl
 
 @triton.jit
 def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr,
-                       s_in_ptr, s_out_ptr, o_ptr, ext_ptr, len_ptr,
+                       s_in_ptr, s_out_ptr, o_ptr, ext_ptr, len_ptr, slot_ptr,
                        T, H, P, NH, SQ, SF, SB, lower_bound, scale,
                        D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                        W: tl.constexpr, USE_LB: tl.constexpr, HAS_STATE: tl.constexpr, ALL_STATES: tl.constexpr,
-                       HAS_LEN: tl.constexpr, MERGED: tl.constexpr):
+                       HAS_LEN: tl.constexpr, SLOTS: tl.constexpr, MERGED: tl.constexpr):
     """Program (b, h, j) owns the value columns j*BV .. j*BV+BV-1 of S [K, V]: the delta rule is independent per
     value column (u = v - S^T k and o = S^T q are column-wise), so D/BV programs per head share the serial work.
     Everything that does not depend on the state is computed for all T tokens at once ([BT, BD] tiles, every load
@@ -200,15 +202,20 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     per-head RMSNorm, which needs all of a head's columns. NH = B*H is only the autotuning key (the grid size).
     SQ, SF, SB: the row strides of qkv, f and beta (row b*T + t; column slices of one wider projection).
     MERGED: both reductions over K of a token read the decayed state (o = S^T q + beta (k . q) u), so they are
-    independent; else o is reduced from the updated state, a second reduction on the serial path (autotuned)."""
+    independent; else o is reduced from the updated state, a second reduction on the serial path (autotuned).
+    SLOTS: state and window are pools read at row slots[b]; the final state (without ALL_STATES) goes back to that
+    row, which only this program reads (padding rows share the scratch slot and leave it as it was)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     j = tl.program_id(2)
+    sb = b
+    if SLOTS:
+        sb = tl.load(slot_ptr + b).to(tl.int32)
     Q, K, V, G, beta = _kda_tiles(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, ext_ptr, len_ptr,
-                                  b, h, j, T, H, P, SQ, SF, SB, lower_bound, scale, D, BD, BV, BT, BE, W, USE_LB,
+                                  b, sb, h, j, T, H, P, SQ, SF, SB, lower_bound, scale, D, BD, BV, BT, BE, W, USE_LB,
                                   HAS_LEN)
     decay = tl.exp(G)  # [BT, BD]
-    S, sidx, smask = _state_slice(s_in_ptr, b, h, j, H, D, BD, BV, HAS_STATE)  # [BD, BV]
+    S, sidx, smask = _state_slice(s_in_ptr, sb, h, j, H, D, BD, BV, HAS_STATE)  # [BD, BV]
     vo = j * BV + tl.arange(0, BV)  # this program's value columns
     vm = vo < D
     tt = tl.arange(0, BT)  # token index
@@ -233,18 +240,34 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
         if ALL_STATES:
             tl.store(s_out_ptr + ((b * T + t) * H + h) * D * D + sidx, S, mask=smask)
     if not ALL_STATES:
-        tl.store(s_out_ptr + (b * H + h) * D * D + sidx, S, mask=smask)
+        tl.store(s_out_ptr + (sb * H + h) * D * D + sidx, S, mask=smask)
     tl.store(o_ptr + (b * T + tt[:, None]) * P + h * D + vo[None, :], Ot, mask=(tt[:, None] < T) & vm[None, :])
 
 
 @triton.jit
-def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, H, P, SG, eps, D: tl.constexpr, BD: tl.constexpr):
+def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, ext_ptr, conv_ptr, slot_ptr, len_ptr, T, H, P, SG, eps,
+                         D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, KEEP_WINDOW: tl.constexpr,
+                         HAS_LEN: tl.constexpr):
     """out[n, h] = RMSNorm_D(o[n, h]) * o_norm_w * sigmoid(gate[n, h]); one program per (token row n, head h);
-    SG: the row stride of gate."""
+    SG: the row stride of gate. KEEP_WINDOW: program (b*T, h) also writes head h's channels of the kept conv window
+    (ext rows n_valid .. n_valid+W-2) to row slots[b] of the window pool; after the delta rule's launch, which read
+    the old window, has ended."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     offs = tl.arange(0, BD)
     dm = offs < D
+    if KEEP_WINDOW:
+        if n % T == 0:
+            b = n // T
+            n_valid = T
+            if HAS_LEN:
+                n_valid = tl.load(len_ptr + b)
+            slot = tl.load(slot_ptr + b).to(tl.int32)
+            for part in tl.static_range(3):
+                ch = part * P + h * D + offs
+                for pos in tl.static_range(W - 1):
+                    x = tl.load(ext_ptr + (b * (T + W - 1) + n_valid + pos) * 3 * P + ch, mask=dm, other=0.0)
+                    tl.store(conv_ptr + (slot * (W - 1) + pos) * 3 * P + ch, x.to(conv_ptr.dtype.element_ty), mask=dm)
     base = n * P + h * D + offs
     o = tl.load(o_ptr + base, mask=dm, other=0.0)
     og = tl.sigmoid(tl.load(gate_ptr + n * SG + h * D + offs, mask=dm, other=0.0).to(tl.float32))
@@ -281,8 +304,10 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 @torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
                       eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None,
-                      merged=True, num_warps=None):
+                      merged=True, num_warps=None, slots=None):
     """state_out may be `state` itself (in-place update: each program reads its state slice before writing it).
+    slots [B]: state and window are pools (kda_decode_slots), read at those rows; without return_all_states the
+    final state and the kept window go back there (the state returned is the pool).
     block_v: value columns per program (default: autotuned on CUDA, with the reduction order; _DEFAULT_BV in the
     interpreter); merged, num_warps: the reduction order (MERGED in _kda_decode_kernel) and warps when block_v is
     given. Two launches: the delta rule, then the gated norm."""
@@ -291,7 +316,14 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
     D = o_norm_w.shape[0]
     H = P // D
     (qkv, sq), (f, sf), (beta, sb), (gate, sg) = (_rows(x) for x in (qkv, f, beta, gate))
-    conv_w, window = conv_w.contiguous(), window.contiguous()
+    conv_w = conv_w.contiguous()
+    if slots is not None:  # the pools in place: any window dtype (the kernel reads it as fp32)
+        if not (state.is_contiguous() and state.dtype == torch.float32 and window.is_contiguous()):
+            raise ValueError("kda_decode_triton: slots need contiguous pools, the state pool in fp32")
+        if not return_all_states:
+            state_out = state
+    else:
+        window = window.to(qkv.dtype).contiguous()
     o = torch.empty(B, T, P, dtype=torch.float32, device=qkv.device)
     out = torch.empty(B, T, P, dtype=qkv.dtype, device=qkv.device)
     ext = torch.empty(B, W - 1 + T, P3, dtype=qkv.dtype, device=qkv.device)
@@ -300,18 +332,23 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
     else:
         s_out = state_out if state_out is not None else torch.empty(B, H, D, D, dtype=torch.float32, device=qkv.device)
     s_in = state.contiguous() if state is not None else s_out
+    lens = lengths.contiguous() if lengths is not None else qkv
+    rows = slots.contiguous() if slots is not None else qkv
     BD = next_pow2(D)
-    args = (qkv, f, beta, conv_w, window.to(qkv.dtype).contiguous(), A_log, dt_bias, s_in, s_out, o, ext,
-            lengths.contiguous() if lengths is not None else qkv, T, H, P, B * H, sq, sf, sb, float(lower_bound or 0.0), D ** -0.5)
+    args = (qkv, f, beta, conv_w, window, A_log, dt_bias, s_in, s_out, o, ext, lens, rows,
+            T, H, P, B * H, sq, sf, sb, float(lower_bound or 0.0), D ** -0.5)
     meta = dict(D=D, BD=BD, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None,
-                HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None)
+                HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None,
+                SLOTS=slots is not None)
     if block_v is None and not interpreting():
         _kda_tuned[lambda a: (B, H, triton.cdiv(D, a["BV"]))](*args, **meta)
     else:
         BV = min(block_v or _DEFAULT_BV, BD)
         _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](*args, **meta, BV=BV, MERGED=merged, num_stages=1,
                                                        num_warps=num_warps or (4 if BV <= 32 else 8))
-    _kda_out_norm_kernel[(B * T, H)](o, gate, o_norm_w, out, H, P, sg, eps, D=D, BD=BD,
+    keep = slots is not None and not return_all_states
+    _kda_out_norm_kernel[(B * T, H)](o, gate, o_norm_w, out, ext, window if keep else o, rows, lens, T, H, P, sg, eps,
+                                     D=D, BD=BD, W=W, KEEP_WINDOW=keep, HAS_LEN=lengths is not None,
                                      num_warps=1 if BD <= 128 else 4)
     return out, s_out, ext
 
@@ -322,4 +359,34 @@ def kda_decode(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, sta
     fn = kda_decode_triton if use_triton(qkv, state if state is not None else qkv) else kda_decode_ref
     return fn(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state, lower_bound, eps,
               return_all_states, lengths)
+
+
+def kda_decode_slots_ref(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_norm_w, state_pool, slots,
+                         lower_bound=None, eps=1e-5, return_all_states=False, lengths=None):
+    """kda_decode_slots by its definition: the rows gathered from the pools, kda_decode_ref, and (without all
+    states) the final state and the window of the last W-1 valid raw inputs written back."""
+    B, T = qkv.shape[:2]
+    W1 = window_pool.shape[1]
+    out, S, ext = kda_decode_ref(qkv, f, beta, gate, conv_w, window_pool[slots], A_log, dt_bias, o_norm_w,
+                                 state_pool[slots], lower_bound, eps, return_all_states, lengths)
+    if not return_all_states:
+        n = lengths.to(qkv.device) if lengths is not None else torch.full((B,), T, device=qkv.device)
+        cols = n[:, None] + torch.arange(W1, device=qkv.device)  # [B, W-1]: ext rows n .. n+W-2
+        state_pool[slots] = S
+        window_pool[slots] = ext.gather(1, cols[..., None].expand(-1, -1, ext.shape[-1])).to(window_pool.dtype)
+        S = state_pool
+    return out, S, ext
+
+
+def kda_decode_slots(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_norm_w, state_pool, slots,
+                     lower_bound=None, eps=1e-5, return_all_states=False, lengths=None):
+    """kda_decode over a cache's pools: state_pool [N, H, K, V] fp32 and window_pool [N, W-1, 3P], row slots[b] [B]
+    for request b. Without return_all_states the step's final state and kept window are written there (-> (out,
+    state_pool, ext)); with it they are read only (-> (out, all states [B,T,H,K,V], ext), as kda_decode)."""
+    fn = kda_decode_triton if use_triton(qkv, state_pool, slots) else kda_decode_slots_ref
+    if fn is kda_decode_triton:
+        return fn(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_norm_w, state_pool, lower_bound, eps,
+                  return_all_states, lengths, slots=slots)
+    return fn(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_norm_w, state_pool, slots, lower_bound,
+              eps, return_all_states, lengths)
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from dspark.cache.state import kept_conv_window
 from dspark.kernels import use_triton
-from dspark.kernels.kda_decode import causal_conv_silu, kda_decode, kda_gate, kda_recurrent, l2norm
+from dspark.kernels.kda_decode import causal_conv_silu, kda_decode, kda_decode_slots, kda_gate, kda_recurrent, l2norm
 from dspark.models.layers import MergedConv1d, MergedLinear, RMSNorm
 
 try:  # GPU fast path; never used on CPU
@@ -158,14 +158,12 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch=None) -> torch.Tensor:
         """x [B, T, hidden] -> [B, T, hidden]. With a ForwardBatch, state and conv window go through batch.cache."""
         B, T, _ = x.shape
-        H, D, W = self.num_heads, self.head_dim, self.conv_size
+        H, D = self.num_heads, self.head_dim
         cache = batch.cache if batch is not None else None
-        S0, window = cache.kda_read(self.layer_idx) if cache is not None else (None, None)
-        if window is None:
-            window = x.new_zeros(B, W - 1, 3 * H * D)
         record = cache is not None and batch.record
         if cache is not None and T <= FUSED_MAX_T and not torch.is_grad_enabled() and use_triton(x):
-            return self._fused_step(x, S0, window, batch, record)  # masks the padding rows itself
+            return self._fused_step(x, batch, record)  # masks the padding rows itself
+        S0, window = self._read_cache(cache, x)
         raw, gate, f_a, beta = self.split_in_proj(self.in_proj(x))  # raw: [B,T,3P] conv inputs
         valid = batch.valid(T) if batch is not None else None  # [B,T] bool
         if valid is not None:
@@ -200,14 +198,34 @@ class KimiDeltaAttention(nn.Module):
             return
         cache.kda_write(self.layer_idx, S, kept_conv_window(ext, batch.num_new, self.conv_size - 1))
 
-    def _fused_step(self, x, S0, window, batch, record: bool) -> torch.Tensor:
+    def _read_cache(self, cache, x: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """-> (the rows' state [B, H, K, V] or None, their conv window [B, W-1, 3P]; zeros without a cache)."""
+        S0, window = cache.kda_read(self.layer_idx) if cache is not None else (None, None)
+        if window is None:
+            window = x.new_zeros(x.shape[0], self.conv_size - 1, 3 * self.num_heads * self.head_dim)
+        return S0, window
+
+    def _fused_step(self, x, batch, record: bool) -> torch.Tensor:
         """A cached inference step of T <= FUSED_MAX_T tokens: the input projections in one GEMM (in_proj), whose
         column slices go to the two kernel launches as they are (conv + SiLU + L2 norm + gate + delta rule, then
         output norm and gate; dspark/kernels/kda_decode.py, tested against this layer's math). Padding rows
-        (t >= num_new) leave the state untouched, as in forward."""
+        (t >= num_new) leave the state untouched, as in forward. Where the cache hands over its pools (a decode
+        step's view), state and window are read there in place, and a step without recording writes them back
+        in place too."""
         qkv, gate, f_a, beta = self.split_in_proj(self.in_proj(x))
-        o, S, ext = kda_decode(qkv, self.f_b_proj(f_a), beta, gate, self.conv_weight(), window,
-                               self.A_log, self.dt_bias, self.o_norm.weight, S0, self.gate_lower_bound,
-                               self.o_norm.eps, return_all_states=record, lengths=batch.num_new.to(x.device))
-        self._write_cache(batch.cache, batch, S, ext, record)
+        args = (qkv, self.f_b_proj(f_a), beta, gate, self.conv_weight())
+        norm = (self.A_log, self.dt_bias, self.o_norm.weight)
+        lengths, cache = batch.num_new.to(x.device), batch.cache
+        pools = cache.kda_pools(self.layer_idx)
+        if pools is None:
+            S0, window = self._read_cache(cache, x)
+            o, S, ext = kda_decode(*args, window, *norm, S0, self.gate_lower_bound, self.o_norm.eps,
+                                   return_all_states=record, lengths=lengths)
+            self._write_cache(cache, batch, S, ext, record)
+        else:
+            S_pool, window_pool, slots = pools
+            o, S, ext = kda_decode_slots(*args, window_pool, *norm, S_pool, slots, self.gate_lower_bound,
+                                         self.o_norm.eps, return_all_states=record, lengths=lengths)
+            if record:  # every position's state, kept until the commit
+                cache.kda_write(self.layer_idx, S, ext)
         return self.o_proj(o)
