@@ -102,6 +102,31 @@ def _kda_slots_checks(device="cpu", dtype=torch.float32, H=2, D=16) -> dict:
     return res
 
 
+def _kda_commit_checks(device="cpu", dtype=torch.float32, H=2, D=16) -> dict:
+    """kda_commit (the kernel where dispatched) and its definition against the cache's rollback
+    (committed_kda_state, then the rows written back): rows keeping all 9, 3, none and 1 of their new tokens at pool
+    rows 2, 0, 4 and the scratch row 5; the other pool rows untouched. -> name -> [max abs error, tolerance]."""
+    from dspark.cache.state import committed_kda_state
+    from dspark.kernels.kda_commit import kda_commit, kda_commit_ref
+
+    g = torch.Generator().manual_seed(3)
+    B, T, W1, C = 4, 9, 3, 3 * H * D
+    states = torch.randn(B, T, H, D, D, generator=g).to(device)
+    ext = torch.randn(B, W1 + T, C, generator=g).to(device, dtype)
+    pools = [torch.randn(6, H, D, D, generator=g).to(device), torch.randn(6, W1, C, generator=g).to(device, dtype)]
+    n_keep, slots = torch.tensor([9, 3, 0, 1], device=device), torch.tensor([2, 0, 4, 5], device=device)
+    ext[:, :W1] = pools[1][slots]  # as a step extends each row's window
+    want = [t.clone() for t in pools]
+    S, win = committed_kda_state(states, ext, n_keep, want[0][slots])
+    want[0][slots], want[1][slots] = S, win.to(dtype)
+    res = {}
+    for name, fn in (("kda_commit_ref", kda_commit_ref), ("kda_commit", kda_commit)):
+        got = [t.clone() for t in pools]
+        fn(states, ext, n_keep, *got, slots)
+        res[name] = [max(_err(a, b) for a, b in zip(want, got)), 0.0]
+    return res
+
+
 # ------------------------------------------------------------------------------------------ interpreter (subprocess)
 def _interp_checks() -> dict:
     """Runs with TRITON_INTERPRET=1: name -> [max abs error, tolerance]."""
@@ -167,6 +192,7 @@ def _interp_checks() -> dict:
         res[f"kda_strided_slices_t{T}"] = [max(_err(a, b) for a, b in zip(kda_decode_ref(**inp),
                                                                           kda_decode_triton(**{**inp, **views}))), 1e-5]
     res.update(_kda_slots_checks())  # the pools read and written in place, through the dispatcher
+    res.update(_kda_commit_checks())
     # AttnRes: fp32, 1e-5; d = 80 with 32-wide chunks (a ragged tail), strided sources + prefix, output norm
     g = torch.Generator().manual_seed(1)
     v = torch.randn(3, 9, 80, generator=g) * torch.rand(1, 9, 1, generator=g) * 3
@@ -648,7 +674,8 @@ def interp():
 ARGMAX_CASES = ["fp32", "bf16", "fp16", "slices", "bkv_padded_view", "bkv_position_view", "bkv_copied", "one_row",
                 "no_rows", *(f"ties_{d}{s}" for d in ("float32", "bfloat16") for s in ("", "_chunks", "_slices"))]
 INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9",
-                "kda_slots_final_t1", "kda_slots_final_t3_lengths", "kda_slots_allstates_t9",
+                "kda_slots_final_t1", "kda_slots_final_t3_lengths", "kda_slots_allstates_t9", "kda_commit_ref",
+                "kda_commit",
                 "kda_t17_softplus", "kda_unmerged_verify_t9", "kda_strided_slices_t1", "kda_strided_slices_t9",
                 "attnres_plain", "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16",
                 "mxfp4_grouped", "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog",
@@ -825,7 +852,9 @@ def test_cuda_kda_decode(T, all_states):
 
 @cuda
 def test_cuda_kda_decode_slots():
-    for name, (err, tol) in _kda_slots_checks("cuda", torch.bfloat16, H=32, D=128).items():
+    checks = {**_kda_slots_checks("cuda", torch.bfloat16, H=32, D=128),
+              **_kda_commit_checks("cuda", torch.bfloat16, H=32, D=128)}
+    for name, (err, tol) in checks.items():
         assert err <= tol, f"{name}: {err} > {tol}"
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.cache.state import committed_kda_state
+from dspark.kernels.kda_commit import kda_commit
 from dspark.kernels.paged_attention import Pages
 from dspark.kernels.view_indices import additive_key_mask, key_visible, view_indices
 
@@ -138,8 +138,6 @@ class DeviceView:
 
     def commit(self, n_keep: torch.Tensor) -> None:
         """After a record=True forward: keep the recurrent state after n_keep [B] (device) new tokens per row."""
-        for layer, (states, ext) in self._pending.items():
-            S, win = committed_kda_state(states, ext, n_keep, self.S[layer].index_select(0, self.slots))
-            self.S[layer].index_copy_(0, self.slots, S)
-            self.conv[layer].index_copy_(0, self.slots, win.to(self.conv[layer].dtype))
+        for layer, (states, ext) in self._pending.items():  # one launch per layer on CUDA
+            kda_commit(states, ext, n_keep, self.S[layer], self.conv[layer], self.slots)
         self._pending.clear()
