@@ -489,8 +489,8 @@ case "$target" in
     ;;
   regen-speed)
     # shellcheck disable=SC2086 # TARGET_ARGS is a word list
-    log train-target python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled ${TARGET_ARGS:-max_steps=20} \
-      || rc=$?
+    log train-target python3 -m train recipes/targets/k3-mini.yaml log.wandb_mode=disabled \
+      ${TARGET_ARGS:-max_steps=20} || rc=$?
     for mp in bf16 no; do
       python3 -m train recipes/k3-mini.yaml target=runs/k3-mini/final output_dir="runs/regen-$mp" \
         mixed_precision=$mp max_steps=1 log.wandb_mode=disabled \

@@ -132,10 +132,10 @@ def _kda_tiles(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, dtb_ptr, 
                b, wb, h, j, T, H, P, SQ, SF, SB, lower_bound, scale,
                D: tl.constexpr, BD: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                W: tl.constexpr, USE_LB: tl.constexpr, HAS_LEN: tl.constexpr):
-    """What does not depend on the state, for all T tokens of program (b, h, j) (value columns j*BV..): the
-    extended conv window (the window's row wb) written by j == 0; Q, K [BT, BD] (conv + SiLU + L2 norm, q scaled), V [BT, BV] (conv +
-    SiLU), the log decay G [BT, BD] and sigmoid(beta) [BT], both 0 on padding rows (t >= the row's valid length),
-    which then leave the state untouched."""
+    """What does not depend on the state, for all T tokens of program (b, h, j) (value columns j*BV..): the extended
+    conv window (the window's row wb) written by j == 0; Q, K [BT, BD] (conv + SiLU + L2 norm, q scaled), V [BT, BV]
+    (conv + SiLU), the log decay G [BT, BD] and sigmoid(beta) [BT], both 0 on padding rows (t >= the row's valid
+    length), which then leave the state untouched."""
     P3 = 3 * P
     offs = tl.arange(0, BD)
     dm = offs < D
