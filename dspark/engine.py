@@ -308,7 +308,8 @@ class Engine:
         ahead = [0 if s < 0 else chain.k + 1 for s in src]
         rids = [r.id for r in reqs]
         # room for this step after what the step in flight may add, within each request's reservation
-        counts = [min(a + k + 1, self.scheduler.blocks_for(r) * self.block_size - self.cache.num_tokens(r.id))
+        held = self.scheduler.reserved  # request id -> the blocks it reserved at admission
+        counts = [min(a + k + 1, held[r.id] * self.block_size - self.cache.num_tokens(r.id))
                   for r, a in zip(reqs, ahead)]
         num_cached, tables, slots = self.cache.step_rows(rids, counts)
         key = self.runner.key_for(len(reqs), k, max(c + a for c, a in zip(num_cached, ahead)) + k + 1, mode)

@@ -87,7 +87,8 @@ class Scheduler:
         reason = None
         stops = r.params.stop_token_ids
         eos = None if r.params.ignore_eos else self.eos_id
-        hit = next((i for i, t in enumerate(toks) if t == eos or t in stops), None)
+        hit = (next((i for i, t in enumerate(toks) if t == eos or t in stops), None)
+               if eos is not None or stops else None)
         if hit is not None:
             toks, reason = toks[: hit + 1], "stop"
         r.output_ids += toks
