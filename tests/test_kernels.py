@@ -106,8 +106,7 @@ def _kda_commit_checks(device="cpu", dtype=torch.float32, H=2, D=16) -> dict:
     """kda_commit (the kernel where dispatched) and its definition against the cache's rollback
     (committed_kda_state, then the rows written back): rows keeping all 9, 3, none and 1 of their new tokens at pool
     rows 2, 0, 4 and the scratch row 5; the other pool rows untouched. -> name -> [max abs error, tolerance]."""
-    from dspark.cache.state import committed_kda_state
-    from dspark.kernels.kda_commit import kda_commit, kda_commit_ref
+    from dspark.kernels.kda_commit import committed_kda_state, kda_commit, kda_commit_ref
 
     g = torch.Generator().manual_seed(3)
     B, T, W1, C = 4, 9, 3, 3 * H * D

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import torch
 
-from dspark.cache.state import committed_kda_state
+from dspark.kernels.kda_commit import committed_kda_state
 from dspark.kernels.paged_attention import Pages
 from dspark.kernels.view_indices import additive_key_mask, key_visible
 

@@ -12,28 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
+from dspark.kernels.kda_commit import committed_kda_state
+
 LayerShape = tuple[int, int, int, int, int]  # (H, K, V, conv_channels, W)
-
-
-def committed_kda_state(states: torch.Tensor, conv_ext: torch.Tensor, n_keep, S_old: torch.Tensor | None = None):
-    """The rollback of a record=True forward, for every cache (paged pool, DenseCache, the static graph path), with
-    device ops only. states [B, T, H, K, V] after each new position; conv_ext [B, W-1+T, C] = the old window then
-    the new raw inputs; n_keep [B] in 0..T -> (S [B, H, K, V]: the state after n_keep tokens, S_old (zeros when
-    None) where n_keep = 0; conv [B, W-1, C]: the window of the last W-1 kept raw inputs)."""
-    B, T = states.shape[:2]
-    n = torch.as_tensor(n_keep, dtype=torch.long).to(states.device)
-    S = states.reshape(B * T, *states.shape[2:]).index_select(0, torch.arange(B, device=n.device) * T + (n - 1).clamp(min=0))
-    S = S.to(S_old.dtype) if S_old is not None else S
-    S = torch.where((n > 0)[:, None, None, None], S, S_old if S_old is not None else torch.zeros_like(S))
-    return S, kept_conv_window(conv_ext, n, conv_ext.shape[1] - T)
-
-
-def kept_conv_window(conv_ext: torch.Tensor, n_keep: torch.Tensor, W1: int) -> torch.Tensor:
-    """The conv window after keeping n_keep [B] new tokens: rows n_keep .. n_keep+W1-1 of the extended window
-    conv_ext [B, W1+T, C] (the old window, then the new raw inputs) -> [B, W1, C]."""
-    n = n_keep.to(conv_ext.device)
-    cols = n[:, None] + torch.arange(W1, device=n.device)  # [B, W1]
-    return conv_ext.gather(1, cols[..., None].expand(-1, -1, conv_ext.shape[-1]))
 
 
 class KDAStatePool:

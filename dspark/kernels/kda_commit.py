@@ -13,20 +13,28 @@ from __future__ import annotations
 import torch
 
 from dspark.kernels import next_pow2, tl, triton, use_triton
+from dspark.kernels.kda_decode import kept_conv_window
+
+
+def committed_kda_state(states: torch.Tensor, conv_ext: torch.Tensor, n_keep, S_old: torch.Tensor | None = None):
+    """The rollback of a record=True forward, for every cache (paged pool, DenseCache), with device ops only.
+    states [B, T, H, K, V] after each new position; conv_ext [B, W-1+T, C] = the old window then the new raw inputs;
+    n_keep [B] in 0..T -> (S [B, H, K, V]: the state after n_keep tokens, S_old (zeros when None) where n_keep = 0;
+    conv [B, W-1, C]: the window of the last W-1 kept raw inputs)."""
+    B, T = states.shape[:2]
+    n = torch.as_tensor(n_keep, dtype=torch.long).to(states.device)
+    at = torch.arange(B, device=n.device) * T + (n - 1).clamp(min=0)  # each row's last kept position
+    S = states.reshape(B * T, *states.shape[2:]).index_select(0, at)
+    S = S.to(S_old.dtype) if S_old is not None else S
+    S = torch.where((n > 0)[:, None, None, None], S, S_old if S_old is not None else torch.zeros_like(S))
+    return S, kept_conv_window(conv_ext, n, conv_ext.shape[1] - T)
 
 
 def kda_commit_ref(states, ext, n_keep, state_pool, window_pool, slots) -> None:
-    """The definition, in torch: index ops on the pools, no data-dependent shapes (a captured step runs it)."""
-    B, T = states.shape[:2]
-    W1 = window_pool.shape[1]
-    n = n_keep.to(states.device).long()
-    keep = (n > 0)[:, None, None]
-    S = states[torch.arange(B, device=states.device), (n - 1).clamp(min=0)]  # [B, H, K, V]
-    cols = n[:, None] + torch.arange(W1, device=states.device)  # [B, W-1]: ext rows n .. n+W-2
-    win = ext.gather(1, cols[..., None].expand(-1, -1, ext.shape[-1]))
-    S = torch.where(keep[..., None], S.to(state_pool.dtype), state_pool.index_select(0, slots))
+    """The definition: committed_kda_state of the rows, written back at their pool rows."""
+    S, win = committed_kda_state(states, ext, n_keep, state_pool.index_select(0, slots))
     state_pool.index_copy_(0, slots, S)
-    window_pool.index_copy_(0, slots, torch.where(keep, win.to(window_pool.dtype), window_pool.index_select(0, slots)))
+    window_pool.index_copy_(0, slots, win.to(window_pool.dtype))
 
 
 @triton.jit

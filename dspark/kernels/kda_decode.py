@@ -56,6 +56,14 @@ def causal_conv_silu(window: torch.Tensor, raw: torch.Tensor, weight: torch.Tens
     return F.silu(out.transpose(1, 2)), ext
 
 
+def kept_conv_window(conv_ext: torch.Tensor, n_keep: torch.Tensor, W1: int) -> torch.Tensor:
+    """The conv window after keeping n_keep [B] new tokens: rows n_keep .. n_keep+W1-1 of the extended window
+    conv_ext [B, W1+T, C] (the old window, then the new raw inputs) -> [B, W1, C]."""
+    n = n_keep.to(conv_ext.device)
+    cols = n[:, None] + torch.arange(W1, device=n.device)  # [B, W1]
+    return conv_ext.gather(1, cols[..., None].expand(-1, -1, conv_ext.shape[-1]))
+
+
 def kda_recurrent(q, k, v, g, beta, initial_state=None, return_all_states: bool = False, scale: float | None = None):
     """The delta rule token by token (the definition). q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H]
     (post-sigmoid); initial_state [B, H, K, V] or None.
@@ -371,9 +379,8 @@ def kda_decode_slots_ref(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias
                                  state_pool[slots], lower_bound, eps, return_all_states, lengths)
     if not return_all_states:
         n = lengths.to(qkv.device) if lengths is not None else torch.full((B,), T, device=qkv.device)
-        cols = n[:, None] + torch.arange(W1, device=qkv.device)  # [B, W-1]: ext rows n .. n+W-2
         state_pool[slots] = S
-        window_pool[slots] = ext.gather(1, cols[..., None].expand(-1, -1, ext.shape[-1])).to(window_pool.dtype)
+        window_pool[slots] = kept_conv_window(ext, n, W1).to(window_pool.dtype)
         S = state_pool
     return out, S, ext
 

@@ -14,9 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dspark.cache.state import kept_conv_window
 from dspark.kernels import use_triton
-from dspark.kernels.kda_decode import causal_conv_silu, kda_decode, kda_decode_slots, kda_gate, kda_recurrent, l2norm
+from dspark.kernels.kda_decode import (
+    causal_conv_silu,
+    kda_decode,
+    kda_decode_slots,
+    kda_gate,
+    kda_recurrent,
+    kept_conv_window,
+    l2norm,
+)
 from dspark.models.layers import MergedConv1d, MergedLinear, RMSNorm
 
 try:  # GPU fast path; never used on CPU
