@@ -93,7 +93,8 @@ def _kda_slots_checks(device="cpu", dtype=torch.float32, H=2, D=16) -> dict:
         outs = []
         for fn in (kda_decode_slots_ref, kda_decode_slots):
             S_pool, win_pool = (t.clone() for t in pools)
-            out, S, ext = fn(*args, win_pool, *norm, S_pool, slots, -5.0, return_all_states=record, lengths=lengths)
+            out, S, ext = fn(*args, win_pool, *norm, S_pool, lower_bound=-5.0, return_all_states=record,
+                             lengths=lengths, slots=slots)
             outs.append((out, ext, S if record else S_pool, win_pool))
         err = max(_err(a, b) for a, b in zip(*outs))
         if record:  # the pools as they were

@@ -311,11 +311,11 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 @torch.compiler.disable  # a torch.compile'd caller launches the kernel as it is
 def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, state=None, lower_bound=None,
-                      eps=1e-5, return_all_states=False, lengths=None, state_out=None, block_v=None,
-                      merged=True, num_warps=None, slots=None):
-    """state_out may be `state` itself (in-place update: each program reads its state slice before writing it).
-    slots [B]: state and window are pools (kda_decode_slots), read at those rows; without return_all_states the
-    final state and the kept window go back there (the state returned is the pool).
+                      eps=1e-5, return_all_states=False, lengths=None, block_v=None, merged=True, num_warps=None,
+                      slots=None):
+    """slots [B]: state and window are pools (kda_decode_slots), read at those rows; without return_all_states the
+    final state and the kept window go back there, in place (each program reads its state slice before writing it;
+    the state returned is the pool).
     block_v: value columns per program (default: autotuned on CUDA, with the reduction order; _DEFAULT_BV in the
     interpreter); merged, num_warps: the reduction order (MERGED in _kda_decode_kernel) and warps when block_v is
     given. Two launches: the delta rule, then the gated norm."""
@@ -328,8 +328,6 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
     if slots is not None:  # the pools in place: any window dtype (the kernel reads it as fp32)
         if not (state.is_contiguous() and state.dtype == torch.float32 and window.is_contiguous()):
             raise ValueError("kda_decode_triton: slots need contiguous pools, the state pool in fp32")
-        if not return_all_states:
-            state_out = state
     else:
         window = window.to(qkv.dtype).contiguous()
     o = torch.empty(B, T, P, dtype=torch.float32, device=qkv.device)
@@ -337,8 +335,10 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
     ext = torch.empty(B, W - 1 + T, P3, dtype=qkv.dtype, device=qkv.device)
     if return_all_states:
         s_out = torch.empty(B, T, H, D, D, dtype=torch.float32, device=qkv.device)
+    elif slots is not None:
+        s_out = state  # the pool, in place
     else:
-        s_out = state_out if state_out is not None else torch.empty(B, H, D, D, dtype=torch.float32, device=qkv.device)
+        s_out = torch.empty(B, H, D, D, dtype=torch.float32, device=qkv.device)
     s_in = state.contiguous() if state is not None else s_out
     lens = lengths.contiguous() if lengths is not None else qkv
     rows = slots.contiguous() if slots is not None else qkv
@@ -369,8 +369,8 @@ def kda_decode(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm_w, sta
               return_all_states, lengths)
 
 
-def kda_decode_slots_ref(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_norm_w, state_pool, slots,
-                         lower_bound=None, eps=1e-5, return_all_states=False, lengths=None):
+def kda_decode_slots_ref(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_norm_w, state_pool,
+                         lower_bound=None, eps=1e-5, return_all_states=False, lengths=None, slots=None):
     """kda_decode_slots by its definition: the rows gathered from the pools, kda_decode_ref, and (without all
     states) the final state and the window of the last W-1 valid raw inputs written back."""
     B, T = qkv.shape[:2]
@@ -391,9 +391,6 @@ def kda_decode_slots(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_
     for request b. Without return_all_states the step's final state and kept window are written there (-> (out,
     state_pool, ext)); with it they are read only (-> (out, all states [B,T,H,K,V], ext), as kda_decode)."""
     fn = kda_decode_triton if use_triton(qkv, state_pool, slots) else kda_decode_slots_ref
-    if fn is kda_decode_triton:
-        return fn(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_norm_w, state_pool, lower_bound, eps,
-                  return_all_states, lengths, slots=slots)
-    return fn(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_norm_w, state_pool, slots, lower_bound,
-              eps, return_all_states, lengths)
+    return fn(qkv, f, beta, gate, conv_w, window_pool, A_log, dt_bias, o_norm_w, state_pool, lower_bound, eps,
+              return_all_states, lengths, slots=slots)
 
