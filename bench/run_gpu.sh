@@ -50,9 +50,9 @@
 #                  block 8, 2 layers, Markov rank 64; ARGS add to or replace these), as one detached run (its own OUT;
 #                  writes OUT/DONE); PEER_RESUME=1 goes on in OUT/peer where a run stopped (its target kept)
 #   tau-gap-k3-mini  the k3-mini pair from scratch (TARGET_ARGS, DRAFTER_ARGS; the CUDA tests beside the target's
-#                  training and the regeneration, as ablate-k3-mini), then where its task τ parts from its holdout τ:
-#                  bench/tau_gap.py on 32 holdout sequences (with --eager; TAU_GAP_VARIANTS=0 skips its runs with
-#                  DSPARK_KERNELS=0 and in fp32) and python -m eval on the same pair (16 prompts x 128
+#                  training, stopped as the regeneration begins), then where its task τ parts from its holdout τ:
+#                  bench/tau_gap.py on 32 holdout sequences (with --eager --policy; TAU_GAP_VARIANTS=1 adds its runs
+#                  with DSPARK_KERNELS=0 and in fp32) and python -m eval on the same pair (16 prompts x 128
 #                  tokens per task) -> $OUT/tau-gap.txt, $OUT/tau-gap-eval/; then (DFLASH=0 skips it) the DFlash
 #                  layout (2 Qwen3 layers, block 9) trained from the same sequences for as many steps, through the
 #                  same eval -> $OUT/dflash-eval/; then (REGEN_PROFILE=0 skips it) the step timeline of the
@@ -196,16 +196,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -c "import fla; print('fla', getattr(fla, '__version__', '?'))" 2>/dev/null || echo "fla: not installed"
 echo "NGPU=$NGPU OUT=$OUT"
 
-# side_tests GLOB: the CUDA suite beside a training (the engine's own tests first), in a process group of its own
-# (xdist's workers included), stopped once a file GLOB names says "trainable params": the drafter's timed training
-# begins, which it must not share
+# side_tests GLOB [PATTERN]: the CUDA suite beside a training (the engine's own tests first), in a process group of
+# its own (xdist's workers included), stopped once a file GLOB names has a line matching PATTERN (default "trainable
+# params": the drafter's timed training begins, which it must not share; "regenerate:" stops them before the
+# regeneration, whose host-bound steps they slow about fourfold)
 side_tests() {
   setsid bash "$0" tests-cuda -n 8 --timeout 200 tests/test_mailbox.py tests/test_overlap.py tests/test_runner.py \
     tests/test_engine.py tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
   side_pid=$!
   # shellcheck disable=SC2086 # GLOB is expanded at every look
-  ( until cat $1 2>/dev/null | grep -qs "trainable params"; do sleep 5; done
-    kill -- -$side_pid 2>/dev/null && echo "CUDA tests stopped as the drafter's training began" ) &
+  ( until cat $1 2>/dev/null | grep -qs "${2:-trainable params}"; do sleep 5; done
+    kill -- -$side_pid 2>/dev/null && echo "CUDA tests stopped at \"${2:-trainable params}\"" ) &
   side_watcher=$!
 }
 side_tests_end() { kill $side_watcher 2>/dev/null; kill -- -$side_pid 2>/dev/null; wait; }
@@ -326,7 +327,7 @@ case "$target" in
     ;;
   tau-gap-k3-mini)
     # shellcheck disable=SC2086 # the ARGS variables are word lists
-    side_tests "$OUT/train-drafter.txt"
+    side_tests "$OUT/train-drafter.txt" "regenerate:"
     { bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-}; } || rc=1
     side_tests_end
     drafter=$(best_or_final runs/k3-mini-drafter)
@@ -334,8 +335,8 @@ case "$target" in
       --max-prompt-tokens 256)
     gap=(python3 bench/tau_gap.py --target "$TARGET_DIR" --drafter "$drafter" --n 32 --device cuda
       --sequences runs/k3-mini-drafter/sequences.pt)
-    log tau-gap "${gap[@]}" --eager || rc=1
-    if [ "${TAU_GAP_VARIANTS:-1}" = 1 ]; then  # where the engine parts from the walk: kernels, then precision
+    log tau-gap "${gap[@]}" --eager --policy || rc=1
+    if [ "${TAU_GAP_VARIANTS:-0}" = 1 ]; then  # where the engine parts from the walk: kernels, then precision
       echo "DSPARK_KERNELS=0:" >> "$OUT/tau-gap.txt"
       DSPARK_KERNELS=0 log tau-gap "${gap[@]}" || rc=1
       log tau-gap "${gap[@]}" --dtype float32 || rc=1

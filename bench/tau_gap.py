@@ -10,7 +10,9 @@ argmax), τ (mean accepted drafts + 1 per block) three ways, and the walked one 
             block counted: what the trainer's holdout metric estimates (it samples anchors uniformly)
   walked    the same per-anchor accepted counts, but visiting only the anchors a greedy speculative decode visits
             (start after the prompt, next anchor = anchor + accepted + 1)
-  engine    dspark.Engine generating from the prompt (checked token-for-token against the stored continuation)
+  engine    dspark.Engine generating from the prompt with every step verifying the whole block (k pinned: the
+            drafter's τ; checked token-for-token against the stored continuation); --policy adds the engine with its
+            k policy (the served default: on a GPU it verifies fewer drafts where that pays, which caps τ)
 engine == walked means the serving path drafts exactly what training measures; uniform > walked is selection: a
 decode step starts right after a rejection, where the text is harder than at a random position. The continuations'
 4-gram repeat share (eval.measure.repeat_share) says how much of them loops, which a drafter accepts easily; the
@@ -31,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E402
 from dspark.device import resolve_device, resolve_dtype  # noqa: E402
+from dspark.policy import REPICK_EVERY  # noqa: E402
 from dspark.spec.draft import sample_markov  # noqa: E402
 from eval.measure import repeat_share  # noqa: E402
 from train.anchors import decode_walk  # noqa: E402
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu, cuda, auto")
     ap.add_argument("--dtype", default="auto", help="auto: bfloat16 on a GPU, float32 on CPU")
     ap.add_argument("--eager", action="store_true", help="also decode with an engine without CUDA graphs")
+    ap.add_argument("--policy", action="store_true", help="also decode with the engine's k policy (not pinned)")
     a = ap.parse_args()
     torch.set_num_threads(2)
     device = resolve_device(a.device, "--device")
@@ -78,7 +82,7 @@ def main() -> None:
     n_new = min(int(m.sum()) for m in masks) - 1
     params = SamplingParams(max_tokens=n_new, temperature=0.0, ignore_eos=True)
     stored = [r[len(p):len(p) + n_new].tolist() for r, p in zip(rows, prompts)]
-    outs = Engine(t, d).generate(prompts, params)
+    outs = Engine(t, d, num_speculative_tokens=D).generate(prompts, params)
     print(f"holdout rows: prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, {n_new} new tokens each")
     eng = [x for o in outs for x in o.accepted_per_step]
     same = sum(o.token_ids == want for o, want in zip(outs, stored))
@@ -91,9 +95,17 @@ def main() -> None:
           f"τ at uniform anchors weighted by 1 / (accepted + 1): {len(uniform) / sum(1 / (x + 1) for x in uniform):.3f}")
     print(same_text("engine", outs, stored, walks))
     if a.eager:
-        outs = Engine(t, d, graphs=False).generate(prompts, params)
+        outs = Engine(t, d, num_speculative_tokens=D, graphs=False).generate(prompts, params)
         print(f"engine without CUDA graphs: τ {tau([x for o in outs for x in o.accepted_per_step]):.3f}; "
               + same_text("it", outs, stored, walks))
+    if a.policy:
+        eng = Engine(t, d)
+        outs = eng.generate(prompts, params)
+        ks = {}
+        for (_, k, _, _), n in eng.policy.choices_made.items():
+            ks[k] = ks.get(k, 0) + n
+        print(f"engine with its k policy: τ {tau([x for o in outs for x in o.accepted_per_step]):.3f} (choices of k, "
+              f"each reused up to {REPICK_EVERY} steps: {dict(sorted(ks.items()))}); " + same_text("it", outs, stored, walks))
 
 
 def tau(accepted: list[int]) -> float:
