@@ -8,6 +8,7 @@ from dspark.cache.batch import DenseCache
 from dspark.models.k3 import K3ForCausalLM
 from dspark.models.k3.attn_res import attn_res, attn_res_naive
 from dspark.models.k3.config import k3_tiny_config
+from dspark.models.k3.mla import MLAttention
 
 ATOL = 1e-4
 
@@ -37,6 +38,28 @@ def test_prefill_then_decode_equals_full_sequence():
         outs.append(model(ids[:, t:t + 1], batch=cache.batch([1])))
         cache.commit()
     assert (torch.cat(outs, 1) - full).abs().max() < ATOL
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("rope_theta", [None, 10000.0])  # the K3 target (NoPE) and the DSpark drafter (RoPE)
+def test_mla_absorbed_attention_equals_expanded(rope_theta):
+    """Few queries over many latent rows take the absorbed form (kv_b_proj folded into queries and output); it equals
+    the expanded form for bool, additive and batch-broadcast masks; long query runs stay expanded."""
+    torch.manual_seed(0)
+    m = MLAttention(64, 4, 32, 32, 16, 8, 16, rope_theta=rope_theta, causal=False)
+    for T, L in ((1, 20), (9, 30), (14, 40)):  # 14 * (2*32 + 8) = 1008 < 32 * (16 + 16): still absorbed
+        q, rows = m.queries(torch.randn(3, T, 64)), m.latent_rows(torch.randn(3, L, 64))
+        visible = torch.rand(3, 1, T, L) > 0.3
+        visible[..., 0] = True
+        additive = torch.zeros(3, 1, T, L).masked_fill(~visible, float("-inf"))
+        for mask in (visible, additive, visible[:1], visible[:1, :, :1], None):
+            got = m.attend(q, rows, mask)
+            assert torch.equal(got, m._absorbed(q, rows, mask))
+            want = m._expanded(q, rows, mask, False)
+            assert (got - want).abs().max() < 1e-5 * want.abs().max()
+    q, rows = m.queries(torch.randn(2, 15, 64)), m.latent_rows(torch.randn(2, 15, 64))
+    assert torch.equal(m.attend(q, rows), m._expanded(q, rows, None, False))
+    assert torch.equal(m.attend(q, rows, is_causal=True), m._expanded(q, rows, None, True))
 
 
 @torch.no_grad()

@@ -4,8 +4,10 @@ The K3 target uses NoPE MLA (no rotary at all; k_pe is still computed, cached an
 output gate. The DSpark drafter reuses this module with interleaved RoPE (`rope_theta`) and its own masks through
 the pieces `queries`, `latent_rows`, `attend`, `output`.
 
-Per token cache row = [c_kv normed (kv_lora) | k_pe (rope)], one "head"; attention expands the latent rows through
-kv_b_proj (no weight absorption: readable reference).
+Per token cache row = [c_kv normed (kv_lora) | k_pe (rope)], one "head". Attention over many rows for few queries
+(decode, verify, a draft block) absorbs kv_b_proj into the queries and the output instead of expanding every row
+through it: scores q_nope·(W_k c) = (q_nope W_k)·c, output Σ p W_v c = W_v Σ p c, so the heads share the latent rows
+as one multi-query head; longer query runs (prefill, training) expand the rows (`_expanded`, the readable form).
 """
 from __future__ import annotations
 
@@ -67,8 +69,30 @@ class MLAttention(nn.Module):
     def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None = None,
                is_causal: bool = False) -> torch.Tensor:
         """q [B, H, T, nope+rope], rows [B, L, kv_lora+rope], mask [B, 1, T, L] bool (True = may attend) or
-        additive (0 / -inf)
-        -> [B, T, H*v]."""
+        additive (0 / -inf), or a flex BlockMask
+        -> [B, T, H*v]. Absorbed where that costs fewer multiply-adds (a dense mask, T below about
+        kv_lora (nope + v) / (2 kv_lora + rope): 120 for K3's shape), else expanded."""
+        r, T = self.kv_lora_rank, q.shape[2]
+        dense = mask is None or isinstance(mask, torch.Tensor)
+        if dense and not is_causal and T * (2 * r + self.rope) < r * (self.nope + self.v_dim):
+            return self._absorbed(q, rows, mask)
+        return self._expanded(q, rows, mask, is_causal)
+
+    def _absorbed(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """attend with kv_b_proj folded into the queries and the output: one head of H*T queries over the rows."""
+        B, H, T, _ = q.shape
+        L, r = rows.shape[1], self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(H, self.nope + self.v_dim, r)  # per head [W_k (nope rows) | W_v (v rows)]
+        q_lat = torch.einsum("bhtn,hnr->bhtr", q[..., :self.nope], w[:, :self.nope])  # one bmm over the heads
+        q_all = torch.cat([q_lat, q[..., self.nope:]], -1).reshape(B, 1, H * T, r + self.rope)
+        if mask is not None:  # [B' or 1, 1, T or 1, L] -> [B', 1, H*T, L]: every head's queries see the same keys
+            mask = mask.expand(mask.shape[0], H, T, L).reshape(mask.shape[0], 1, H * T, L)
+        o = attention(q_all, rows[:, None], rows[:, None, :, :r], mask, scale=self.scale)  # [B, 1, H*T, r]
+        o = torch.einsum("bhtr,hvr->bhtv", o.view(B, H, T, r), w[:, self.nope:])
+        return o.transpose(1, 2).reshape(B, T, H * self.v_dim)
+
+    def _expanded(self, q: torch.Tensor, rows: torch.Tensor, mask, is_causal: bool) -> torch.Tensor:
+        """attend with every latent row expanded through kv_b_proj into per-head keys and values."""
         B, L, _ = rows.shape
         c_kv, k_pe = rows.split([self.kv_lora_rank, self.rope], -1)
         kv = self.kv_b_proj(c_kv).view(B, L, self.num_heads, self.nope + self.v_dim).transpose(1, 2)
