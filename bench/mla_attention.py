@@ -61,7 +61,8 @@ def main() -> None:
     m = MLAttention(hidden, heads, q_lora, kv_lora, nope, rope, v).to(device, dtype)
     cuda = device.type == "cuda"
     print(f"MLA attention, {a.shape} shape ({heads} heads, kv_lora {kv_lora}, rope {rope}), {device.type}, {dtype}")
-    print("| B | L | T | expanded ms | absorbed ms | expanded ÷ absorbed | max diff ÷ max |out| |\n|--:|--:|--:|--:|--:|--:|--:|")
+    print("| B | L | T | expanded ms | absorbed ms | expanded ÷ absorbed | max diff ÷ max |out| |\n"
+          "|--:|--:|--:|--:|--:|--:|--:|")
     for B in map(int, a.batches.split(",")):
         for L in map(int, a.lengths.split(",")):
             for T in map(int, a.queries.split(",")):

@@ -105,7 +105,8 @@ def main() -> None:
         for (_, k, _, _), n in eng.policy.choices_made.items():
             ks[k] = ks.get(k, 0) + n
         print(f"engine with its k policy: τ {tau([x for o in outs for x in o.accepted_per_step]):.3f} (choices of k, "
-              f"each reused up to {REPICK_EVERY} steps: {dict(sorted(ks.items()))}); " + same_text("it", outs, stored, walks))
+              f"each reused up to {REPICK_EVERY} steps: {dict(sorted(ks.items()))}); "
+              + same_text("it", outs, stored, walks))
 
 
 def tau(accepted: list[int]) -> float:
