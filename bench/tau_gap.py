@@ -99,10 +99,10 @@ def main() -> None:
         print(f"engine without CUDA graphs: τ {tau([x for o in outs for x in o.accepted_per_step]):.3f}; "
               + same_text("it", outs, stored, walks))
     if a.policy:
-        eng = Engine(t, d)
-        outs = eng.generate(prompts, params)
+        engine = Engine(t, d)
+        outs = engine.generate(prompts, params)
         ks = {}
-        for (_, k, _, _), n in eng.policy.choices_made.items():
+        for (_, k, _, _), n in engine.policy.choices_made.items():
             ks[k] = ks.get(k, 0) + n
         print(f"engine with its k policy: τ {tau([x for o in outs for x in o.accepted_per_step]):.3f} (choices of k, "
               f"each reused up to {REPICK_EVERY} steps: {dict(sorted(ks.items()))}); "
