@@ -62,6 +62,28 @@ def test_mla_absorbed_attention_equals_expanded(rope_theta):
     assert torch.equal(m.attend(q, rows, is_causal=True), m._expanded(q, rows, None, True))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_cuda_mla_absorbed_attention_at_k3_shapes():
+    """bf16 on the GPU at the K3 and k3-mini shapes: a decode (T = 1) and a verify (T = 9) over up to 1024 cached rows
+    per row, ragged lengths, against the expanded form in fp32."""
+    for shape in ((7168, 64, 1536, 512, 128, 64, 128), (768, 6, 384, 256, 128, 64, 128)):
+        torch.manual_seed(0)
+        m = MLAttention(*shape).cuda()
+        m16 = MLAttention(*shape).cuda().bfloat16()
+        m16.load_state_dict(m.state_dict())
+        heads, kv_lora, nope, rope = shape[1], shape[3], shape[4], shape[5]
+        lengths = torch.randint(1, 1025, (8,), device="cuda")
+        for T in (1, 9):
+            q = torch.randn(8, heads, T, nope + rope, device="cuda")
+            rows = torch.randn(8, 1024, kv_lora + rope, device="cuda")
+            mask = (torch.arange(1024, device="cuda") < lengths[:, None])[:, None, None, :].expand(8, 1, T, 1024)
+            got = m16.attend(q.bfloat16(), rows.bfloat16(), mask)
+            assert torch.equal(got, m16._absorbed(q.bfloat16(), rows.bfloat16(), mask))
+            want = m._expanded(q, rows, mask, False)
+            assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max(), (shape, T)
+
+
 @torch.no_grad()
 def test_batched_ragged_prefill_and_decode_equal_per_row_full():
     model = _model(seed=2)
