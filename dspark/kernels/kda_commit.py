@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dspark.kernels import next_pow2, tl, triton, use_triton
-from dspark.kernels.kda_decode import kept_conv_window
+from dspark.kernels.kda_decode import _store_kept_window, kept_conv_window
 
 
 def committed_kda_state(states: torch.Tensor, conv_ext: torch.Tensor, n_keep, S_old: torch.Tensor | None = None):
@@ -51,13 +51,7 @@ def _kda_commit_kernel(states_ptr, ext_ptr, n_ptr, slot_ptr, s_pool_ptr, w_pool_
             offs = start + tl.arange(0, BLOCK)
             m = offs < KV
             tl.store(dst + offs, tl.load(src + offs, mask=m), mask=m)
-        offs = tl.arange(0, BD)
-        dm = offs < D
-        for part in tl.static_range(3):
-            ch = part * P + h * D + offs
-            for pos in tl.static_range(W1):
-                x = tl.load(ext_ptr + (b * (T + W1) + n + pos) * 3 * P + ch, mask=dm, other=0.0)
-                tl.store(w_pool_ptr + (slot * W1 + pos) * 3 * P + ch, x.to(w_pool_ptr.dtype.element_ty), mask=dm)
+        _store_kept_window(ext_ptr, w_pool_ptr, b, slot, n, h, T, P, D, BD, W1)
 
 
 @torch.compiler.disable

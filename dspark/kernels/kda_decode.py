@@ -253,6 +253,19 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
 
 
 @triton.jit
+def _store_kept_window(ext_ptr, win_ptr, b, slot, n, h, T, P, D: tl.constexpr, BD: tl.constexpr, W1: tl.constexpr):
+    """Head h's channels of row b's conv window after keeping n new tokens (ext rows n .. n+W1-1 of ext [B, W1+T,
+    3P]) into row slot of the window pool [N, W1, 3P] (kept_conv_window, written in place)."""
+    offs = tl.arange(0, BD)
+    dm = offs < D
+    for part in tl.static_range(3):
+        ch = part * P + h * D + offs
+        for pos in tl.static_range(W1):
+            x = tl.load(ext_ptr + (b * (T + W1) + n + pos) * 3 * P + ch, mask=dm, other=0.0)
+            tl.store(win_ptr + (slot * W1 + pos) * 3 * P + ch, x.to(win_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
 def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, ext_ptr, conv_ptr, slot_ptr, len_ptr, T, H, P, SG, eps,
                          D: tl.constexpr, BD: tl.constexpr, W: tl.constexpr, KEEP_WINDOW: tl.constexpr,
                          HAS_LEN: tl.constexpr):
@@ -270,12 +283,8 @@ def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, ext_ptr, conv_ptr, s
             n_valid = T
             if HAS_LEN:
                 n_valid = tl.load(len_ptr + b)
-            slot = tl.load(slot_ptr + b).to(tl.int32)
-            for part in tl.static_range(3):
-                ch = part * P + h * D + offs
-                for pos in tl.static_range(W - 1):
-                    x = tl.load(ext_ptr + (b * (T + W - 1) + n_valid + pos) * 3 * P + ch, mask=dm, other=0.0)
-                    tl.store(conv_ptr + (slot * (W - 1) + pos) * 3 * P + ch, x.to(conv_ptr.dtype.element_ty), mask=dm)
+            _store_kept_window(ext_ptr, conv_ptr, b, tl.load(slot_ptr + b).to(tl.int32), n_valid, h, T, P, D, BD,
+                               W - 1)
     base = n * P + h * D + offs
     o = tl.load(o_ptr + base, mask=dm, other=0.0)
     og = tl.sigmoid(tl.load(gate_ptr + n * SG + h * D + offs, mask=dm, other=0.0).to(tl.float32))
