@@ -4,43 +4,27 @@ expanded one (every row through kv_b_proj), timed per call.
     python bench/mla_attention.py [--device cuda] [--dtype bfloat16] [--shape k3-mini|k3] [--batches 1,64,512]
                                   [--lengths 256,1024] [--queries 1,9]
 
-One MLAttention layer of the shape (random weights), B rows of L cached latents, T queries each, every key visible
-(a bool mask, as the engine's steps pass); the median of --iters calls after --warmup, synchronised on a GPU. Also the
-max |absorbed - expanded| relative to the output's largest value.
+One MLAttention layer of the shape (random weights), B rows of L cached latents, T queries each, every key visible (a
+bool mask, as the engine's steps pass); the median of --iters calls after --warmup (bench/timing.py: CUDA events on a
+GPU). Also the max |absorbed - expanded| relative to the output's largest value.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from timing import median_ms  # noqa: E402  (bench/timing.py)
+
 from dspark.device import resolve_device, resolve_dtype  # noqa: E402
 from dspark.models.k3.mla import MLAttention  # noqa: E402
 
 # hidden, heads, q_lora, kv_lora, nope, rope, v
 SHAPES = {"k3-mini": (768, 6, 384, 256, 128, 64, 128), "k3": (7168, 64, 1536, 512, 128, 64, 128)}
-
-
-def timed(fn, iters: int, warmup: int, cuda: bool) -> float:
-    """Median ms per call."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(iters):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        out.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(out)
 
 
 @torch.no_grad()
@@ -69,8 +53,8 @@ def main() -> None:
                 q = torch.randn(B, heads, T, nope + rope, device=device, dtype=dtype)
                 rows = torch.randn(B, L, kv_lora + rope, device=device, dtype=dtype)
                 mask = torch.ones(B, 1, T, L, device=device, dtype=torch.bool)
-                ex = timed(partial(m._expanded, q, rows, mask, False), a.iters, a.warmup, cuda)
-                ab = timed(partial(m._absorbed, q, rows, mask), a.iters, a.warmup, cuda)
+                ex = median_ms(partial(m._expanded, q, rows, mask, False), a.warmup, a.iters, cuda)
+                ab = median_ms(partial(m._absorbed, q, rows, mask), a.warmup, a.iters, cuda)
                 want = m._expanded(q, rows, mask, False).float()
                 diff = (m._absorbed(q, rows, mask).float() - want).abs().max() / want.abs().max()
                 print(f"| {B} | {L} | {T} | {ex:.3f} | {ab:.3f} | {ex / ab:.2f}× | {diff:.1e} |")
