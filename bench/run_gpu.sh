@@ -49,7 +49,9 @@
 #   peer-qwen3-mini  the Qwen3 peer target (recipes/targets/qwen3-mini.yaml -> runs/peer-target; TARGET_ARGS), then
 #                  peer on it from recipes/peer-qwen3-mini.yaml (1000 steps of 16 rows x 256 tokens, 32 anchors a row,
 #                  block 8, 2 layers, Markov rank 64; ARGS add to or replace these), as one detached run (its own OUT;
-#                  writes OUT/DONE); PEER_RESUME=1 goes on in OUT/peer where a run stopped (its target kept)
+#                  writes OUT/DONE); PEER_RESUME=1 goes on in OUT/peer where a run stopped (its target kept); the
+#                  CUDA tests run beside the target's training only (-> $OUT/tests-cuda.txt), REST_TESTS=1 runs the
+#                  rest after the bench
 #   tau-gap-k3-mini  the k3-mini pair from scratch (TARGET_ARGS, DRAFTER_ARGS; the CUDA tests beside the target's
 #                  training, stopped as the regeneration begins), then where its task τ parts from its holdout τ:
 #                  bench/tau_gap.py on 32 holdout sequences (with --eager --policy; TAU_GAP_VARIANTS=1 adds its runs
@@ -371,12 +373,16 @@ case "$target" in
     if [ "${PEER_RESUME:-0}" = 1 ] && [ -d runs/peer-target/final ]; then
       set -- --resume "$@"  # the target and the bench's finished phases stay
     else
+      # the CUDA tests beside the target's training only (the bench's timed phases must not share the GPU)
+      side_tests "$OUT/never-written"
       log peer python3 -m train recipes/targets/qwen3-mini.yaml log.wandb_mode=disabled ${TARGET_ARGS:-} || rc=1
+      side_tests_end
     fi
     [ "$rc" = 0 ] && { PEER_TARGET=runs/peer-target/final bash "$0" peer --recipe recipes/peer-qwen3-mini.yaml \
       --steps 1000 --batch-size 16 --anchors 32 --layers 2 --markov-rank 64 --warmup 40 --regen-sequences 4096 \
       --holdout 64 --prompt-tokens 64 --new-tokens 192 \
       --eval-tasks humaneval,heldout_code,creative,chat,heldout_prose "$@" || rc=1; }
+    [ "${REST_TESTS:-0}" = 1 ] && [ -f "$OUT/tests-cuda.txt" ] && { rest_tests || rc=1; }
     echo "peer-qwen3-mini: done rc=$rc" | tee "$OUT/DONE"
     ;;
   k3-mini)
