@@ -2,11 +2,12 @@
 expanded one (every row through kv_b_proj), timed per call.
 
     python bench/mla_attention.py [--device cuda] [--dtype bfloat16] [--shape k3-mini|k3] [--batches 1,64,512]
-                                  [--lengths 256,1024] [--queries 1,9]
+                                  [--lengths 256,1024] [--queries 1,9] [--graph]
 
 One MLAttention layer of the shape (random weights), B rows of L cached latents, T queries each, every key visible (a
 bool mask, as the engine's steps pass); the median of --iters calls after --warmup (bench/timing.py: CUDA events on a
-GPU). Also the max |absorbed - expanded| relative to the output's largest value.
+GPU; --graph: 20 calls captured in one CUDA graph, as inside the engine's step graphs, without the host's launches).
+Also the max |absorbed - expanded| relative to the output's largest value.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from timing import median_ms  # noqa: E402  (bench/timing.py)
+from timing import graph_ms, median_ms  # noqa: E402  (bench/timing.py)
 
 from dspark.device import resolve_device, resolve_dtype  # noqa: E402
 from dspark.models.k3.mla import MLAttention  # noqa: E402
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("--queries", default="1,9")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--graph", action="store_true", help="GPU time per call inside a CUDA graph")
     a = ap.parse_args()
     device = torch.device(resolve_device(a.device, "--device"))
     dtype = getattr(torch, resolve_dtype(a.dtype, device.type, "--dtype"))
@@ -53,8 +55,11 @@ def main() -> None:
                 q = torch.randn(B, heads, T, nope + rope, device=device, dtype=dtype)
                 rows = torch.randn(B, L, kv_lora + rope, device=device, dtype=dtype)
                 mask = torch.ones(B, 1, T, L, device=device, dtype=torch.bool)
-                ex = median_ms(partial(m._expanded, q, rows, mask, False), a.warmup, a.iters, cuda)
-                ab = median_ms(partial(m._absorbed, q, rows, mask), a.warmup, a.iters, cuda)
+                forms = partial(m._expanded, q, rows, mask, False), partial(m._absorbed, q, rows, mask)
+                if a.graph and cuda:
+                    ex, ab = (graph_ms(f, iters=a.iters) for f in forms)
+                else:
+                    ex, ab = (median_ms(f, a.warmup, a.iters, cuda) for f in forms)
                 want = m._expanded(q, rows, mask, False).float()
                 diff = (m._absorbed(q, rows, mask).float() - want).abs().max() / want.abs().max()
                 print(f"| {B} | {L} | {T} | {ex:.3f} | {ab:.3f} | {ex / ab:.2f}× | {diff:.1e} |")

@@ -7,7 +7,7 @@
 #                  every Triton kernel against its torch reference (bench/gpu_kernels.py, graph-timed), the KDA
 #                  verify under every autotune config (kda_sweep), one draft step's Markov loop under each grid size,
 #                  V-chunk (markov_sweep), fla's KDA kernels against ours (gpu_k3_kernels.py), MLA attention absorbed
-#                  against expanded at the k3-mini and K3 shapes (mla_attention.py)
+#                  against expanded at the k3-mini and K3 shapes (mla_attention.py: per call, then inside a CUDA graph)
 #   tests-cuda     the test suite on the GPU: DSPARK_TEST_DEVICE=cuda python3 -m pytest tests/ (ARGS naming tests/...
 #                  run those instead); each failure's report also goes to $OUT/test-failures.txt as it happens
 #   train-quickstart  the quickstart pair (recipes/targets/qwen3-tiny.yaml, recipes/quickstart.yaml) on one GPU ->
@@ -232,6 +232,8 @@ case "$target" in
     log kernels python3 bench/gpu_k3_kernels.py || rc=$?
     log kernels python3 bench/mla_attention.py --device cuda --shape k3-mini || rc=$?
     log kernels python3 bench/mla_attention.py --device cuda --shape k3 --batches 1,64 || rc=$?
+    log kernels python3 bench/mla_attention.py --device cuda --shape k3-mini --graph || rc=$?
+    log kernels python3 bench/mla_attention.py --device cuda --shape k3 --batches 1,64 --graph || rc=$?
     ;;
   tests-cuda)
     # -vv (the -q in pyproject.toml takes one back): a line per test as it ends, so a stopped run names its failures

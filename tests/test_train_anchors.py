@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from train.anchors import DecodeStarts, every_anchor, sample_anchors, valid_anchors, walked_accepted
+from train.anchors import DecodeStarts, accepted_in_chunks, every_anchor, sample_anchors, valid_anchors, walked_accepted
 from train.data import rows_for_step
 
 T, DRAFTS, HARD = 64, 4, 5  # in these tests the drafter misses exactly the tokens at positions 0 mod HARD
@@ -48,6 +48,23 @@ def test_walked_accepted_visits_the_blocks_a_greedy_decode_starts():
     walked = walked_accepted(every, accepted_at(every))
     want = [int(accepted_at(torch.tensor(a))) for s in (11, 24) for a in decode_walk(s)]
     assert walked == want
+
+
+def test_accepted_in_chunks_equals_one_call_with_bounded_calls():
+    """The holdout's every-anchor pass in calls of at most rows x anchors blocks gives each block's count where one
+    call over all of them puts it (rows and anchor columns in order)."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, 100, (7, 40), generator=g)
+    anchors = torch.sort(torch.randint(1, 30, (7, 23), generator=g), 1).values
+    sizes = []
+
+    def accepted_of(x, a):  # a function of each block's row and anchor alone, as the drafter's blocks are
+        sizes.append(a.numel())
+        return (x.gather(1, a) * 3 + a) % 8
+
+    got = accepted_in_chunks(accepted_of, rows, anchors, 3, 5)
+    assert torch.equal(got, (rows.gather(1, anchors) * 3 + anchors) % 8)
+    assert max(sizes) == 15 and sum(sizes) == anchors.numel()
 
 
 def test_rejection_anchors_follow_the_decode_walk():

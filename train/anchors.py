@@ -80,6 +80,16 @@ def walked_accepted(anchors: torch.Tensor, accepted: torch.Tensor) -> list[int]:
             for _, n in decode_walk(dict(zip(row, acc)), row[0] + 1)]
 
 
+def accepted_in_chunks(accepted_of, rows: torch.Tensor, anchors: torch.Tensor, rows_per_call: int,
+                       anchors_per_call: int) -> torch.Tensor:
+    """accepted_of(rows [b, T], anchors [b, a]) -> [b, a] (each block's accepted drafts) over anchors [B, A], at most
+    rows_per_call x anchors_per_call blocks a call: every anchor of a holdout row at once would hold a forward's
+    activations and logits for all of them (a training step's many times over). -> [B, A] on the host."""
+    R, W = rows_per_call, anchors_per_call
+    return torch.cat([torch.cat([accepted_of(rows[i:i + R], anchors[i:i + R, j:j + W]).cpu()
+                                 for j in range(0, anchors.shape[1], W)], 1) for i in range(0, len(rows), R)])
+
+
 class DecodeStarts:
     """anchors=rejection (module doc): per train row, the positions where its blocks ended when it was last trained."""
 

@@ -18,7 +18,7 @@ from dspark.checkpoint_io import read_config
 from dspark.config import DrafterRecipe
 from dspark.drafter_json import K3_DEFAULT_ROPE_THETA
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
-from train.anchors import DecodeStarts, every_anchor, sample_anchors, to_device, walked_accepted
+from train.anchors import DecodeStarts, accepted_in_chunks, every_anchor, sample_anchors, to_device, walked_accepted
 from train.data import rows_for_step, step_generator
 from train.loop import LoopSpec, make_accelerator, run
 from train.losses import LossWeights, drafter_loss
@@ -194,8 +194,7 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
         # tau_walked: the τ a greedy decode of the first WALKED_ROWS holdout rows gets (every anchor drafted, then
         # the blocks its walk visits); below tau, whose uniform anchors count each position of an easy stretch
         rows, every = seqs.holdout[:WALKED_ROWS], every_anchor(seqs.holdout_mask[:WALKED_ROWS], D)
-        acc = torch.cat([forward(m, rows[i:i + bs], every[i:i + bs], loss_fn=step_loss)[2]
-                         for i in range(0, len(rows), bs)]).cpu()
+        acc = accepted_in_chunks(lambda x, a: forward(m, x, a, loss_fn=step_loss)[2], rows, every, bs, A)
         walked = walked_accepted(every, acc)
         return {**ev, "tau_walked": 1 + sum(walked) / max(len(walked), 1)}
 

@@ -17,6 +17,10 @@ from torch import nn
 from dspark.kernels.rope import Rope, rope_interleaved
 from dspark.models.layers import RMSNorm, attention
 
+# On a GPU the absorbed form pays once the expansion it saves is this many multiply-adds (B L H (nope + v) kv_lora):
+# H100, bf16, one call (bench/RESULTS.md "MLA attention over cached rows"): 2.6e10 (k3-mini, 64 x 1024 rows) and above
+# 1.6-12x faster; 6.4e9 (k3-mini, 64 x 256) and 8.6e9 (K3, one row of 1024) 0.7-0.8x.
+ABSORB_MIN_MACS_CUDA = 2 ** 34
 
 class MLAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
@@ -66,15 +70,21 @@ class MLAttention(nn.Module):
         k_pe = self._rotate(k_pe[:, :, None], positions)[:, 0]
         return torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
 
+    def absorbs(self, B: int, T: int, L: int, cuda: bool) -> bool:
+        """Whether T queries over L latent rows (B rows) take the absorbed form: where it costs fewer multiply-adds
+        (T below kv_lora (nope + v) / (2 kv_lora + rope): 120 for K3's shape), and on a GPU only once the rows'
+        expansion it saves reaches ABSORB_MIN_MACS_CUDA (below, its extra ops cost more than the expansion)."""
+        r = self.kv_lora_rank
+        fewer = T * (2 * r + self.rope) < r * (self.nope + self.v_dim)
+        return fewer and (not cuda or B * L * self.num_heads * (self.nope + self.v_dim) * r >= ABSORB_MIN_MACS_CUDA)
+
     def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None = None,
                is_causal: bool = False) -> torch.Tensor:
         """q [B, H, T, nope+rope], rows [B, L, kv_lora+rope], mask [B, 1, T, L] bool (True = may attend) or
         additive (0 / -inf), or a flex BlockMask
-        -> [B, T, H*v]. Absorbed where that costs fewer multiply-adds (a dense mask, T below about
-        kv_lora (nope + v) / (2 kv_lora + rope): 120 for K3's shape), else expanded."""
-        r, T = self.kv_lora_rank, q.shape[2]
+        -> [B, T, H*v]. Absorbed where `absorbs` says so (a dense mask, not causal), else expanded."""
         dense = mask is None or isinstance(mask, torch.Tensor)
-        if dense and not is_causal and T * (2 * r + self.rope) < r * (self.nope + self.v_dim):
+        if dense and not is_causal and self.absorbs(rows.shape[0], q.shape[2], rows.shape[1], rows.is_cuda):
             return self._absorbed(q, rows, mask)
         return self._expanded(q, rows, mask, is_causal)
 
