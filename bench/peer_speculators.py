@@ -209,6 +209,9 @@ def parse_args(argv):
     ap.add_argument("--eval-prompts", type=int, default=20)
     ap.add_argument("--eval-max-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--export-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="the target's dtype for speculators' features (stored in bf16 either way; ours are computed "
+                    "in the recipe's mixed precision)")
     return ap.parse_args(argv)
 
 
@@ -291,7 +294,7 @@ def bench(a) -> dict:
         drafters[name] = out / name / "final"
     res["export_s"] = phases.run("export", [py, "-m", "train.speculators_data", str(out / "ours"), "--target",
                                             str(a.target), "--layer-ids", *map(str, ids), "--out", str(out / "data"),
-                                            "--dtype", "float32", "--batch-size", "32", "--overwrite"])
+                                            "--dtype", a.export_dtype, "--batch-size", "32", "--overwrite"])
     data = json.loads((out / "data" / "export.json").read_text())
     tokens_per_step = a.batch_size * data["max_seq_len"]
     for name, row in res["rows"].items():

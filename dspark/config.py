@@ -198,6 +198,8 @@ class OptimConfig:
     warmup_steps: int = 40
     weight_decay: float = 0.1
     betas: list[float] = doc(lambda: [0.9, 0.95], "AdamW betas")
+    decay_vectors: bool = doc(False, "weight decay on AdamW's 1-D parameters too (norm weights, biases), as torch's "
+                                     "AdamW over every parameter (speculators) does")
     grad_clip: float = 1.0
     batch_size: int = doc(16, "global batch (rows of seq_len)")
     grad_accum: int = 1

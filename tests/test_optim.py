@@ -120,3 +120,19 @@ def test_muon_gets_the_hidden_matrices_with_their_blocks_adamw_the_rest():
 def test_adamw_alone_by_default():
     opts, _ = build_optimizers(drafter(), OptimConfig(), max_steps=10)
     assert len(opts) == 1 and isinstance(opts[0], torch.optim.AdamW)
+
+
+def test_weight_decay_skips_vectors_unless_decay_vectors():
+    """AdamW decays the matrices and leaves the 1-D parameters (norm weights) alone; optim.decay_vectors decays every
+    AdamW parameter, as torch's AdamW over all of them (speculators) does."""
+    model = drafter()
+    names = {id(p): n for n, p in model.named_parameters()}
+
+    def decay_of(oc):
+        (adamw, _), _ = build_optimizers(model, oc, max_steps=10)
+        return {names[id(p)]: g["weight_decay"] for g in adamw.param_groups for p in g["params"]}
+
+    default = decay_of(OptimConfig(optimizer="muon", weight_decay=0.1))
+    assert default["norm.weight"] == 0.0 and default["markov_head.markov_w1.weight"] == 0.1
+    every = decay_of(OptimConfig(optimizer="muon", weight_decay=0.1, decay_vectors=True))
+    assert every.keys() == default.keys() and set(every.values()) == {0.1}

@@ -128,8 +128,9 @@ def build_optimizers(model: torch.nn.Module, oc, max_steps: int):
     muon = [p for n, p in named if oc.optimizer == "muon" and is_muon_matrix(n, p)]
     ids = {id(p) for p in muon}
     rest = [(n, p) for n, p in named if id(p) not in ids]
-    groups = [{"params": [p for n, p in rest if not no_decay(n, p)], "weight_decay": oc.weight_decay},
-              {"params": [p for n, p in rest if no_decay(n, p)], "weight_decay": 0.0}]
+    decayed = lambda n, p: oc.decay_vectors or not no_decay(n, p)  # noqa: E731
+    groups = [{"params": [p for n, p in rest if decayed(n, p)], "weight_decay": oc.weight_decay},
+              {"params": [p for n, p in rest if not decayed(n, p)], "weight_decay": 0.0}]
     # fused: one kernel per step and dtype, where the default (foreach on CUDA, a loop on the CPU) launches ~10 per
     # group or per parameter
     opts = [torch.optim.AdamW([g for g in groups if g["params"]], lr=oc.lr, betas=tuple(oc.betas), fused=True)]
