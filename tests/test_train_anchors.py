@@ -51,20 +51,24 @@ def test_walked_accepted_visits_the_blocks_a_greedy_decode_starts():
 
 
 def test_accepted_in_chunks_equals_one_call_with_bounded_calls():
-    """The holdout's every-anchor pass in calls of at most rows x anchors blocks gives each block's count where one
-    call over all of them puts it (rows and anchor columns in order)."""
+    """The holdout's every-anchor pass: prepare once per chunk of rows, then calls of at most rows x anchors blocks,
+    each block's count where one call over all of them puts it (rows and anchor columns in order)."""
     g = torch.Generator().manual_seed(0)
     rows = torch.randint(0, 100, (7, 40), generator=g)
     anchors = torch.sort(torch.randint(1, 30, (7, 23), generator=g), 1).values
-    sizes = []
+    prepared, sizes = [], []
 
-    def accepted_of(x, a):  # a function of each block's row and anchor alone, as the drafter's blocks are
+    def prepare(x):
+        prepared.append(len(x))
+        return x * 3
+
+    def accepted_of(x3, a):  # a function of each block's row and anchor alone, as the drafter's blocks are
         sizes.append(a.numel())
-        return (x.gather(1, a) * 3 + a) % 8
+        return (x3.gather(1, a) + a) % 8
 
-    got = accepted_in_chunks(accepted_of, rows, anchors, 3, 5)
+    got = accepted_in_chunks(prepare, accepted_of, rows, anchors, 3, 5)
     assert torch.equal(got, (rows.gather(1, anchors) * 3 + anchors) % 8)
-    assert max(sizes) == 15 and sum(sizes) == anchors.numel()
+    assert prepared == [3, 3, 1] and max(sizes) == 15 and sum(sizes) == anchors.numel()
 
 
 def test_rejection_anchors_follow_the_decode_walk():

@@ -80,14 +80,18 @@ def walked_accepted(anchors: torch.Tensor, accepted: torch.Tensor) -> list[int]:
             for _, n in decode_walk(dict(zip(row, acc)), row[0] + 1)]
 
 
-def accepted_in_chunks(accepted_of, rows: torch.Tensor, anchors: torch.Tensor, rows_per_call: int,
+def accepted_in_chunks(prepare, accepted_of, rows: torch.Tensor, anchors: torch.Tensor, rows_per_call: int,
                        anchors_per_call: int) -> torch.Tensor:
-    """accepted_of(rows [b, T], anchors [b, a]) -> [b, a] (each block's accepted drafts) over anchors [B, A], at most
-    rows_per_call x anchors_per_call blocks a call: every anchor of a holdout row at once would hold a forward's
-    activations and logits for all of them (a training step's many times over). -> [B, A] on the host."""
+    """Each block's accepted drafts over anchors [B, A] of rows [B, T] -> [B, A] on the host: prepare(rows [b, T])
+    once per rows_per_call rows (the target's forward), then accepted_of(prepared, anchors [b, a]) -> [b, a] for at
+    most anchors_per_call anchors a call (every anchor of a holdout row at once would hold the drafter's activations
+    and logits for all of them: a training step's many times over)."""
     R, W = rows_per_call, anchors_per_call
-    return torch.cat([torch.cat([accepted_of(rows[i:i + R], anchors[i:i + R, j:j + W]).cpu()
-                                 for j in range(0, anchors.shape[1], W)], 1) for i in range(0, len(rows), R)])
+    out = []
+    for i in range(0, len(rows), R):
+        ready, a = prepare(rows[i:i + R]), anchors[i:i + R]
+        out.append(torch.cat([accepted_of(ready, a[:, j:j + W]).cpu() for j in range(0, a.shape[1], W)], 1))
+    return torch.cat(out)
 
 
 class DecodeStarts:

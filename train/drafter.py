@@ -141,10 +141,17 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
 
     mask = {"flex": True, "dense": False}.get(recipe.block_mask, accelerator.device.type == "cuda")
 
+    def features(x):
+        """x [B, T] -> the target's logits [B, T, V] and aux hidden states."""
+        with torch.no_grad():
+            return target(x, aux_layer_ids=ids)
+
     def step_loss(m, x, anchors, flex: bool):
         """-> (loss, metrics, accepted [B, A]): the target's features, the drafter's blocks, the loss."""
-        with torch.no_grad():
-            logits, aux = target(x, aux_layer_ids=ids)
+        return block_loss(m, x, *features(x), anchors, flex)
+
+    def block_loss(m, x, logits, aux, anchors, flex: bool):
+        """step_loss given the target's features of x."""
         lab, tl = block_targets(logits, x, anchors, D, recipe.data.labels, with_logits=weights.needs_target_logits)
         h = m(aux, x, anchors, flex=flex)  # through the DDP-wrapped module: synced grads
         # the loss under the drafter's autocast too: its LM-head GEMM over the vocabulary (the largest of the step)
@@ -194,7 +201,13 @@ def train_drafter(recipe: DrafterRecipe) -> dict:
         # tau_walked: the τ a greedy decode of the first WALKED_ROWS holdout rows gets (every anchor drafted, then
         # the blocks its walk visits); below tau, whose uniform anchors count each position of an easy stretch
         rows, every = seqs.holdout[:WALKED_ROWS], every_anchor(seqs.holdout_mask[:WALKED_ROWS], D)
-        acc = accepted_in_chunks(lambda x, a: forward(m, x, a, loss_fn=step_loss)[2], rows, every, bs, A)
+
+        def prepare(x):  # the target once per chunk of rows: (x, logits, aux)
+            x = to_device(x, accelerator.device)
+            return x, *features(x)
+
+        accepted_of = lambda xf, a: block_loss(m, *xf, to_device(a, accelerator.device), mask)[2]  # noqa: E731
+        acc = accepted_in_chunks(prepare, accepted_of, rows, every, bs, A)
         walked = walked_accepted(every, acc)
         return {**ev, "tau_walked": 1 + sum(walked) / max(len(walked), 1)}
 

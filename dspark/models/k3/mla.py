@@ -22,6 +22,7 @@ from dspark.models.layers import RMSNorm, attention
 # 1.6-12x faster; 6.4e9 (k3-mini, 64 x 256) and 8.6e9 (K3, one row of 1024) 0.7-0.8x.
 ABSORB_MIN_MACS_CUDA = 2 ** 34
 
+
 class MLAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rms_norm_eps: float = 1e-6,
