@@ -1,7 +1,7 @@
 """dspark.kernels on one GPU: each Triton kernel against its torch reference at K3 shapes.
 
-Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov,moe,sample,sampled_step,argmax] [--iters 50]
-               [--graph]
+Usage (H200):  python bench/gpu_kernels.py [--only kda,attnres,mxfp4,markov,moe,sample,sampled_step,argmax,stash]
+               [--iters 50] [--graph]
 One row per case: max abs error vs the reference (the fp32 reference where the kernel's inputs are bf16), median
 CUDA-event times (after warm-up) of the torch reference and the kernel, the bytes-moved floor (bytes / 4.8 TB/s)
 and the fraction of it the kernel reaches (floor / kernel time). --graph times the kernel as 20 calls captured in
@@ -12,8 +12,8 @@ picks from, graph-timed, with contiguous inputs and with qkv / gate / beta as co
 `markov_sweep`: one draft step's Markov loop under each grid size and V-chunk. `moe`: the k3-mini LatentMoE's graph-safe expert path (grouped matvec below N*k = E, every expert once above)
 against the loop path, N tokens. `sample`: a sampled token's temperature softmax and inverse-CDF draw against their
 torch definitions. `sampled_step`: a sampled step's rejection verification kernel against the torch path. `argmax`:
-a greedy step's argmax over the target's logits against torch's. Prints only; bench/RESULTS.md keeps the figures with
-their commands.
+a greedy step's argmax over the target's logits against torch's. `stash`: a plain step's context stash (project_rows)
+against its torch definition. Prints only; bench/RESULTS.md keeps the figures with their commands.
 Exits with code 2 and a message without CUDA or triton.
 """
 from __future__ import annotations
@@ -266,9 +266,28 @@ def bench_sampled_step(iters):
                  B * (K + 1) * V * 2 * 2 + B * K * V * 4, iters, ref_graph=True)
 
 
+def bench_stash(iters):
+    """A plain step's context stash (project_rows: the aux layers' hidden states projected by the drafter's fc and
+    written at their cache rows) against its torch definition (both graph-timed under --graph: both run inside the
+    plain step's graph), bf16: the quickstart pair's 2 aux layers of 256 -> 256 and k3-mini's 5 of 768 -> 768, M rows."""
+    from dspark.kernels.project_rows import project_rows_ref, project_rows_triton
+
+    for parts, K, N in ((2, 256, 256), (5, 768, 768)):
+        for M in (1, 16, 64):
+            xs = [torch.randn(M, K, device="cuda").bfloat16() for _ in range(parts)]
+            w = (torch.randn(N, parts * K, device="cuda") / (parts * K) ** 0.5).bfloat16()
+            pool, ref = (torch.zeros(4 * M + 8, N, device="cuda").bfloat16() for _ in range(2))
+            dest = torch.randperm(4 * M + 8, device="cuda")[:M]
+            project_rows_triton(xs, w, pool, dest)
+            project_rows_ref(xs, w, ref, dest)
+            _row(f"project_rows {parts}x{K}->{N} M={M}", _err(pool.float(), ref.float()),
+                 partial(project_rows_ref, xs, w, ref, dest), partial(project_rows_triton, xs, w, pool, dest),
+                 w.numel() * 2 + M * (parts * K + N) * 2, iters, ref_graph=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", default="kda,attnres,mxfp4,markov,moe,sample,sampled_step,argmax")
+    ap.add_argument("--only", default="kda,attnres,mxfp4,markov,moe,sample,sampled_step,argmax,stash")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--graph", action="store_true", help="kernel times inside a CUDA graph (no launch cost)")
     args = ap.parse_args()
@@ -287,7 +306,7 @@ def main() -> int:
           f"{'of_floor':>6}")
     benches = dict(kda=bench_kda, kda_sweep=bench_kda_sweep, attnres=bench_attnres, mxfp4=bench_mxfp4,
                    markov=bench_markov, markov_sweep=bench_markov_sweep, moe=bench_moe, sample=bench_sample,
-                   sampled_step=bench_sampled_step, argmax=bench_argmax)
+                   sampled_step=bench_sampled_step, argmax=bench_argmax, stash=bench_stash)
     for name in args.only.split(","):
         benches[name.strip()](args.iters)
     return 0
