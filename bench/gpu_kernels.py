@@ -269,7 +269,8 @@ def bench_sampled_step(iters):
 def bench_stash(iters):
     """A plain step's context stash (project_rows: the aux layers' hidden states projected by the drafter's fc and
     written at their cache rows) against its torch definition (both graph-timed under --graph: both run inside the
-    plain step's graph), bf16: the quickstart pair's 2 aux layers of 256 -> 256 and k3-mini's 5 of 768 -> 768, M rows."""
+    plain step's graph), bf16: the quickstart pair's 2 aux layers of 256 -> 256 and k3-mini's 5 of 768 -> 768, at
+    M rows."""
     from dspark.kernels.project_rows import project_rows_ref, project_rows_triton
 
     for parts, K, N in ((2, 256, 256), (5, 768, 768)):
