@@ -56,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from bench.ablate_drafter import parse_rows  # noqa: E402
+from eval import measure as M  # noqa: E402
 
 ME = str(Path(__file__).resolve())
 OURS_ROWS = {"ours": ["optim.optimizer=adamw"], "ours-muon": ["optim.optimizer=muon"]}
@@ -328,6 +329,7 @@ def bench(a) -> dict:
     report = json.loads((out / "eval" / "report.json").read_text())
     for name, row in res["rows"].items():
         row["tau"] = {t: v["drafters"][name]["tau"] for t, v in report["tasks"].items()}
+        row["per_prompt"] = {t: v["drafters"][name]["per_prompt"] for t, v in report["tasks"].items()}
         row["tau_overall"] = report["overall"][name]["tau"]
         row["alpha_per_position"] = report["overall"][name]["per_position"]["conditional"]
     res["tokens_per_step"], res["device"] = tokens_per_step, torch.cuda.get_device_name() if cuda else "cpu"
@@ -352,6 +354,19 @@ def table(res: dict) -> str:
     for name, r in rows.items():
         lines.append("| " + " | ".join([name, *[f(r["tau"][t]) for t in tasks], f(r["tau_overall"]),
                                          f(r["steady_tok_s"], 0), f(r["e2e_s"], 0), f(r["peak_alloc_gib"])]) + " |")
+    theirs = [n for n in rows if n.startswith("speculators")]
+    if theirs and all("per_prompt" in r for r in rows.values()):
+        lines.append(f"\nτ ours ÷ speculators per task, the same prompts (95 % bootstrap over prompts): "
+                     f"{', '.join(tasks)}")
+        for name in (n for n in rows if n not in theirs):
+            for other in theirs:
+                cis = []
+                for t in tasks:
+                    a, b = rows[name]["per_prompt"][t], rows[other]["per_prompt"][t]
+                    ci = M.pooled_ratio_ci95([a["committed"], b["steps"]], [a["steps"], b["committed"]])
+                    cis.append("n/a" if ci is None else f"{rows[name]['tau'][t] / rows[other]['tau'][t]:.3f} "
+                               f"[{ci[0]:.3f}, {ci[1]:.3f}]")
+                lines.append(f"- {name} ÷ {other}: " + "; ".join(cis))
     for name, r in rows.items():
         if "parity" in r:
             p = r["parity"]

@@ -166,8 +166,11 @@ def run_local(a, tasks: list[Task], names: list[str], log=print) -> dict:
             same = sum(x == y for x, y in zip(run.token_ids, ar.token_ids))
             identical[name] += same
             stats = M.step_stats([x for r in run.accepted for x in r], [x for r in run.drafted for x in r])
+            steps, committed = zip(*map(M.prompt_steps, run.accepted, run.drafted))
             entry["drafters"][name] = {
-                **stats, "num_tokens": run.num_tokens, "tok_s": run.tok_s,
+                **stats, "tau_ci95": M.pooled_ratio_ci95([committed], [steps]),
+                "per_prompt": {"steps": list(steps), "committed": list(committed)},
+                "num_tokens": run.num_tokens, "tok_s": run.tok_s,
                 "speedup": run.tok_s / ar.tok_s if run.tok_s and ar.tok_s else None,
                 "identical_to_ar": same if a.temperature == 0 else None,
                 "entropy": ent.mean([h for e in hs for h in e])}

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from eval.measure import pooled_ratio_ci95
+
 
 def entropy_of_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """[..., V] logits -> [...] entropies in nats (fp32; 0 * log 0 counts as 0)."""
@@ -39,13 +41,5 @@ def mean(xs: list[float]) -> float | None:
 
 def bootstrap_ci(per_prompt: list[list[float]], n_boot: int = 1000, seed: int = 0) -> list[float] | None:
     """95% bootstrap CI of the token-pooled mean entropy, resampling prompts (tokens of a prompt are correlated)."""
-    import numpy as np
-
     per_prompt = [p for p in per_prompt if p]
-    if len(per_prompt) < 2:
-        return None
-    sums = np.array([sum(p) for p in per_prompt])
-    counts = np.array([len(p) for p in per_prompt])
-    idx = np.random.default_rng(seed).integers(0, len(per_prompt), size=(n_boot, len(per_prompt)))
-    means = sums[idx].sum(1) / counts[idx].sum(1)
-    return [float(np.quantile(means, 0.025)), float(np.quantile(means, 0.975))]
+    return pooled_ratio_ci95([[sum(p) for p in per_prompt]], [[len(p) for p in per_prompt]], n_boot, seed)

@@ -64,6 +64,29 @@ def step_stats(accepted: list[int], drafted: list[int]) -> dict:
     }
 
 
+def prompt_steps(accepted: list[int], drafted: list[int]) -> tuple[int, int]:
+    """One prompt's verify steps with drafts and the tokens they committed (a + 1 each): tau's parts."""
+    steps = [a for a, n in zip(accepted, drafted) if n > 0]
+    return len(steps), len(steps) + sum(steps)
+
+
+def pooled_ratio_ci95(nums: list[list[float]], dens: list[list[float]], n_boot: int = 1000, seed: int = 0
+                      ) -> list[float] | None:
+    """95 % bootstrap CI of prod_j (sum nums[j] / sum dens[j]) over prompts (nums[j], dens[j]: one value per
+    prompt, the same prompts in every j), resampling prompts, jointly for every j (a paired comparison: a prompt's
+    difficulty is shared). One pair: a pooled mean (tau = committed / steps, entropy = sum / tokens); a pair over a
+    pair's inverse (dens and nums swapped): the ratio of two drafters' pooled means on the same prompts."""
+    keep = [i for i in range(len(nums[0])) if all(d[i] > 0 for d in dens)]
+    if len(keep) < 2:
+        return None
+    idx = np.random.default_rng(seed).integers(0, len(keep), size=(n_boot, len(keep)))
+    stat = np.ones(n_boot)
+    for num, den in zip(nums, dens):
+        n, d = np.asarray(num, dtype=float)[keep], np.asarray(den, dtype=float)[keep]
+        stat *= n[idx].sum(1) / d[idx].sum(1)
+    return [float(np.quantile(stat, 0.025)), float(np.quantile(stat, 0.975))]
+
+
 def token_events(accepted: list[int], drafted: list[int], entropies: list[float]) -> list[tuple[int, float, bool]]:
     """(draft position, target entropy there, accepted) for every reached draft of one request."""
     events, g = [], 1

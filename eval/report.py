@@ -18,6 +18,9 @@ report.json, SCHEMA_VERSION 1 (null where a figure does not apply: e.g. speedup 
       "ar": {"tok_s": float | null, "seconds": float | null},
       "drafters": {<drafter>: {
           "tau": float | null,            # mean over verify steps with drafts of (accepted + 1)
+          "tau_ci95": [lo, hi] | null,    # bootstrap over prompts (local mode)
+          "per_prompt": {"steps": [int], "committed": [int]},  # per prompt: its verify steps with drafts and the
+                                          # tokens they committed (tau's parts; local mode)
           "alpha": float | null,          # accepted / drafted tokens
           "per_position": {"conditional": [float | null],    # P(draft i accepted | drafts < i accepted)
                            "unconditional": [float | null]},  # P(draft i accepted | slot i drafted)

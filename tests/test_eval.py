@@ -40,6 +40,22 @@ def test_step_stats_uneven_drafts_and_errors():
         M.step_stats([3], [2])
 
 
+def test_tau_ci_and_paired_ratio_resample_prompts():
+    """A prompt's verify steps and committed tokens pool into tau; the CI resamples prompts, and a paired ratio of two
+    drafters on the same prompts is exact where one commits twice the other's tokens on every prompt."""
+    assert M.prompt_steps([2, 0, 3, 1], [4, 4, 4, 0]) == (3, 8)  # the step without drafts left out
+    steps, committed = [4, 6, 5, 8], [12, 9, 20, 10]
+    lo, hi = M.pooled_ratio_ci95([committed], [steps])
+    assert lo < sum(committed) / sum(steps) < hi and min(c / n for c, n in zip(committed, steps)) <= lo
+    assert hi <= max(c / n for c, n in zip(committed, steps))  # a pooled mean stays within the prompts' own
+    doubled = [2 * c for c in committed]
+    assert M.pooled_ratio_ci95([doubled, steps], [steps, committed]) == pytest.approx([2.0, 2.0])
+    # one drafter a token short per prompt: the paired ratio stays within the prompts' own ratios c / (c - 1)
+    lo, hi = M.pooled_ratio_ci95([committed, steps], [steps, [c - 1 for c in committed]])
+    assert 20 / 19 <= lo < hi <= 9 / 8
+    assert M.pooled_ratio_ci95([[3]], [[1]]) is None and M.pooled_ratio_ci95([[3, 4]], [[0, 0]]) is None
+
+
 def test_token_events_map_drafts_to_generated_positions():
     # prefill emits token 0; step 0 accepts 1 of 2 (commits tokens 1, 2); step 1 accepts 0 of 2 (commits token 3)
     ev = M.token_events([1, 0], [2, 2], [0.0, 1.0, 2.0, 3.0])
@@ -279,6 +295,10 @@ def test_cli_end_to_end(tiny_models, tmp_path, capsys):
             assert d["identical_to_ar"] == 2  # greedy speculative decoding is lossless
             assert 1.0 <= d["tau"] <= k + 1 and 0.0 <= d["alpha"] <= 1.0 and d["speedup"] > 0
             assert len(d["per_position"]["conditional"]) == k and d["num_tokens"] == 16
+            pp = d["per_prompt"]
+            assert len(pp["steps"]) == 2 and sum(pp["steps"]) == d["num_steps"]
+            assert sum(pp["committed"]) / sum(pp["steps"]) == pytest.approx(d["tau"])
+            assert d["tau_ci95"][0] <= d["tau"] + 1e-9 and d["tau"] <= d["tau_ci95"][1] + 1e-9
             assert d["entropy"] == pytest.approx(t["entropy"])
     assert rep["overall"]["DSpark"]["identical_to_ar"] == 4
     bins = rep["entropy_bins"]

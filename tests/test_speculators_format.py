@@ -12,6 +12,7 @@ from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import Qwen3Config
 
+from bench.peer_speculators import table
 from bench.speculators_parity import max_diffs
 from dspark.checkpoint import convert, export_drafter, load_drafter, load_target, main
 from dspark.engine import Engine
@@ -245,3 +246,16 @@ def test_cli_convert(dirs, tmp_path, capsys):
     assert main(["convert", str(spec_dir), "--target", str(target_dir), "--out", str(out), "--overwrite"]) == 0
     assert main(["check", str(out), "--target", str(target_dir)]) == 0
     assert main(["check", str(spec_dir), "--target", str(target_dir), "--tensor-parallel-size", "2"]) == 0
+
+
+def test_peer_table_compares_each_of_ours_with_speculators_on_the_same_prompts():
+    """bench/peer_speculators.py's table: per task the ratio of each of our drafters' τ to each speculators row's,
+    with its paired CI from the prompts' steps (a drafter committing more tokens on every prompt: CI above 1)."""
+    pp = lambda committed: {"steps": [10, 12, 9], "committed": committed}  # noqa: E731
+    rows = {name: {"tau": {"code": sum(c) / 31}, "per_prompt": {"code": pp(c)}, "tau_overall": sum(c) / 31,
+                   "steady_tok_s": 1.0, "e2e_s": 1.0, "peak_alloc_gib": 1.0}
+            for name, c in (("ours", [24, 31, 20]), ("speculators-muon", [20, 30, 18]))}
+    text = table({"rows": rows, "regenerate_s": 1.0, "export_s": 1.0, "tokens_per_step": 8, "device": "cpu"})
+    line = next(x for x in text.splitlines() if x.startswith("- ours ÷ speculators-muon"))
+    ratio, lo, hi = (float(v) for v in line.split(": ")[1].replace("[", "").replace("]", "").replace(",", "").split())
+    assert ratio == pytest.approx(75 / 68, abs=1e-3) and 1.0 < lo <= ratio <= hi
