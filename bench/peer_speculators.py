@@ -362,8 +362,7 @@ def table(res: dict) -> str:
             for other in theirs:
                 cis = []
                 for t in tasks:
-                    a, b = rows[name]["per_prompt"][t], rows[other]["per_prompt"][t]
-                    ci = M.pooled_ratio_ci95([a["committed"], b["steps"]], [a["steps"], b["committed"]])
+                    ci = M.tau_ratio_ci95(rows[name]["per_prompt"][t], rows[other]["per_prompt"][t])
                     cis.append("n/a" if ci is None else f"{rows[name]['tau'][t] / rows[other]['tau'][t]:.3f} "
                                f"[{ci[0]:.3f}, {ci[1]:.3f}]")
                 lines.append(f"- {name} ÷ {other}: " + "; ".join(cis))

@@ -73,9 +73,8 @@ def prompt_steps(accepted: list[int], drafted: list[int]) -> tuple[int, int]:
 def pooled_ratio_ci95(nums: list[list[float]], dens: list[list[float]], n_boot: int = 1000, seed: int = 0
                       ) -> list[float] | None:
     """95 % bootstrap CI of prod_j (sum nums[j] / sum dens[j]) over prompts (nums[j], dens[j]: one value per
-    prompt, the same prompts in every j), resampling prompts, jointly for every j (a paired comparison: a prompt's
-    difficulty is shared). One pair: a pooled mean (tau = committed / steps, entropy = sum / tokens); a pair over a
-    pair's inverse (dens and nums swapped): the ratio of two drafters' pooled means on the same prompts."""
+    prompt, the same prompts in every j), resampling prompts jointly for every j. One pair: a pooled mean (tau =
+    committed / steps, entropy = sum / tokens); two: a ratio of pooled means on the same prompts (tau_ratio_ci95)."""
     keep = [i for i in range(len(nums[0])) if all(d[i] > 0 for d in dens)]
     if len(keep) < 2:
         return None
@@ -85,6 +84,12 @@ def pooled_ratio_ci95(nums: list[list[float]], dens: list[list[float]], n_boot: 
         n, d = np.asarray(num, dtype=float)[keep], np.asarray(den, dtype=float)[keep]
         stat *= n[idx].sum(1) / d[idx].sum(1)
     return [float(np.quantile(stat, 0.025)), float(np.quantile(stat, 0.975))]
+
+
+def tau_ratio_ci95(a: dict, b: dict) -> list[float] | None:
+    """95 % CI of tau_a / tau_b from two drafters' per-prompt figures on the same prompts (report.json's
+    "per_prompt": steps, committed), paired: a prompt's difficulty is shared."""
+    return pooled_ratio_ci95([a["committed"], b["steps"]], [a["steps"], b["committed"]])
 
 
 def token_events(accepted: list[int], drafted: list[int], entropies: list[float]) -> list[tuple[int, float, bool]]:

@@ -48,10 +48,10 @@ def test_tau_ci_and_paired_ratio_resample_prompts():
     lo, hi = M.pooled_ratio_ci95([committed], [steps])
     assert lo < sum(committed) / sum(steps) < hi and min(c / n for c, n in zip(committed, steps)) <= lo
     assert hi <= max(c / n for c, n in zip(committed, steps))  # a pooled mean stays within the prompts' own
-    doubled = [2 * c for c in committed]
-    assert M.pooled_ratio_ci95([doubled, steps], [steps, committed]) == pytest.approx([2.0, 2.0])
+    pp = lambda c: {"steps": steps, "committed": c}  # noqa: E731
+    assert M.tau_ratio_ci95(pp([2 * c for c in committed]), pp(committed)) == pytest.approx([2.0, 2.0])
     # one drafter a token short per prompt: the paired ratio stays within the prompts' own ratios c / (c - 1)
-    lo, hi = M.pooled_ratio_ci95([committed, steps], [steps, [c - 1 for c in committed]])
+    lo, hi = M.tau_ratio_ci95(pp(committed), pp([c - 1 for c in committed]))
     assert 20 / 19 <= lo < hi <= 9 / 8
     assert M.pooled_ratio_ci95([[3]], [[1]]) is None and M.pooled_ratio_ci95([[3, 4]], [[0, 0]]) is None
 
