@@ -199,20 +199,21 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 python3 -c "import fla; print('fla', getattr(fla, '__version__', '?'))" 2>/dev/null || echo "fla: not installed"
 echo "NGPU=$NGPU OUT=$OUT"
 
-# side_tests GLOB [PATTERN]: the CUDA suite beside a training (the engine's own tests first), in a process group of
-# its own (xdist's workers included), stopped once a file GLOB names has a line matching PATTERN (default "trainable
-# params": the drafter's timed training begins, which it must not share; "regenerate:" stops them before the
-# regeneration, whose host-bound steps they slow about fourfold)
+# side_tests [GLOB [PATTERN]]: the CUDA suite beside a training (the engine's own tests first), in a process group
+# of its own (xdist's workers included), stopped by side_tests_end or, with GLOB, once a file GLOB names has a line
+# matching PATTERN (default "trainable params": the drafter's timed training begins, which it must not share;
+# "regenerate:" stops them before the regeneration, whose host-bound steps they slow about fourfold)
 side_tests() {
   setsid bash "$0" tests-cuda -n 8 --timeout 200 tests/test_mailbox.py tests/test_overlap.py tests/test_runner.py \
     tests/test_engine.py tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
-  side_pid=$!
+  side_pid=$! side_watcher=""
+  [ $# -gt 0 ] || return 0
   # shellcheck disable=SC2086 # GLOB is expanded at every look
   ( until cat $1 2>/dev/null | grep -qs "${2:-trainable params}"; do sleep 5; done
     kill -- -$side_pid 2>/dev/null && echo "CUDA tests stopped at \"${2:-trainable params}\"" ) &
   side_watcher=$!
 }
-side_tests_end() { kill $side_watcher 2>/dev/null; kill -- -$side_pid 2>/dev/null; wait; }
+side_tests_end() { [ -n "$side_watcher" ] && kill "$side_watcher" 2>/dev/null; kill -- -$side_pid 2>/dev/null; wait; }
 # rest_tests: every test of the CUDA suite the side run did not report
 rest_tests() {
   local outcome="PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS" done_ids  # `-v` lines, with xdist or without
@@ -376,7 +377,7 @@ case "$target" in
       set -- --resume "$@"  # the target and the bench's finished phases stay
     else
       # the CUDA tests beside the target's training only (the bench's timed phases must not share the GPU)
-      side_tests "$OUT/never-written"
+      side_tests
       log peer python3 -m train recipes/targets/qwen3-mini.yaml log.wandb_mode=disabled ${TARGET_ARGS:-} || rc=1
       side_tests_end
     fi
