@@ -120,7 +120,8 @@
 # as .cache/triton-autotune.tgz next time (or to keep in bench/ when kernels changed). .cache/corpus-mini (the corpus of
 # the k3-mini and qwen3-mini recipes, 50 MB: `python -m dspark.data build --out .cache/corpus-mini --sources
 # python_stdlib,go_src,python_docs,shakespeare,kjv_bible,fortunes,gcide --max-bytes-per-source 10000000` on a machine
-# that has every source): an image without one of its sources (go_src) reuses the carried corpus.
+# that has every source): an image without one of its sources (go_src) reuses the carried corpus; carried as
+# .cache/corpus-mini.tgz (`tar czf .cache/corpus-mini.tgz -C .cache corpus-mini`, 14 MB) it is unpacked here first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 target=${1:-}
@@ -140,6 +141,8 @@ TARGET_DIR=${TARGET_DIR:-runs/k3-mini/final}
 best_or_final() { ls -d "$1/best" 2>/dev/null || echo "$1/final"; }  # a drafter run's checkpoint to evaluate
 DRAFTER_DIR=${DRAFTER_DIR:-$(best_or_final runs/k3-mini-drafter)}
 
+[ -f .cache/corpus-mini.tgz ] && [ ! -d .cache/corpus-mini ] && tar -xzf .cache/corpus-mini.tgz -C .cache \
+  && echo "corpus unpacked from .cache/corpus-mini.tgz"
 SITE=.cache/gpu-site
 if ls .whl/*.whl >/dev/null 2>&1; then
   stamp=$(ls .whl/*.whl | md5sum | cut -c1-12)  # installed once per set of wheels
