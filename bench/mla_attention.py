@@ -47,8 +47,8 @@ def main() -> None:
     m = MLAttention(hidden, heads, q_lora, kv_lora, nope, rope, v).to(device, dtype)
     cuda = device.type == "cuda"
     print(f"MLA attention, {a.shape} shape ({heads} heads, kv_lora {kv_lora}, rope {rope}), {device.type}, {dtype}")
-    print("| B | L | T | expanded ms | absorbed ms | expanded ÷ absorbed | max diff ÷ max |out| |\n"
-          "|--:|--:|--:|--:|--:|--:|--:|")
+    print("| B | L | T | expanded ms | absorbed ms | expanded ÷ absorbed | max diff ÷ max |out| | attend takes |\n"
+          "|--:|--:|--:|--:|--:|--:|--:|---|")
     for B in map(int, a.batches.split(",")):
         for L in map(int, a.lengths.split(",")):
             for T in map(int, a.queries.split(",")):
@@ -62,7 +62,8 @@ def main() -> None:
                     ex, ab = (median_ms(f, a.warmup, a.iters, cuda) for f in forms)
                 want = m._expanded(q, rows, mask, False).float()
                 diff = (m._absorbed(q, rows, mask).float() - want).abs().max() / want.abs().max()
-                print(f"| {B} | {L} | {T} | {ex:.3f} | {ab:.3f} | {ex / ab:.2f}× | {diff:.1e} |")
+                form = "absorbed" if m.absorbs(B, T, L, cuda) else "expanded"
+                print(f"| {B} | {L} | {T} | {ex:.3f} | {ab:.3f} | {ex / ab:.2f}× | {diff:.1e} | {form} |")
 
 
 if __name__ == "__main__":

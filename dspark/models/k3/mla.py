@@ -17,10 +17,11 @@ from torch import nn
 from dspark.kernels.rope import Rope, rope_interleaved
 from dspark.models.layers import RMSNorm, attention
 
-# On a GPU the absorbed form pays once the expansion it saves is this many multiply-adds (B L H (nope + v) kv_lora):
-# H100, bf16, one call (bench/RESULTS.md "MLA attention over cached rows"): 2.6e10 (k3-mini, 64 x 1024 rows) and above
-# 1.6-12x faster; 6.4e9 (k3-mini, 64 x 256) and 8.6e9 (K3, one row of 1024) 0.7-0.8x.
-ABSORB_MIN_MACS_CUDA = 2 ** 34
+# On a GPU the absorbed form pays once B rows x H heads give its attention enough parallel work (its keys are the
+# latent rows themselves, read per row and head; the expanded form spreads over the B L rows' expansion). H100, bf16,
+# inside a CUDA graph (bench/RESULTS.md "MLA attention over cached rows"): 1.25-38x faster from 96 (k3-mini, 16 rows)
+# and 512 (K3, 8 rows); 0.19-0.97x at 6 and 24 (k3-mini, 1 and 4 rows); level (0.92-1.09x) at 64 (K3, one row).
+ABSORB_MIN_HEAD_ROWS_CUDA = 64
 
 
 class MLAttention(nn.Module):
@@ -73,11 +74,11 @@ class MLAttention(nn.Module):
 
     def absorbs(self, B: int, T: int, L: int, cuda: bool) -> bool:
         """Whether T queries over L latent rows (B rows) take the absorbed form: where it costs fewer multiply-adds
-        (T below kv_lora (nope + v) / (2 kv_lora + rope): 120 for K3's shape), and on a GPU only once the rows'
-        expansion it saves reaches ABSORB_MIN_MACS_CUDA (below, its extra ops cost more than the expansion)."""
+        (T below kv_lora (nope + v) / (2 kv_lora + rope): 120 for K3's shape), and on a GPU only from
+        ABSORB_MIN_HEAD_ROWS_CUDA rows x heads (below, its attention leaves the GPU idle; L does not decide it)."""
         r = self.kv_lora_rank
         fewer = T * (2 * r + self.rope) < r * (self.nope + self.v_dim)
-        return fewer and (not cuda or B * L * self.num_heads * (self.nope + self.v_dim) * r >= ABSORB_MIN_MACS_CUDA)
+        return fewer and (not cuda or B * self.num_heads >= ABSORB_MIN_HEAD_ROWS_CUDA)
 
     def attend(self, q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None = None,
                is_causal: bool = False) -> torch.Tensor:
