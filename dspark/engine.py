@@ -234,6 +234,7 @@ class Engine:
         first = self._first_tokens(rows, last).tolist()
         emitted, now, c = [], time.perf_counter(), self.counters
         for r, tok in zip(rows, first):
+            r.context = self._keeps_context(r.params)
             c["prompt_tokens"] += len(r.prompt_ids)
             c["first_tokens"] += 1
             c["queue_s"] += r.admitted - r.arrival
@@ -260,16 +261,22 @@ class Engine:
         return self.runner.sample_first(last, sampling, ints[1], ints[2])
 
     def _choose_k(self, reqs: list[Request], ahead: int = 0) -> int:
-        """The step's drafts: the policy's (module doc), or 0 when every row is a seeded sampled one under it. ahead:
-        tokens the step in flight may still add to each row."""
-        if all(self._plain(r.params) for r in reqs):
+        """The step's drafts: the policy's (module doc), or 0 when no row keeps the drafter's context. ahead: tokens
+        the step in flight may still add to each row."""
+        if not any(r.context for r in reqs):
             return 0
         return self.policy.choose(len(reqs), max(r.num_computed for r in reqs) + ahead,
                                   sampling_mode([r.params for r in reqs]))
 
-    def _plain(self, p: SamplingParams) -> bool:
-        """A seeded sampled row under the policy decodes plainly (module doc)."""
-        return self.pinned_k is None and p.seed is not None and p.temperature > 0
+    def _keeps_context(self, p: SamplingParams) -> bool:
+        """Whether a request whose prompt is in keeps the drafter's context (and may draft): not a seeded sampled
+        one under the policy (it decodes plainly: module doc), nor, under the policy, a sampled one while drafting
+        does not pay for sampled rows (KPolicy.context_for). Without it its plain steps are the AR engine's."""
+        if self.drafts is None:
+            return True
+        if self.pinned_k is None and p.seed is not None and p.temperature > 0:
+            return False
+        return self.policy.context_for(p.temperature > 0)
 
     def _launch_chained(self, flight: InFlight, decode: list[Request]) -> InFlight | None:
         """The next step queued before `flight` is read, its rows continuing flight's on the device, when its
@@ -303,7 +310,6 @@ class Engine:
         self.policy.step_started(1e3 * (self.runner.wait_s + self.runner.launch_wait_s), chain is not None)
         ps = [r.params for r in reqs]
         mode = sampling_mode(ps)
-        plain = [self._plain(p) for p in ps]
         src = src or [-1] * len(reqs)
         ahead = [0 if s < 0 else chain.k + 1 for s in src]
         rids = [r.id for r in reqs]
@@ -312,11 +318,12 @@ class Engine:
         counts = [min(a + k + 1, held[r.id] * self.block_size - self.cache.num_tokens(r.id))
                   for r, a in zip(reqs, ahead)]
         num_cached, tables, slots = self.cache.step_rows(rids, counts)
-        key = self.runner.key_for(len(reqs), k, max(c + a for c, a in zip(num_cached, ahead)) + k + 1, mode)
+        key = self.runner.key_for(len(reqs), k, max(c + a for c, a in zip(num_cached, ahead)) + k + 1, mode,
+                                  any(r.context for r in reqs))
         rows = []
-        for r, p, no, s in zip(reqs, ps, plain, src):
+        for r, p, s in zip(reqs, ps, src):
             room = p.max_tokens - len(r.output_ids)
-            rows.append(RowInput(r.last_token, 0 if no else max(0, min(k, room - 1)), r.seed, p.temperature,
+            rows.append(RowInput(r.last_token, max(0, min(k, room - 1)) if r.context else 0, r.seed, p.temperature,
                                  p.top_k, p.top_p, room, s))
         self.counters["target_forwards"] += 1
         self.counters["decode_steps_per_k"][k] += 1
@@ -362,7 +369,7 @@ class Engine:
         ids of the rows a plain step in flight continues (queued behind it, the flush also covers the one position it
         stashes; their blocks were reserved at its launch)."""
         end = {id(r): r.num_computed + (id(r) in in_flight) for r in reqs}
-        lag = [r for r in reqs if r.num_context < end[id(r)]]
+        lag = [r for r in reqs if r.context and r.num_context < end[id(r)]]
         if not lag:
             return
         _, tables, slots = self.cache.step_rows([r.id for r in lag], 0)
@@ -401,8 +408,9 @@ class Engine:
                 flushes = self.runner.warm_flush(self.max_batch_size, max_len)
             self._warm_prefill()
             ks = [self.k] if self.pinned_k is not None or self.drafts is None else self.policy.choices
-            keys = {self.runner.key_for(rows, k, n, mode) for rows in self.runner.buckets for k in ks
-                    for mode in modes
+            # with a drafter, plain steps of rows that keep no context are keys of their own (the AR step)
+            keys = {self.runner.key_for(rows, k, n, mode, context) for rows in self.runner.buckets for k in ks
+                    for mode in modes for context in ((True, False) if k == 0 else (True,))
                     for n in sorted({min(1 << i, max_len + k + 1)
                                      for i in range(7, max(8, (max_len + k).bit_length() + 1))})}
             order = sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width))
@@ -452,7 +460,7 @@ class Engine:
         if self.drafts is not None:
             self._flush_context([req])  # the exported rows are whole: the importer drafts on them
         handoff = {"request_id": req.id, "prompt_ids": req.prompt_ids, "output_ids": list(req.output_ids),
-                   "params": req.params, "seed": req.seed,
+                   "params": req.params, "seed": req.seed, "context": req.context,
                    "cache": self.cache.export_request(req.id)}
         self.scheduler.finish(req, "exported")
         return handoff
@@ -462,6 +470,7 @@ class Engine:
         req = Request(handoff["prompt_ids"], handoff["params"], handoff["request_id"], tokenizer=self.tokenizer,
                       seed=handoff["seed"])
         req.output_ids = list(handoff["output_ids"])
+        req.context = handoff.get("context", True)
         need = self.scheduler.room_for(req)
         self.cache.import_request(req.id, handoff["cache"])
         req.num_computed = req.num_context = handoff["cache"]["num_tokens"]

@@ -50,6 +50,9 @@ FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving aver
 ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
 # estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
 DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects this many times its tokens per ms
+# while plain decoding is the sampled rows' choice, one sampled request in this many keeps the drafter's context (the
+# others decode as the AR engine does); its steps carry the probes that find where drafting pays again
+CONTEXT_EVERY = 8
 GROUPS = ("greedy", "sampled")
 
 
@@ -70,6 +73,7 @@ class KPolicy:
         self.plain_steps = {g: 0 for g in GROUPS}  # steps decoded plainly since the last draft
         self.probe_every = {g: PROBE_EVERY for g in GROUPS}
         self.probed = {g: False for g in GROUPS}  # a probe ran and the next choice has not judged it yet
+        self.sampled_without = 0  # sampled requests whose prompt came in while plain decoding was their choice
         self.memo: dict[tuple, list[int]] = {}  # (rows, context bucket, mode) -> [k, steps it is still reused]
         # the choices made (each reused up to REPICK_EVERY steps): (rows, k, mode, basis) -> how many, basis "measured"
         # or "modelled" (the chosen kind's cost), or "probe" (the whole block, for the acceptance statistics)
@@ -131,6 +135,16 @@ class KPolicy:
         self.plain_steps[group] = self.plain_steps[group] + 1 if hit[0] == 0 else 0
         self.last_k = hit[0]
         return hit[0]
+
+    def context_for(self, sampled: bool) -> bool:
+        """Whether a request whose prompt is in keeps the drafter's context (stashed by its plain steps, so that it
+        may draft). A sampled one does not while probes keep finding plain decoding best for sampled rows (their
+        interval has grown past PROBE_EVERY: dspark.engine's plain steps then cost what AR's do), except one in
+        CONTEXT_EVERY; greedy ones, a pinned k, and a drafting choice keep it."""
+        if self.k == 0 or self.pinned or not sampled or self.probe_every["sampled"] <= PROBE_EVERY:
+            return True
+        self.sampled_without += 1
+        return self.sampled_without % CONTEXT_EVERY == 0
 
     def _made(self, num_rows: int, k: int, mode: str, basis: str) -> None:
         key = (num_rows, k, mode, basis)

@@ -57,10 +57,10 @@ class PrefillRunner:
         self.pool = None  # one memory pool for every graph (they never run concurrently)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, ids: torch.Tensor, batch, stash: bool = False) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, batch, stash: bool = False, context: bool = True) -> torch.Tensor:
         """Target forward (+ the drafter's context rows of the same positions; stash: only their ctx, the rows
-        left to flush_context) -> logits [B, T, V]."""
-        if self.aux_ids is None:
+        left to flush_context; context=False: the target's alone) -> logits [B, T, V]."""
+        if self.aux_ids is None or not context:
             return self.target(ids, batch=batch)
         logits, aux = self.target(ids, batch=batch, aux_layer_ids=self.aux_ids, aux_parts=stash)
         (self.drafts.stash_context if stash else self.drafts.write_context)(batch, aux)

@@ -110,7 +110,8 @@ class ModelRunner(PrefillRunner):
         self.rejection, self.draft_sample, self.adaptive = rejection, draft_sample, adaptive
         self.steps: dict[StepKey, StepBuffers] = {}
         self.mailbox = MAILBOX if self.graphs else None  # captured steps post their output (step_buffers.Mailbox)
-        self._keys: dict[tuple[int, int, str], tuple[int, int, StepKey]] = {}  # key_for's last key per rows, k, mode
+        # key_for's last key per rows, k, mode, context
+        self._keys: dict[tuple[int, int, str, bool], tuple[int, int, StepKey]] = {}
         # MoE forwards up to the largest step's size take the gathered, graph-safe expert path; the setting lives on
         # the model, so an engine never lowers what another engine on the same target needs
         moes = [m for m in target.modules() if isinstance(m, LatentMoE)]
@@ -194,8 +195,8 @@ class ModelRunner(PrefillRunner):
         # its drafts from counters of their own: dspark.spec.draft.markov_drafts.)
         seed = None if sampling is None else _dense(ints[:, INT_COLS["seed"]], own)
         u = None if sampling is None else counter_uniform(seed, num_cached * COUNTER_STRIDE, 2 * k + 1)
-        if k == 0:
-            logits = forward(pending[:, None], view, True)  # [B, 1, V]
+        if k == 0:  # the drafter's context stashed, or (no row keeps it) the AR engine's forward
+            logits = forward(pending[:, None], view, True, key.context)  # [B, 1, V]
             if sampling is None:  # [0, n, t_0]; n = num_new - 1 = 0
                 return greedy_step(pending[:, None][:, :0], argmax(logits), num_new, minus=1)
             nxt = sample_from(process_logits(logits[:, 0], sampling.temperature, sampling.top_k, sampling.top_p),
@@ -219,10 +220,12 @@ class ModelRunner(PrefillRunner):
         return pack_step(drafts, a, nxt, n)
 
     # ------------------------------------------------------------------ host side
-    def key_for(self, num_rows: int, k: int, max_len: int, mode: str) -> StepKey:
-        """The step key of num_rows rows whose longest sees max_len positions (cached + k + 1). Each (rows, k, mode)
-        keeps its last key and the range of max_len it covers: a step at a time, the key rarely changes."""
-        hit = self._keys.get((num_rows, k, mode))
+    def key_for(self, num_rows: int, k: int, max_len: int, mode: str, context: bool = True) -> StepKey:
+        """The step key of num_rows rows whose longest sees max_len positions (cached + k + 1); context=False: a
+        plain step that stashes no drafter context (no row keeps it). Each (rows, k, mode, context) keeps its last
+        key and the range of max_len it covers: a step at a time, the key rarely changes."""
+        context = context or k > 0 or self.drafts is None
+        hit = self._keys.get((num_rows, k, mode, context))
         if hit is not None and hit[0] < max_len <= hit[1]:
             return hit[2]
         rows = next((b for b in self.buckets if b >= num_rows), None)
@@ -236,8 +239,8 @@ class ModelRunner(PrefillRunner):
         else:
             hi = -(-max_len // bs) * bs
             lo = hi - bs
-        key = StepKey(rows, k, -(-hi // bs), mode)
-        self._keys[(num_rows, k, mode)] = (lo, hi, key)
+        key = StepKey(rows, k, -(-hi // bs), mode, context)
+        self._keys[(num_rows, k, mode, context)] = (lo, hi, key)
         return key
 
     def _get(self, key: StepKey) -> StepBuffers:

@@ -35,6 +35,7 @@ class StepKey(NamedTuple):  # a tuple: hashed in C on every step's lookups
     k: int  # drafts per row (0: plain decoding)
     width: int  # block-table width: the step sees width * block_size positions
     mode: str  # one of MODES
+    context: bool = True  # k = 0: whether the step stashes the drafter's context rows (False: the AR step)
 
 
 class PrefillKey(NamedTuple):

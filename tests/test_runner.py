@@ -23,6 +23,7 @@ from dspark.models.k3.model import K3ForCausalLM
 from dspark.models.k3.moe import LatentMoE, set_static_moe
 from dspark.policy import (
     ACCEPT_WINDOW,
+    CONTEXT_EVERY,
     DRAFT_GAIN,
     MIN_CYCLES,
     PROBE_EVERY,
@@ -90,8 +91,8 @@ def test_step_reads_no_tensor_values_on_the_host():
         runner = engine.runner
         with torch.no_grad():
             for mode in MODES:
-                for k in (0, 3):
-                    st = runner._get(runner.key_for(3, k, 40, mode))
+                for k, context in ((0, True), (0, False), (3, True)):
+                    st = runner._get(runner.key_for(3, k, 40, mode, context))
                     packed = runner._step_fn(st)
                     assert packed.is_meta and packed.shape == (4, k + 3)
             # the prefill forward: a 50-token chunk after 40 cached tokens, one row
@@ -180,6 +181,50 @@ def test_k_policy_probes_less_often_while_probes_confirm_plain_decoding(targets)
     engine.runner.step_ms = lambda key: 0.2 + 0.01 * key.k
     picks = [p.choose(1, 100, "sample") for _ in range(40)]
     assert p.probe_every["sampled"] == PROBE_EVERY and all(x > 0 for x in picks[-20:])
+
+
+def test_sampled_requests_keep_no_drafter_context_while_plain_decoding_is_their_choice(targets, prompts):
+    """Once probes keep plain decoding the sampled rows' choice (their interval has grown past PROBE_EVERY), a sampled
+    request whose prompt comes in keeps no drafter context, except one in CONTEXT_EVERY: it never drafts, and a plain
+    step none of whose rows keeps it is the AR engine's step (key.context False: no stash). Greedy requests, and every
+    request under a pinned k, keep it; so do sampled ones once drafting is their choice again. A seeded sampled
+    request under the policy keeps none either: its text is the AR engine's for its seed."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), max_batch_size=16)
+    p = engine.policy
+    assert p.context_for(sampled=True) and p.context_for(sampled=False)
+    p.probe_every["sampled"] = 2 * PROBE_EVERY  # probes have found plain decoding best for sampled rows
+    assert [p.context_for(sampled=True) for _ in range(2 * CONTEXT_EVERY)] == ([False] * (CONTEXT_EVERY - 1)
+                                                                             + [True]) * 2
+    assert p.context_for(sampled=False) and p.probe_every["greedy"] == PROBE_EVERY
+    pinned = Engine(target, make_drafter(target), num_speculative_tokens=2).policy
+    pinned.probe_every["sampled"] = 2 * PROBE_EVERY
+    assert pinned.context_for(sampled=True)
+
+    sampled = SamplingParams(max_tokens=N_NEW, temperature=0.9, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    p.sampled_without = 0
+    reqs = [engine.add_request(prompts[i % 3], sampled) for i in range(CONTEXT_EVERY)]
+    reqs.append(engine.add_request(prompts[0], greedy))
+    while engine.has_work():
+        engine.step()
+    assert [r.context for r in reqs] == [False] * (CONTEXT_EVERY - 1) + [True, True]
+    assert all(not any(r.num_drafts_per_step) for r in reqs[:-2])  # on the CPU the others draft
+    assert all(any(r.num_drafts_per_step) for r in reqs[-2:])
+    # steps whose rows all keep no context (the interval set again: a choice to draft, as the CPU's, resets it):
+    # plain, the AR step's key, no context flush
+    engine.runner.steps.clear()
+    p.probe_every["sampled"], p.sampled_without = 2 * PROBE_EVERY, 0
+    flushes = engine.counters["context_flushes"]
+    engine.generate(prompts, sampled)
+    assert {(key.k, key.context) for key in engine.runner.steps} == {(0, False)}
+    assert engine.counters["context_flushes"] == flushes
+    seeded = SamplingParams(max_tokens=N_NEW, temperature=0.9, top_k=20, seed=3)
+    fresh = Engine(target, make_drafter(target))
+    assert ([o.token_ids for o in fresh.generate(prompts, seeded)]
+            == [o.token_ids for o in Engine(target).generate(prompts, seeded)])
+    assert {(key.k, key.context) for key in fresh.runner.steps} == {(0, False)}
+    assert fresh.runner.key_for(2, 3, 40, "sample", False).context  # a drafting step always writes it
 
 
 def test_k_policy_keeps_a_choice_on_a_modelled_cost_only_until_it_is_measured(targets):
