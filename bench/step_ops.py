@@ -1,7 +1,7 @@
 """Device ops per decode step, by part of the step: a CPU proxy for the CUDA kernels a step's graph replays.
 
     TRITON_INTERPRET=1 python3 bench/step_ops.py --target runs/quickstart/target/final \
-        --drafter runs/quickstart/drafter/final [--runs ar,plain,k4] [--temperatures 0,0.7] [--steps 4] [--ops] \
+        --drafter runs/quickstart/drafter/final [--runs ar,plain,nocontext,k4] [--temperatures 0,0.7] [--steps 4] [--ops] \
         [--out F]
 
 At batch 1 on an H200 a small pair's decode step is a chain of tiny kernels of some 1.8 µs each, so its time follows
@@ -163,12 +163,14 @@ def step_ops(engine: Engine, prompts: list[list[int]], params: SamplingParams, s
 
 def engine_for(run: str, target, drafter, max_model_len: int) -> Engine:
     """A run's engine at batch 1: ar (no drafter), plain (the drafter loaded, every step k = 0: what the k policy runs
-    where drafting does not pay) or kN (N drafts pinned)."""
-    k = None if run in ("ar", "plain") else int(run.removeprefix("k"))
+    where drafting does not pay), nocontext (plain, its request keeping no drafter context: what a sampled request
+    runs while plain decoding is the sampled rows' choice) or kN (N drafts pinned)."""
+    k = None if run in ("ar", "plain", "nocontext") else int(run.removeprefix("k"))
     engine = Engine(target, None if run == "ar" else drafter, num_speculative_tokens=k, max_batch_size=1,
                     max_model_len=max_model_len)
-    if run == "plain":
+    if run in ("plain", "nocontext"):
         engine.policy.choose = lambda *a, **kw: 0
+        engine._keeps_context = lambda params: run == "plain"  # (a seeded sampled request keeps none either)
     return engine
 
 
@@ -176,8 +178,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--runs", default="ar,k4", help="ar, plain (the drafter loaded, every step k = 0) and/or kN (N "
-                    "drafts pinned)")
+    ap.add_argument("--runs", default="ar,k4", help="ar, plain (the drafter loaded, every step k = 0), nocontext (plain, "
+                    "keeping no drafter context) and/or kN (N drafts pinned)")
     ap.add_argument("--temperatures", default="0")
     ap.add_argument("--steps", type=int, default=4, help="decode steps counted per run")
     ap.add_argument("--max-tokens", type=int, default=24)

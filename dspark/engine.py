@@ -15,7 +15,9 @@ drafter's block, by expected emitted tokens per millisecond (measured acceptance
 start to start, or its replay time and the host's measured work where that kind has not run often enough); on CPU
 (no graphs) it drafts the whole block. An int pins k.
 Under the policy a sampled request with a seed decodes plainly (its text is then the AR engine's for that seed); with
-a pinned k it drafts like the others.
+a pinned k it drafts like the others. Such a request keeps no drafter context, nor does a sampled one whose prompt
+comes in while plain decoding is the sampled rows' choice (KPolicy.context_for): it never drafts, and a plain step
+none of whose rows keeps the context is the AR engine's step (no stash).
 
 Overlap (on by default with graphs): step() leaves the decode step it launches in flight, and the next call queues
 the following step before it reads that one, so the host's work (reading, stop handling, scheduling, a server's

@@ -14,7 +14,8 @@ op completes the inputs of rows that continue a row of the step before (chain_in
 in `carry`), so a step can be queued while the one before is still in flight; a step whose rows all continue the
 same rows of the step just launched, in the same buffers and blocks, finds its inputs on the device already and
 stages nothing. k = 0 is plain decoding: of the drafter's context it writes only the projection of aux per position
-(one launch, dspark/kernels/project_rows.py, where the full context write is some 30 kernels); flush_context turns
+(one launch, dspark/kernels/project_rows.py, where the full context write is some 30 kernels), or nothing where no
+row keeps the context (StepKey.context False: the AR engine's step); flush_context turns
 the stashed positions into context rows (a captured graph per row for a few rows, one batched forward for more)
 before a request drafts again.
 
