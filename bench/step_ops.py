@@ -1,8 +1,8 @@
 """Device ops per decode step, by part of the step: a CPU proxy for the CUDA kernels a step's graph replays.
 
     TRITON_INTERPRET=1 python3 bench/step_ops.py --target runs/quickstart/target/final \
-        --drafter runs/quickstart/drafter/final [--runs ar,plain,nocontext,k4] [--temperatures 0,0.7] [--steps 4] [--ops] \
-        [--out F]
+        --drafter runs/quickstart/drafter/final [--runs ar,plain,nocontext,k4] [--temperatures 0,0.7] \
+        [--steps 4] [--ops] [--out F]
 
 At batch 1 on an H200 a small pair's decode step is a chain of tiny kernels of some 1.8 µs each, so its time follows
 its kernel count (bench/RESULTS.md, "Where a decode step's time goes"). This counts, over a few decode steps of
@@ -178,8 +178,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--runs", default="ar,k4", help="ar, plain (the drafter loaded, every step k = 0), nocontext (plain, "
-                    "keeping no drafter context) and/or kN (N drafts pinned)")
+    ap.add_argument("--runs", default="ar,k4", help="ar, plain (the drafter loaded, every step k = 0), nocontext "
+                    "(plain, keeping no drafter context) and/or kN (N drafts pinned)")
     ap.add_argument("--temperatures", default="0")
     ap.add_argument("--steps", type=int, default=4, help="decode steps counted per run")
     ap.add_argument("--max-tokens", type=int, default=24)

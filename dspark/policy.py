@@ -25,9 +25,9 @@ drafting steps that ran first, plain steps would look dearer than they are, and 
 measured.
 The policy picks the k with the most expected tokens per millisecond, so speculation runs plainly where drafting
 does not pay (and while probes keep finding that for sampled rows, most sampled requests keep no drafter context:
-their plain steps are then AR's, without the stash; context_for); drafting must beat plain decoding by DRAFT_GAIN (a prompt's drafter context is still outside these
-costs, and a marginal estimate is as likely to lose as to win). On CPU (no graphs, no step times) it drafts the
-whole block.
+their plain steps are then AR's, without the stash; context_for); drafting must beat plain decoding by DRAFT_GAIN (a
+prompt's drafter context is still outside these costs, and a marginal estimate is as likely to lose as to win). On
+CPU (no graphs, no step times) it drafts the whole block.
 """
 from __future__ import annotations
 
