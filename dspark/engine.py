@@ -472,7 +472,7 @@ class Engine:
         req = Request(handoff["prompt_ids"], handoff["params"], handoff["request_id"], tokenizer=self.tokenizer,
                       seed=handoff["seed"])
         req.output_ids = list(handoff["output_ids"])
-        req.context = handoff.get("context", True)
+        req.context = handoff["context"]
         need = self.scheduler.room_for(req)
         self.cache.import_request(req.id, handoff["cache"])
         req.num_computed = req.num_context = handoff["cache"]["num_tokens"]
