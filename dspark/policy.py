@@ -282,14 +282,15 @@ class KPolicy:
         first) leaves the last step unsampled: that gap holds a wait the next step's kind, not the last one's,
         caused. Under overlap a step's cycle also holds the read of the step before it, so it counts for its kind
         only after a step of the same kind (the first plain step after drafting ones would carry their device
-        time)."""
+        time). A plain step none of whose rows keeps the drafter's context (the AR step, no stash) is no choice
+        of the policy's: its host work is sampled, its cycle is no kind's."""
         now, last = time.perf_counter(), self.last_step
         kind = None if last is None or last[2] is None else (last[2].rows, last[2].k, last[2].mode)
         if last is not None and last[3] is not None and (chained or not self.overlap):
             cycle = (now - last[0]) * 1e3
             if cycle < HOST_PAUSE_MS:
                 self.host_all.append(max(0.0, cycle - (waited_ms - last[1])))
-                if self.before == kind or not self.overlap:
+                if (self.before == kind or not self.overlap) and last[2].context:
                     self.cycle_by_kind.setdefault(kind, deque(maxlen=CYCLE_WINDOW)).append(cycle)
                     self.sampled_at[kind] = self.steps
                     self.replay_by_kind[kind] = last[3]

@@ -417,6 +417,23 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     assert engine.policy.best(1, 100, "greedy", acc, reach) == 4
 
 
+def test_k_policy_samples_no_kind_from_steps_without_drafter_context(targets, monkeypatch):
+    """A plain step none of whose rows keeps the drafter's context (the AR step, no stash) is no choice of the
+    policy's: its host work is sampled, its cycle goes to no kind (the plain kind the policy weighs stashes)."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=False)
+    clock = iter([10.0, 10.0152, 10.0304])  # starts of three decode steps (s)
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: next(clock))
+    p, key = engine.policy, engine.runner.key_for
+    p.step_started(0.0)
+    p.step_replayed(0.2, key(1, 0, 100, "greedy", context=False))
+    p.step_started(5.0)  # 15.2 ms later, 5 of them waiting: 10.2 ms of host work
+    assert p.host_ms == pytest.approx(10.2) and not p.cycle_by_kind and p.cycles[0] == 0
+    p.step_replayed(0.2, key(1, 0, 100, "greedy"))  # with the stash: the plain kind's cycle
+    p.step_started(10.0)
+    assert list(p.cycle_by_kind[1, 0, "greedy"]) == [pytest.approx(15.2)] and p.cycles[0] == 1
+
+
 def test_k_policy_weighs_each_kinds_measured_time_with_async_scheduling(targets):
     """With async scheduling host work and device time overlap, so a kind of step takes the larger of the two. Where
     launching a drafting step's bigger graph keeps the host busier than the device (the host-bound sampled steps of a
