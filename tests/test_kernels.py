@@ -104,6 +104,47 @@ def _kda_slots_checks(device="cpu", dtype=torch.float32, H=2, D=16) -> dict:
     return res
 
 
+def _kda_tuned_on_rows_checks(H=2, D=16) -> dict:
+    """A step over pools where the autotuner picks the config (CUDA; here a stand-in that records each launch and
+    runs one config): its first launch of a key times copies of the step's rows, not the pool (restored after each
+    trial, the pool's copy would be the timing), the launch on the pool follows; a second step of the key launches
+    once; the pools end as the definition leaves them. -> name -> [error, tolerance]."""
+    import dspark.kernels.kda_decode as kd
+
+    states = []
+
+    class Autotuner:
+        def __getitem__(self, grid):
+            def launch(*args, **meta):
+                states.append(args[8])
+                kd._kda_decode_kernel[grid({"BV": 16})](*args, **meta, BV=16, MERGED=True, num_stages=1, num_warps=4)
+            return launch
+
+    saved = kd._kda_tuned, kd.interpreting, set(kd._TUNED_ON_ROWS)
+    kd._kda_tuned, kd.interpreting = Autotuner(), lambda: False
+    kd._TUNED_ON_ROWS.clear()
+    try:
+        inp = _kda_inputs(B=3, T=1, H=H, D=D, seed=5)
+        g = torch.Generator().manual_seed(12)
+        pools = [torch.randn(6, H, D, D, generator=g) * 0.3, torch.randn(6, 3, 3 * H * D, generator=g)]
+        args = [inp[k] for k in ("qkv", "f", "beta", "gate", "conv_w")]
+        norm = [inp[k] for k in ("A_log", "dt_bias", "o_norm_w")]
+        slots, err, launches = torch.tensor([4, 1, 5]), 0.0, []
+        ref_pools = [t.clone() for t in pools]
+        for _ in range(2):  # two steps of the same key, each after the definition's
+            ref_out = kd.kda_decode_slots_ref(*args, ref_pools[1], *norm, ref_pools[0], slots=slots)[0]
+            n = len(states)
+            out = kd.kda_decode_slots(*args, pools[1], *norm, pools[0], slots)[0]
+            launches.append([tuple(s.shape) for s in states[n:]])
+            err = max(err, _err(out, ref_out), _err(pools[0], ref_pools[0]), _err(pools[1], ref_pools[1]))
+    finally:
+        kd._kda_tuned, kd.interpreting = saved[:2]
+        kd._TUNED_ON_ROWS.clear()
+        kd._TUNED_ON_ROWS.update(saved[2])
+    want = [[(3, H, D, D), (6, H, D, D)], [(6, H, D, D)]]
+    return {"kda_slots_tuned_on_rows": [err, 1e-5], "kda_slots_tuned_on_rows_launches": [float(launches != want), 0]}
+
+
 def _kda_commit_checks(device="cpu", dtype=torch.float32, H=2, D=16) -> dict:
     """kda_commit (the kernel where dispatched) and its definition against the cache's rollback
     (committed_kda_state, then the rows written back): rows keeping all 9, 3, none and 1 of their new tokens at pool
@@ -194,6 +235,7 @@ def _interp_checks() -> dict:
                                                                           kda_decode_triton(**{**inp, **views}))), 1e-5]
     res.update(_kda_slots_checks())  # the pools read and written in place, through the dispatcher
     res.update(_kda_commit_checks())
+    res.update(_kda_tuned_on_rows_checks())
     # AttnRes: fp32, 1e-5; d = 80 with 32-wide chunks (a ragged tail), strided sources + prefix, output norm
     g = torch.Generator().manual_seed(1)
     v = torch.randn(3, 9, 80, generator=g) * torch.rand(1, 9, 1, generator=g) * 3
@@ -675,7 +717,8 @@ def interp():
 ARGMAX_CASES = ["fp32", "bf16", "fp16", "slices", "bkv_padded_view", "bkv_position_view", "bkv_copied", "one_row",
                 "no_rows", *(f"ties_{d}{s}" for d in ("float32", "bfloat16") for s in ("", "_chunks", "_slices"))]
 INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostate", "kda_verify_t9",
-                "kda_slots_final_t1", "kda_slots_final_t3_lengths", "kda_slots_allstates_t9", "kda_commit_ref",
+                "kda_slots_final_t1", "kda_slots_final_t3_lengths", "kda_slots_allstates_t9", "kda_slots_tuned_on_rows",
+                "kda_slots_tuned_on_rows_launches", "kda_commit_ref",
                 "kda_commit",
                 "kda_t17_softplus", "kda_unmerged_verify_t9", "kda_strided_slices_t1", "kda_strided_slices_t9",
                 "attnres_plain", "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16",
