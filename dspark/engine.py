@@ -395,7 +395,7 @@ class Engine:
         drafter: a graph per row, and each shape of the batched eager flush run once), and the decode step of each
         batch bucket, each k the engine may pick, each context bucket, each sampling mode listed. A server calls it
         before it takes requests, so no request pays for a capture. Returns the number of graphs and eager flush
-        shapes; 0 without graphs."""
+        shapes; 0 without graphs. slowest_captures: the 8 step keys whose capture took longest, (seconds, key)."""
         if not self.runner.graphs:
             return 0
         max_len = max_len or self.max_model_len
@@ -415,12 +415,15 @@ class Engine:
                     for mode in modes for context in ((True, False) if k == 0 else (True,))
                     for n in sorted({min(1 << i, max_len + k + 1)
                                      for i in range(7, max(8, (max_len + k).bit_length() + 1))})}
-            order = sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width))
+            order, took = sorted(keys, key=lambda x: (x.mode, x.rows, x.k, x.width)), []
             for key in (bar := tqdm(order, desc="step graphs", disable=not progress)):
-                self.runner.step_ms(key)
+                t0 = time.perf_counter()
+                self.runner.step_ms(key)  # its first run also compiles and autotunes the kernels of new shapes
+                took.append((time.perf_counter() - t0, key))
                 bar.set_postfix(gib=f"{torch.cuda.memory_allocated(self.device) / 2**30:.1f}", refresh=False)
         finally:
             gc.unfreeze()
+        self.slowest_captures = sorted(took, key=lambda x: -x[0])[:8]
         return len(keys) + len(prefills) + flushes
 
     def _warm_prefill(self) -> None:

@@ -78,7 +78,13 @@ def build_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, 
                     max_model_len=max_model_len, adaptive_verification=adaptive_verification,
                     draft_top_k=draft_top_k, graphs=False if enforce_eager else None, compile=compile,
                     overlap=async_scheduling)
-    engine.warmup(modes=("greedy", "sample"), progress=True)
+    t0 = time.perf_counter()
+    n = engine.warmup(modes=("greedy", "sample"), progress=True)
+    if n:  # beside the progress bars: where a start's time went (a first start compiles and autotunes kernels)
+        slowest = ", ".join(f"rows {k.rows} k {k.k} {k.mode} width {k.width} {s:.2f} s"
+                            for s, k in engine.slowest_captures)
+        print(f"warmup: {n} graphs in {time.perf_counter() - t0:.1f} s; the slowest step captures: {slowest}",
+              file=sys.stderr, flush=True)
     return engine
 
 
