@@ -11,7 +11,8 @@ which Python does for every row. Reported: the median over --repeats runs, and t
 --no-forward replaces the runner's step with a fixed output ([a=0, n=0, token 5] per row), so nothing but the engine's
 Python runs and the host time is the generate call's wall time over its decode steps. --plain-drafter adds a tiny
 DSpark drafter whose k policy decodes plainly on every step (what a GPU server does where drafting does not pay, as
-at T = 0.7), so its host time per step compares with AR's. --overlap runs the engine's async scheduling as on a GPU:
+at T = 0.7), so its host time per step compares with AR's; --drafts K one whose policy drafts K tokens every step
+(with --no-forward none is accepted: each step emits one token). --overlap runs the engine's async scheduling as on a GPU:
 each step is queued before the one before it is read, its inputs chained from that step's output (with a fixed
 output, the host path of a server's step at one row: no staging, no copy of the inputs). --server runs the same
 requests through the engine process's loop (serve.engine_proc.PipeRunner: its commands read from a pipe, each step's
@@ -116,10 +117,11 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
     return runner.loop_s
 
 
-def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafter: bool = False,
+def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafts: int | None = None,
         overlap: bool = False, server: bool = False) -> tuple[float, float, int]:
-    """-> (host ms per decode step, the generate call's wall seconds, decode steps). drafter: with a drafter whose
-    policy always decodes plainly; server: through the engine process's loop (module doc)."""
+    """-> (host ms per decode step, the generate call's wall seconds, decode steps). drafts: with a drafter whose
+    policy drafts that many tokens every step (0: decodes plainly); server: through the engine process's loop (module
+    doc)."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_position_embeddings=512)
@@ -127,17 +129,18 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(32, 200, (num_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
-    engine = Engine(target, plain_drafter(target) if drafter else None, max_batch_size=rows, max_model_len=512,
-                    prefill_chunk=512, overlap=overlap)
-    if drafter:
-        engine.policy.choose = lambda *a, **k: 0
+    engine = Engine(target, plain_drafter(target) if drafts is not None else None, max_batch_size=rows,
+                    max_model_len=512, prefill_chunk=512, overlap=overlap)
+    if drafts is not None:
+        engine.policy.choose = lambda *a, **k: drafts
     if not forward:
         engine.runner._run = fixed_step({})
     engine.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))  # first-call costs
     forwards = [0.0]
     timed(engine.runner, "_run", forwards)
     timed(engine.runner, "_prefill_fn", forwards)
-    engine.counters["decode_steps_per_k"][0] = 0
+    steps = engine.counters["decode_steps_per_k"]
+    steps[:] = [0] * len(steps)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
     if server:
@@ -145,7 +148,7 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     else:
         engine.generate(prompts, params)
     wall = time.perf_counter() - t0
-    n = engine.counters["decode_steps_per_k"][0]
+    n = sum(steps)
     return ((busy if server else wall) - forwards[0]) / n * 1e3, wall, n
 
 
@@ -158,13 +161,17 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-forward", action="store_true", help="a fixed output for every step: the engine's Python alone")
     p.add_argument("--plain-drafter", action="store_true", help="a drafter whose k policy always decodes plainly")
+    p.add_argument("--drafts", type=int, help="a drafter whose k policy drafts this many tokens (1-3) every step")
     p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
     p.add_argument("--server", action="store_true", help="through the engine process's loop, driven over a pipe")
     a = p.parse_args(argv)
     if a.rows < 1 or a.prompts < a.rows or a.new_tokens < 2 or a.repeats < 1:
         p.error("--rows >= 1, --prompts >= --rows, --new-tokens >= 2 and --repeats >= 1 expected")
+    if a.drafts is not None and not (1 <= a.drafts <= 3 and not a.plain_drafter):
+        p.error(f"--drafts {a.drafts}: expected 1-3 (the drafter's block is 4), without --plain-drafter")
+    drafts = 0 if a.plain_drafter else a.drafts
     torch.set_num_threads(a.threads)
-    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.plain_drafter, a.overlap, a.server)
+    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, drafts, a.overlap, a.server)
            for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "
