@@ -91,14 +91,13 @@ def bench_kda_sweep(iters):
                "fused slices": dict(qkv=fused[..., :3 * P], gate=fused[..., 3 * P:4 * P], beta=fused[..., 4 * P:])}
     ref = kd.kda_decode_ref(**layouts["contiguous"], **common)
     print(f"kda sweep B={B} H={H} T={T} all states, graph us per call: " + " | ".join(layouts), flush=True)
-    for bv, w in kd._CONFIGS:
-        for merged in (False, True):
-            cells = []
-            for inp in layouts.values():
-                fn = partial(kd.kda_decode_triton, **inp, **common, block_v=bv, merged=merged, num_warps=w)
-                err = max(_err(a, b) for a, b in zip(fn()[:2], ref[:2]))
-                cells.append(f"{1e3 * graph_ms(fn, 20, iters):7.1f} (err {err:.1e})")
-            print(f"  BV={bv:<3} {w}w {'merged' if merged else 'unmerged':<8} " + " | ".join(cells), flush=True)
+    for bv, w, merged in kd.CONFIGS:
+        cells = []
+        for inp in layouts.values():
+            fn = partial(kd.kda_decode_triton, **inp, **common, block_v=bv, merged=merged, num_warps=w)
+            err = max(_err(a, b) for a, b in zip(fn()[:2], ref[:2]))
+            cells.append(f"{1e3 * graph_ms(fn, 20, iters):7.1f} (err {err:.1e})")
+        print(f"  BV={bv:<3} {w}w {'merged' if merged else 'unmerged':<8} " + " | ".join(cells), flush=True)
 
 
 def bench_attnres(iters):

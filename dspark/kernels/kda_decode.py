@@ -293,17 +293,21 @@ def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, ext_ptr, conv_ptr, s
     tl.store(out_ptr + base, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
-# (BV value columns per program, warps): autotuned per (T, B*H, D, all states) on CUDA at first use. Small grids
-# (bs=1: 6..96 heads) want narrow slices, so that the serial delta rule runs on many SMs (H200, T = 9 with all
+# (BV value columns per program, warps, MERGED): autotuned per (T, B*H, D, all states) on CUDA at first use. Small
+# grids (bs=1: 6..96 heads) want narrow slices, so that the serial delta rule runs on many SMs (H200, T = 9 with all
 # states, 6 heads: 28.9 us at BV 16 / 4 warps, against 87 us for one program per head); large grids want wide ones.
+# These 8 of the 18 configs once tuned (BV 8..128 with 1..8 warps, both orders) come within 1.057x of those 18's best
+# on each of the 99 keys an H100 tuned (1.003x on average; bench/kda_configs.py): each config costs a compile per
+# new specialisation and a timing per new key at a server's first start on a machine.
 # A chunk form of the verify (u and o by matmuls, then an element-wise state loop) was slower than this loop in the
 # k3-mini DSpark step (41 against 28 us per launch) and was removed.
-_CONFIGS = ((8, 1), (8, 2), (16, 1), (16, 2), (16, 4), (32, 2), (32, 4), (64, 4), (128, 8))  # x MERGED 0 / 1
+CONFIGS = ((8, 1, False), (8, 1, True), (8, 2, True), (16, 1, False), (16, 1, True), (32, 2, False), (32, 4, True),
+           (64, 4, False))
 _DEFAULT_BV = 16  # the interpreter's (and block_v=None without autotuning) value slice
 
 if HAS_TRITON:
     _kda_tuned = triton.autotune([triton.Config({"BV": bv, "MERGED": m}, num_warps=w, num_stages=1)
-                                  for bv, w in _CONFIGS for m in (False, True)],
+                                  for bv, w, m in CONFIGS],
                                  key=["T", "NH", "D", "ALL_STATES"], restore_value=["s_out_ptr"],
                                  **AUTOTUNE_CACHE)(_kda_decode_kernel)
 
