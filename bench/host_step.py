@@ -12,9 +12,9 @@ which Python does for every row. Reported: the median over --repeats runs, and t
 Python runs and the host time is the generate call's wall time over its decode steps. --plain-drafter adds a tiny
 DSpark drafter whose k policy decodes plainly on every step (what a GPU server does where drafting does not pay, as
 at T = 0.7), so its host time per step compares with AR's; --drafts K one whose policy drafts K tokens every step
-(with --no-forward none is accepted: each step emits one token). --overlap runs the engine's async scheduling as on a GPU:
-each step is queued before the one before it is read, its inputs chained from that step's output (with a fixed
-output, the host path of a server's step at one row: no staging, no copy of the inputs). --server runs the same
+(with --no-forward none is accepted: each step emits one token). --overlap runs the engine's async scheduling as on
+a GPU: each step is queued before the one before it is read, its inputs chained from that step's output (with a
+fixed output, the host path of a server's step at one row: no staging, no copy of the inputs). --server runs the same
 requests through the engine process's loop (serve.engine_proc.PipeRunner: its commands read from a pipe, each step's
 events sent back through serve.engine_proc.PipeSink, the pipe's other end read by a thread here), as `python -m
 serve` on a GPU does: its host time per step is the loop's busy time (loop_s: steps and delivery) less the runner's

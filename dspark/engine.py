@@ -54,6 +54,7 @@ from dspark.runner import Launched, ModelRunner, RowInput, without_grad
 from dspark.scheduler import Scheduler
 from dspark.spec.draft import DraftRunner
 from dspark.spec.sampling import RowSampling
+from dspark.step_buffers import StepKey
 
 
 def traced(name: str):
@@ -128,6 +129,7 @@ class Engine:
         self.policy = KPolicy(self.runner, self.k, self.pinned_k is not None, self.overlap)
         self.in_flight: InFlight | None = None
         self._resolved: list[tuple[Request, list[int]]] = []  # tokens read outside step(), returned by the next one
+        self.slowest_captures: list[tuple[float, StepKey]] = []  # warmup's 8 longest step captures: (seconds, key)
         self.counters = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
                          "generation_tokens": 0, "target_forwards": 0,
@@ -395,7 +397,7 @@ class Engine:
         drafter: a graph per row, and each shape of the batched eager flush run once), and the decode step of each
         batch bucket, each k the engine may pick, each context bucket, each sampling mode listed. A server calls it
         before it takes requests, so no request pays for a capture. Returns the number of graphs and eager flush
-        shapes; 0 without graphs. slowest_captures: the 8 step keys whose capture took longest, (seconds, key)."""
+        shapes; 0 without graphs."""
         if not self.runner.graphs:
             return 0
         max_len = max_len or self.max_model_len
