@@ -9,10 +9,10 @@ generate call minus the runner's forwards (its step function and its prefill for
 replays), over the decode steps: admission, the step's inputs, the read-back's unpacking, stop handling and emitting,
 which Python does for every row. Reported: the median over --repeats runs, and the generate call's wall time.
 --no-forward replaces the runner's step with a fixed output ([a=0, n=0, token 5] per row), so nothing but the engine's
-Python runs and the host time is the generate call's wall time over its decode steps. --plain-drafter adds a tiny
-DSpark drafter whose k policy decodes plainly on every step (what a GPU server does where drafting does not pay, as
-at T = 0.7), so its host time per step compares with AR's; --drafts K one whose policy drafts K tokens every step
-(with --no-forward none is accepted: each step emits one token). --overlap runs the engine's async scheduling as on
+Python runs and the host time is the generate call's wall time over its decode steps. --drafts K adds a tiny DSpark
+drafter whose k policy drafts K tokens on every step (with --no-forward none is accepted: each step emits one token);
+--drafts 0 decodes plainly on every step (what a GPU server does where drafting does not pay, as at T = 0.7), so
+their host time per step compares with AR's. --overlap runs the engine's async scheduling as on
 a GPU: each step is queued before the one before it is read, its inputs chained from that step's output (with a
 fixed output, the host path of a server's step at one row: no staging, no copy of the inputs). --server runs the same
 requests through the engine process's loop (serve.engine_proc.PipeRunner: its commands read from a pipe, each step's
@@ -68,7 +68,7 @@ def fixed_step(outs: dict):
     return step
 
 
-def plain_drafter(target: Qwen3ForCausalLM) -> DSparkDrafter:
+def tiny_drafter(target: Qwen3ForCausalLM) -> DSparkDrafter:
     """A tiny DSpark drafter (block 4, Markov rank 8) on the target's embedding and LM head."""
     c = target.config
     cfg = DrafterConfig(vocab_size=VOCAB, hidden_size=c.hidden_size, target_hidden_size=c.hidden_size,
@@ -129,7 +129,7 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(32, 200, (num_prompts,), generator=g).tolist()
     prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in lens]
-    engine = Engine(target, plain_drafter(target) if drafts is not None else None, max_batch_size=rows,
+    engine = Engine(target, tiny_drafter(target) if drafts is not None else None, max_batch_size=rows,
                     max_model_len=512, prefill_chunk=512, overlap=overlap)
     if drafts is not None:
         engine.policy.choose = lambda *a, **k: drafts
@@ -160,18 +160,16 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-forward", action="store_true", help="a fixed output for every step: the engine's Python alone")
-    p.add_argument("--plain-drafter", action="store_true", help="a drafter whose k policy always decodes plainly")
-    p.add_argument("--drafts", type=int, help="a drafter whose k policy drafts this many tokens (1-3) every step")
+    p.add_argument("--drafts", type=int, help="a drafter whose k policy drafts this many tokens (0-3) every step")
     p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
     p.add_argument("--server", action="store_true", help="through the engine process's loop, driven over a pipe")
     a = p.parse_args(argv)
     if a.rows < 1 or a.prompts < a.rows or a.new_tokens < 2 or a.repeats < 1:
         p.error("--rows >= 1, --prompts >= --rows, --new-tokens >= 2 and --repeats >= 1 expected")
-    if a.drafts is not None and not (1 <= a.drafts <= 3 and not a.plain_drafter):
-        p.error(f"--drafts {a.drafts}: expected 1-3 (the drafter's block is 4), without --plain-drafter")
-    drafts = 0 if a.plain_drafter else a.drafts
+    if a.drafts is not None and not 0 <= a.drafts <= 3:
+        p.error(f"--drafts {a.drafts}: expected 0-3 (the drafter's block is 4)")
     torch.set_num_threads(a.threads)
-    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, drafts, a.overlap, a.server)
+    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.drafts, a.overlap, a.server)
            for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "

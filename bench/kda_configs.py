@@ -1,13 +1,14 @@
 """Which KDA decode configs the autotuner needs: from the timings Triton's autotuner stored for every config it tried.
 
-    python bench/kda_configs.py runs/gpu/triton-autotune.tgz [--sizes 4,6,8]
+    python bench/kda_configs.py runs/gpu/triton-autotune.tgz [--sizes 4,6,8] [--with-pool-steps]
 
 Reads each `_kda_decode_kernel.autotune.json` of a saved autotune cache (`bench/run_gpu.sh` writes one per run:
 $OUT/triton-autotune.tgz) and prints, per subset size, the subset of the configs tried whose best time per key comes
 closest to the best of them all (worst, then mean ratio over the keys), and the same ratios for the autotuner's
 configs now (dspark.kernels.kda_decode.CONFIGS). Each config the autotuner keeps costs a compile per new kernel
-specialisation and a timing per new key, at a server's first start on a machine. Timings of a step over pools
-written in place by a kernel of before the row copies (a whole pool restored after every trial) are left out.
+specialisation and a timing per new key, at a server's first start on a machine. The keys of steps that write their
+final state into the pool in place are left out unless --with-pool-steps: a cache saved before the autotuner timed
+them on the step's rows' copies (commit b25ab23) holds timings of the whole pool's restore after every trial.
 """
 from __future__ import annotations
 
@@ -24,12 +25,12 @@ from dspark.kernels.kda_decode import CONFIGS  # noqa: E402
 Config = tuple[int, int, bool]  # (BV, warps, MERGED)
 
 
-def load(path: str) -> list[dict[Config, float]]:
-    """Per tuned key: config -> median ms, from a .tgz of the cache or a directory."""
+def load(path: str, pool_steps: bool = False) -> list[dict[Config, float]]:
+    """Per tuned key: config -> median ms, from a .tgz of the cache or a directory (pool_steps: module doc)."""
     def parse(text: str) -> dict[Config, float] | None:
         d = json.loads(text)
         key = d["key"]
-        if len(key) == 17 and key[3] is False:  # T, NH, D, ALL_STATES, 13 dtypes: the slots' final state in place
+        if not pool_steps and len(key) == 17 and key[3] is False:  # T, NH, D, ALL_STATES, 13 dtypes: slots, final
             return None
         return {(c["kwargs"]["BV"], c["num_warps"], bool(c["kwargs"]["MERGED"])): t[0] for c, t in d["configs_timings"]}
 
@@ -52,8 +53,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("cache", help="a saved autotune cache: .tgz or directory")
     p.add_argument("--sizes", default="2,4,6,8")
+    p.add_argument("--with-pool-steps", action="store_true", help="keep the keys of steps over pools (module doc)")
     a = p.parse_args(argv)
-    keys = load(a.cache)
+    keys = load(a.cache, a.with_pool_steps)
     if not keys:
         p.error(f"{a.cache}: no _kda_decode_kernel timings in it")
     tried = sorted(set.intersection(*(set(t) for t in keys)))

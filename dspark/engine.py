@@ -323,7 +323,7 @@ class Engine:
                   for r, a in zip(reqs, ahead)]
         num_cached, tables, slots = self.cache.step_rows(rids, counts)
         key = self.runner.key_for(len(reqs), k, max(c + a for c, a in zip(num_cached, ahead)) + k + 1, mode,
-                                  any(r.context for r in reqs))
+                                  k > 0 or any(r.context for r in reqs))
         rows = []
         for r, p, s in zip(reqs, ps, src):
             room = p.max_tokens - len(r.output_ids)

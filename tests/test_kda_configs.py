@@ -31,3 +31,4 @@ def test_the_subset_closest_to_every_configs_best(tmp_path, capsys):
     assert "1 configs: worst 2.000x, mean 1.367x: ((16, 2, True),)" in out  # a or c alone: 3x on a key
     assert "2 configs: worst 1.100x, mean 1.033x: ((16, 2, True), (64, 4, False))" in out
     assert "CONFIGS (2 of 8 tried here): worst 1.200x" in out  # a and c are among the autotuner's configs
+    assert len(kda_configs.load(str(tmp_path), pool_steps=True)) == 4  # a cache tuned on the rows' copies

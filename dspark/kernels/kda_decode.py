@@ -312,7 +312,8 @@ if HAS_TRITON:
                                  **AUTOTUNE_CACHE)(_kda_decode_kernel)
 
 
-# the autotuning keys (key values and argument dtypes) of steps over pools already tuned on their rows' copies
+# the keys (T, B*H, the constants, the inputs' dtypes: the state and outputs' are fixed) of steps over pools already
+# tuned on their rows' copies
 _TUNED_ON_ROWS: set[tuple] = set()
 
 
@@ -321,8 +322,7 @@ def _tune_on_row_copies(grid, args: tuple, meta: dict, slots: torch.Tensor) -> N
     after every trial (restore_value), so that timing would be a copy of the whole pool and the pick noise. Its
     first launch of a key runs on copies of the step's rows instead (row b at b: the same key, so the launch on the
     pool then takes the pick), and leaves the pools as they were."""
-    tensors = tuple(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
-    key = (*args[13:17], *meta.values(), tensors)  # T, H, P, B*H, the constants, the dtypes
+    key = (args[13], args[16], *meta.values(), slots.dtype, *(args[i].dtype for i in (0, 1, 2, 3, 4, 5, 6, 11)))
     if key in _TUNED_ON_ROWS:
         return
     _TUNED_ON_ROWS.add(key)
