@@ -49,12 +49,14 @@ def test_serve_bench_end_to_end(models, tmp_path):
     levels = {(lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]): lv for lv in rep["levels"]}
     assert len(levels) == len(rep["levels"]) == 2 * 2 * 2 * 2
     made = 0  # the DSpark server's k choices over its levels
+    assert any(x > 0 for lv in levels.values() for r in lv["per_request"] for x in r["itl"])  # events apart in time
     for (mode, _, _temp, _), lv in levels.items():
         assert lv["errors"] == 0 and lv["completed"] == 2, lv["error_messages"]
         assert lv["client_procs"] == lv["concurrency"]  # --client-procs 2, at most one process per client
         assert lv["output_tok_s"] > 0 and lv["request_s"] > 0 and lv["output_tokens"] == 2 * 8
         assert lv["server_generation_tokens"] == 16  # the timed requests only: the warm-up is outside the deltas
-        assert lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] > 0 and lv["tpot_ms"]["p50"] > 0
+        # events that reach the client in one read are 0 ms apart (a loaded CPU coalesces them): the median may be 0
+        assert lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] >= 0 and lv["tpot_ms"]["p50"] > 0
         for r in lv["per_request"]:
             assert r["completion_tokens"] == 8 and r["text"] and len(r["itl"]) == r["events"] - 1
             assert r["seed"] is None  # no --seed: unseeded, so sampled DSpark rows draft
