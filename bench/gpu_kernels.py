@@ -75,8 +75,12 @@ def bench_kda(iters):
                           f"{str(e).splitlines()[0][:120] if str(e) else ''})", flush=True)
                     continue
                 err = max(_err(out[0], ref[0]), _err(out[1], ref[1]))
-                cfg = kd._kda_tuned.best_config  # the autotuned pick of this shape
-                pick = f"BV={cfg.kwargs['BV']}/{cfg.num_warps}w/{'m' if cfg.kwargs['MERGED'] else 'u'}"
+                if kd.autotuning():  # the autotuned pick of this shape
+                    cfg = kd._kda_tuned.best_config
+                    bv, w, merged = cfg.kwargs["BV"], cfg.num_warps, cfg.kwargs["MERGED"]
+                else:
+                    bv, w, merged = kd.kda_config(T, B * H, D)
+                pick = f"BV={bv}/{w}w/{'m' if merged else 'u'}"
                 _row(f"kda {name} {pick}", err, partial(kda_decode_ref, **inp), partial(kda_decode_triton, **inp),
                      nbytes, iters)
 

@@ -76,7 +76,8 @@
 #                  runs it right after the training, TIMELINE_ARGS replace `--batches 1,16,64 --prompts 64 --kernels
 #                  8`), then the CUDA tests the side run did not reach (REST_TESTS=0 skips them). The four serve runs'
 #                  time limits: SERVE_S (500), COMPILED_SERVE_S (360), QUICKSTART_SERVE_S (320), QUICKSTART_COMPILED_S
-#                  (240); a 0 skips that run. SERVE_ARGS go to the first serve run (`--concurrency 1,16`),
+#                  (240); a 0 skips that run; QUICKSTART_FIRST=1 runs the quickstart pair's serve run first, before
+#                  the training. SERVE_ARGS go to the first serve run (`--concurrency 1,16`),
 #                  QUICKSTART_ARGS to the quickstart pair's; SYNC_SERVE_S (0: skipped) adds that run once more with
 #                  `--no-async-scheduling` -> $OUT/serve-sync.json; INPROC_SERVE_S (0: skipped) runs the pair with the
 #                  engine in the server's process (`--no-engine-process`; INPROC_ARGS, default `--concurrency 16,64
@@ -399,6 +400,10 @@ case "$target" in
   served)
     # shellcheck disable=SC2086 # the ARGS variables are word lists
     quickstart=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final)
+    s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-320} s3=${COMPILED_SERVE_S:-360} s4=${QUICKSTART_COMPILED_S:-240}
+    # shellcheck disable=SC2086 # QUICKSTART_ARGS is a word list
+    [ "$s2" != 0 ] && [ "${QUICKSTART_FIRST:-0}" = 1 ] && { "${quickstart[@]}" bash "$0" serve --time-limit "$s2" \
+      ${QUICKSTART_ARGS:-} --out "$OUT/serve-quickstart.json" || rc=$?; s2=0; }
     side_tests "${SIDE_STOP:-$OUT/train-drafter.txt}"
     trained=0
     bash "$0" train-target ${TARGET_ARGS:-} && bash "$0" train-drafter ${DRAFTER_ARGS:-} && trained=1 || rc=1
@@ -407,7 +412,6 @@ case "$target" in
     # shellcheck disable=SC2086 # TIMELINE_ARGS is a word list
     [ "${TIMELINE:-1}" = first ] && { "${tl_pair[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1,16,64 \
       --prompts 64 --kernels 8} || rc=$?; }
-    s1=${SERVE_S:-500} s2=${QUICKSTART_SERVE_S:-320} s3=${COMPILED_SERVE_S:-360} s4=${QUICKSTART_COMPILED_S:-240}
     # the compiled servers at concurrency 1, code, greedy, with one batch slot (the graphs of one row only)
     compiled=(--concurrency 1 --tasks humaneval --temperatures 0)
     # shellcheck disable=SC2086 # SERVE_ARGS is a word list

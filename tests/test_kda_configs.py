@@ -31,4 +31,8 @@ def test_the_subset_closest_to_every_configs_best(tmp_path, capsys):
     assert "1 configs: worst 2.000x, mean 1.367x: ((16, 2, True),)" in out  # a or c alone: 3x on a key
     assert "2 configs: worst 1.100x, mean 1.033x: ((16, 2, True), (64, 4, False))" in out
     assert "CONFIGS (2 of 8 tried here): worst 1.200x" in out  # a and c are among the autotuner's configs
-    assert len(kda_configs.load(str(tmp_path), pool_steps=True)) == 4  # a cache tuned on the rows' copies
+    # the rule: (64, 4, False) at T = 1 over 6 heads is c (2.0x its best), (32, 2, False) at T = 9 is not tried
+    assert kda_configs.kda_config(1, 6, 128) != c and kda_configs.kda_config(9, 384, 128) != c
+    _write(tmp_path, "k4", [1, 96, 128, False, *dtypes], {a: 1.0, b: 1.5, c: 1.25})
+    assert kda_configs.rule_score(kda_configs.load(str(tmp_path))) == (1.25, 1.25, 1.25, 1)
+    assert len(kda_configs.load(str(tmp_path), pool_steps=True)) == 5  # a cache tuned on the rows' copies

@@ -120,8 +120,8 @@ def _kda_tuned_on_rows_checks(H=2, D=16) -> dict:
                 kd._kda_decode_kernel[grid({"BV": 16})](*args, **meta, BV=16, MERGED=True, num_stages=1, num_warps=4)
             return launch
 
-    saved = kd._kda_tuned, kd.interpreting, set(kd._TUNED_ON_ROWS)
-    kd._kda_tuned, kd.interpreting = Autotuner(), lambda: False
+    saved = kd._kda_tuned, kd.autotuning, set(kd._TUNED_ON_ROWS)
+    kd._kda_tuned, kd.autotuning = Autotuner(), lambda: True
     kd._TUNED_ON_ROWS.clear()
     try:
         inp = _kda_inputs(B=3, T=1, H=H, D=D, seed=5)
@@ -138,7 +138,7 @@ def _kda_tuned_on_rows_checks(H=2, D=16) -> dict:
             launches.append([tuple(s.shape) for s in states[n:]])
             err = max(err, _err(out, ref_out), _err(pools[0], ref_pools[0]), _err(pools[1], ref_pools[1]))
     finally:
-        kd._kda_tuned, kd.interpreting = saved[:2]
+        kd._kda_tuned, kd.autotuning = saved[:2]
         kd._TUNED_ON_ROWS.clear()
         kd._TUNED_ON_ROWS.update(saved[2])
     want = [[(3, H, D, D), (6, H, D, D)], [(6, H, D, D)]]
@@ -211,11 +211,15 @@ def _interp_checks() -> dict:
              "kda_vsplit2_softplus": dict(lower_bound=None, return_all_states=False, lengths=None, T=3, block_v=8),
              # o reduced from the updated state (the autotuner's other reduction order)
              "kda_unmerged_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([9, 5]),
-                                            T=9, block_v=4, merged=False)}
+                                            T=9, block_v=4, merged=False),
+             # kda_config's picks at the K3 head dim over few heads: 16 columns merged (T = 4), 8 on 2 warps (T = 9)
+             "kda_rule_d128_t4": dict(lower_bound=-5.0, return_all_states=False, lengths=None, T=4, D=128, B=1, H=1),
+             "kda_rule_d128_verify_t9": dict(lower_bound=-5.0, return_all_states=True, lengths=torch.tensor([7]), T=9,
+                                             D=128, B=1, H=1)}
     g_junk = torch.Generator().manual_seed(7)
     for name, kw in cases.items():
         kw = dict(kw)
-        inp = _kda_inputs(B=2, T=kw.pop("T", 3), H=2, D=16)
+        inp = _kda_inputs(B=kw.pop("B", 2), T=kw.pop("T", 3), H=kw.pop("H", 2), D=kw.pop("D", 16))
         inp.update(kw)
         opts = {k: inp.pop(k) for k in ("block_v", "merged") if k in inp}
         ref, out = kda_decode_ref(**inp), kda_decode_triton(**inp, **opts)
@@ -720,7 +724,8 @@ INTERP_CASES = ["kda_softplus_final", "kda_lb_allstates_lengths", "kda_lb_nostat
                 "kda_slots_final_t1", "kda_slots_final_t3_lengths", "kda_slots_allstates_t9", "kda_slots_tuned_on_rows",
                 "kda_slots_tuned_on_rows_launches", "kda_commit_ref",
                 "kda_commit",
-                "kda_t17_softplus", "kda_unmerged_verify_t9", "kda_strided_slices_t1", "kda_strided_slices_t9",
+                "kda_t17_softplus", "kda_unmerged_verify_t9", "kda_rule_d128_t4", "kda_rule_d128_verify_t9",
+                "kda_strided_slices_t1", "kda_strided_slices_t9",
                 "attnres_plain", "attnres_outnorm", "attnres_view_prefix", "mxfp4_fp32", "mxfp4_bf16",
                 "mxfp4_grouped", "markov_greedy_1launch", "markov_greedy_steps_3prog", "markov_gumbel_steps_3prog",
                 "gemv_plain", "gemv_rmsnorm", "gemv_silu_mul_residual_inplace",
@@ -764,6 +769,18 @@ def test_kda_kernel_reads_column_slices_in_place():
     x = y.transpose(0, 1)[..., :8]  # rows not evenly strided across the batch
     got, stride = _rows(x)
     assert got is not x and got.is_contiguous() and stride == 8 and torch.equal(got, x)
+
+
+def test_kda_config_picks_one_of_the_autotuners_configs():
+    """The rule's pick (what launches without DSPARK_KDA_AUTOTUNE) is one of CONFIGS, which the autotuner times, at
+    every step shape a server captures: 1..17 tokens, 1..128 rows of 1..96 heads, head dims 16..256."""
+    from dspark.kernels.kda_decode import CONFIGS, kda_config
+
+    picks = {kda_config(T, B * H, D) for T in range(1, 18) for B in (1, 2, 4, 16, 64, 128) for H in (1, 6, 32, 96)
+             for D in (16, 32, 64, 128, 256)}
+    assert picks <= set(CONFIGS), picks - set(CONFIGS)
+    assert len(picks) == 5  # each branch is reached
+    assert kda_config(9, 384, 128)[0] > kda_config(4, 384, 128)[0]  # a long verify block over many heads: wider
 
 
 def test_kda_reference_and_fallback_equal_the_layer():
@@ -880,7 +897,7 @@ def test_argmax_reads_views_in_place_and_falls_back_to_torch():
 
 # ------------------------------------------------------------------------------------------ CUDA, K3 shapes, bf16
 @cuda
-@pytest.mark.parametrize("T,all_states", [(1, False), (9, True), (17, False)])
+@pytest.mark.parametrize("T,all_states", [(1, False), (4, True), (9, True), (17, False)])  # each kda_config branch
 def test_cuda_kda_decode(T, all_states):
     from dspark.kernels.kda_decode import kda_decode_ref, kda_decode_triton
 

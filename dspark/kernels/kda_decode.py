@@ -21,6 +21,8 @@ loop (see _kda_decode_kernel). A second launch applies the gated per-head RMSNor
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -293,17 +295,35 @@ def _kda_out_norm_kernel(o_ptr, gate_ptr, onw_ptr, out_ptr, ext_ptr, conv_ptr, s
     tl.store(out_ptr + base, y.to(out_ptr.dtype.element_ty), mask=dm)
 
 
-# (BV value columns per program, warps, MERGED): autotuned per (T, B*H, D, all states) on CUDA at first use. Small
-# grids (bs=1: 6..96 heads) want narrow slices, so that the serial delta rule runs on many SMs (H200, T = 9 with all
-# states, 6 heads: 28.9 us at BV 16 / 4 warps, against 87 us for one program per head); large grids want wide ones.
-# These 8 of the 18 configs once tuned (BV 8..128 with 1..8 warps, both orders) come within 1.057x of those 18's best
-# on each of the 99 keys an H100 tuned (1.003x on average; bench/kda_configs.py): each config costs a compile per
-# new specialisation and a timing per new key at a server's first start on a machine.
+# (BV value columns per program, warps, MERGED). Small grids (bs=1: 6..96 heads) want narrow slices, so that the
+# serial delta rule runs on many SMs (H200, T = 9 with all states, 6 heads: 28.9 us at BV 16 / 4 warps, against 87 us
+# for one program per head); large grids want wide ones. kda_config picks one by a rule, so a server's first start on
+# a machine compiles one config per specialisation and times none; with DSPARK_KDA_AUTOTUNE=1 Triton's autotuner
+# picks among CONFIGS per (T, B*H, D, all states) instead, and bench/kda_configs.py scores the rule against its
+# timings (H100: within 1.02x of the best at the median key, 1.14x at the 90th percentile).
 # A chunk form of the verify (u and o by matmuls, then an element-wise state loop) was slower than this loop in the
 # k3-mini DSpark step (41 against 28 us per launch) and was removed.
 CONFIGS = ((8, 1, False), (8, 1, True), (8, 2, True), (16, 1, False), (16, 1, True), (32, 2, False), (32, 4, True),
            (64, 4, False))
-_DEFAULT_BV = 16  # the interpreter's (and block_v=None without autotuning) value slice
+
+
+def kda_config(T: int, NH: int, D: int) -> tuple[int, int, bool]:
+    """(BV, warps, MERGED) for T new tokens per row over NH = B*H heads of dim D: narrow slices on one warp for small
+    heads or short steps; for long verify blocks 8 columns on 2 warps over few heads (more programs), 32 over many;
+    64 on 4 warps for wide single-token steps."""
+    if D <= 32:
+        return 8, 1, True
+    if T >= 9:
+        return (8, 2, True) if NH <= 12 else (32, 2, False)
+    if T == 1 and NH >= 96:
+        return 64, 4, False
+    return 16, 1, True
+
+
+def autotuning() -> bool:
+    """Whether Triton's autotuner picks the config (DSPARK_KDA_AUTOTUNE=1, on a GPU) instead of kda_config."""
+    return os.environ.get("DSPARK_KDA_AUTOTUNE", "0") == "1" and not interpreting()
+
 
 if HAS_TRITON:
     _kda_tuned = triton.autotune([triton.Config({"BV": bv, "MERGED": m}, num_warps=w, num_stages=1)
@@ -350,9 +370,9 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
     """slots [B]: state and window are pools (kda_decode_slots), read at those rows; without return_all_states the
     final state and the kept window go back there, in place (each program reads its state slice before writing it;
     the state returned is the pool).
-    block_v: value columns per program (default: autotuned on CUDA, with the reduction order; _DEFAULT_BV in the
-    interpreter); merged, num_warps: the reduction order (MERGED in _kda_decode_kernel) and warps when block_v is
-    given. Two launches: the delta rule, then the gated norm."""
+    block_v: value columns per program (default: kda_config's, with its warps and reduction order, or the
+    autotuner's: autotuning()); merged, num_warps: the reduction order (MERGED in _kda_decode_kernel) and warps when
+    block_v is given. Two launches: the delta rule, then the gated norm."""
     B, T, P3 = qkv.shape
     P, W = P3 // 3, conv_w.shape[1]
     D = o_norm_w.shape[0]
@@ -382,13 +402,15 @@ def kda_decode_triton(qkv, f, beta, gate, conv_w, window, A_log, dt_bias, o_norm
     meta = dict(D=D, BD=BD, BT=next_pow2(T), BE=next_pow2(T + W - 1), W=W, USE_LB=lower_bound is not None,
                 HAS_STATE=state is not None, ALL_STATES=return_all_states, HAS_LEN=lengths is not None,
                 SLOTS=slots is not None)
-    if block_v is None and not interpreting():
+    if block_v is None and autotuning():
         grid = lambda a: (B, H, triton.cdiv(D, a["BV"]))  # noqa: E731
         if s_out is state and slots is not None:  # the state pool written in place: tune on the rows' copies first
             _tune_on_row_copies(grid, args, meta, slots)
         _kda_tuned[grid](*args, **meta)
     else:
-        BV = min(block_v or _DEFAULT_BV, BD)
+        if block_v is None:
+            block_v, num_warps, merged = kda_config(T, B * H, D)
+        BV = min(block_v, BD)
         _kda_decode_kernel[(B, H, triton.cdiv(D, BV))](*args, **meta, BV=BV, MERGED=merged, num_stages=1,
                                                        num_warps=num_warps or (4 if BV <= 32 else 8))
     keep = slots is not None and not return_all_states
