@@ -389,7 +389,8 @@ def rows(levels: list[dict]) -> list[dict]:
         ar, ds = keyed.get(("ar", *key)), keyed.get(("dspark", *key))
         row = {"task": key[0], "temperature": key[1], "concurrency": key[2], "ar": ar and _brief(ar),
                "dspark": ds and _brief(ds), "speedup": None, "greedy_equal": None, "greedy_compared": None}
-        if ar and ds and ar["output_tok_s"]:
+        row["cut"] = any(lv and lv.get("cut_by_time_limit") for lv in (ar, ds))  # a part of a level: no ratio
+        if ar and ds and ar["output_tok_s"] and not row["cut"]:
             row["speedup"] = ds["output_tok_s"] / ar["output_tok_s"]
         if ar and ds and key[1] == 0:  # each DSpark text against the AR text of its prompt (levels differ in how
             # many requests they sent, and client processes report theirs in their own order)
@@ -420,13 +421,15 @@ def table(rs: list[dict]) -> str:
     for r in rs:
         ar, ds = r["ar"] or {}, r["dspark"] or {}
         greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
+        ratio = "cut" if r.get("cut") else f(r["speedup"], 2) + "×" * (r["speedup"] is not None)
         lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
-                     f"{f(ds.get('output_tok_s'))} | {f(r['speedup'], 2) + '×' * (r['speedup'] is not None)} | {f(ds.get('tau'), 2)} | "
+                     f"{f(ds.get('output_tok_s'))} | {ratio} | {f(ds.get('tau'), 2)} | "
                      f"{both(r, 'ttft_p50_ms')} | {both(r, 'itl_p50_ms')} | {both(r, 'itl_p99_ms')} | "
                      f"{both(r, 'tpot_p50_ms')} | {' / '.join(str((r[m] or {}).get('errors', '—')) for m in MODES)} "
                      f"| {greedy} |")
     return "\n".join(lines) + "\n\nTwo figures per cell: AR / DSpark. ITL is per SSE event (a DSpark event carries a " \
-                              "whole verify step's tokens); TPOT is per token.\n"
+                              "whole verify step's tokens); TPOT is per token. cut: the time limit (--time-limit) " \
+                              "ended a level, its errors the requests left unfinished.\n"
 
 
 def environment() -> dict:

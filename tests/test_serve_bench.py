@@ -120,8 +120,14 @@ def test_greedy_texts_compared_by_prompt():
 
     ar = level("ar", [(0, "a"), (1, "b"), (2, "c")])
     ds = level("dspark", [(1, "b"), (0, "a"), (3, "d"), (0, "a"), (2, "x")])  # prompt 3: no AR text to compare
-    row = _bench().rows([ar, ds])[0]
+    bench = _bench()
+    row = bench.rows([ar, ds])[0]
     assert (row["greedy_equal"], row["greedy_compared"]) == (3, 4)
+    assert row["speedup"] == 1.0 and not row["cut"] and "| 1.00× |" in bench.table([row])
+    # a level the time limit ended: its part is no ratio, and the table says so
+    row = bench.rows([ar, {**ds, "cut_by_time_limit": True, "errors": 2}])[0]
+    assert row["cut"] and row["speedup"] is None
+    assert "| cut |" in bench.table([row]) and "| 0 / 2 |" in bench.table([row])
 
 
 def _bench():
