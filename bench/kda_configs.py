@@ -5,11 +5,12 @@
 Reads each `_kda_decode_kernel.autotune.json` of a saved autotune cache (`bench/run_gpu.sh` writes one per run:
 $OUT/triton-autotune.tgz; the kernel is autotuned only under DSPARK_KDA_AUTOTUNE=1) and prints, per subset size, the
 subset of the configs tried whose best time per key comes closest to the best of them all (worst, then mean ratio
-over the keys), the same ratios for the autotuner's configs now (dspark.kernels.kda_decode.CONFIGS), and the
-worst, median and mean ratio of the rule's pick (kda_config, what launches without autotuning). Each config the autotuner keeps costs a compile per new kernel
-specialisation and a timing per new key, at a server's first start on a machine. The keys of steps that write their
-final state into the pool in place are left out unless --with-pool-steps: a cache saved before the autotuner timed
-them on the step's rows' copies (commit b25ab23) holds timings of the whole pool's restore after every trial.
+over the keys), the same ratios for the autotuner's configs now (dspark.kernels.kda_decode.CONFIGS), and the worst,
+median and mean ratio of the rule's pick (kda_config, what launches without autotuning). Each config the autotuner
+keeps costs a compile per new kernel specialisation and a timing per new key, at a server's first start on a machine.
+The keys of steps that write their final state into the pool in place are left out unless --with-pool-steps: a cache
+saved before the autotuner timed them on the step's rows' copies (commit b25ab23) holds timings of the whole pool's
+restore after every trial.
 """
 from __future__ import annotations
 
