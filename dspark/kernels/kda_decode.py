@@ -212,7 +212,7 @@ def _kda_decode_kernel(qkv_ptr, f_ptr, beta_ptr, convw_ptr, win_ptr, alog_ptr, d
     per-head RMSNorm, which needs all of a head's columns. NH = B*H is only the autotuning key (the grid size).
     SQ, SF, SB: the row strides of qkv, f and beta (row b*T + t; column slices of one wider projection).
     MERGED: both reductions over K of a token read the decayed state (o = S^T q + beta (k . q) u), so they are
-    independent; else o is reduced from the updated state, a second reduction on the serial path (autotuned).
+    independent; else o is reduced from the updated state, a second reduction on the serial path (kda_config's pick).
     SLOTS: state and window are pools read at row slots[b]; the final state (without ALL_STATES) goes back to that
     row, which only this program reads (padding rows share the scratch slot and leave it as it was)."""
     b = tl.program_id(0)
