@@ -2,17 +2,20 @@
 
     python bench/serve_bench.py --target DIR --drafter DIR [--modes ar,dspark] [--tasks humaneval,creative]
         [--temperatures 0,0.7] [--concurrency 1,4,16,64] [--requests-per-level N] [--min-level-s 3]
-        [--max-tokens 128] [--out FILE.json] [-- EXTRA SERVE FLAGS]   # e.g. -- --num-speculative-tokens 7
+        [--max-tokens 128] [--rounds 1] [--out FILE.json] [-- EXTRA SERVE FLAGS]   # e.g. -- --num-speculative-tokens 7
 
 Per mode (ar: no drafter; dspark: with --drafter) the server runs as a subprocess on 127.0.0.1 (`python -m serve`,
-device and dtype auto unless given after `--`; --max-batch-size defaults to the highest concurrency,
---max-concurrent to twice it, --max-model-len to the prompt budget + max_tokens + 64), is polled on GET /health,
-measured, then terminated. Per (task, temperature, concurrency C) level: one untimed warm-up request, then C clients
-each send streaming /v1/completions requests back to back until N (--requests-per-level, default max(4C, 16)) have
-been sent and the level has lasted --min-level-s (default 3 s: a level of a fraction of a second measures a GPU whose
-clocks and caches have not settled, and one stall is a large part of it), then finish what they sent; the clients run
-in ceil(C / 8) processes (--client-procs), each with its share of them and of the requests, timed from the moment
-all are ready (one Python process streaming 16 clients' tokens used a whole core).
+device and dtype auto unless given after `--`; --max-batch-size defaults to the highest concurrency, --max-concurrent
+to twice it, --max-model-len to the prompt budget + max_tokens + 64), is polled on GET /health, measured, then
+terminated; with --rounds R > 1 both servers run at once and each level runs R times, the modes taking turns (AR,
+DSpark, then DSpark, AR, ...: a drift of the machine over the run falls on both alike), and each figure is the median
+over the rounds, DSpark ÷ AR the median of the rounds' ratios. Per (task, temperature, concurrency C) level: one
+untimed warm-up request, then C clients each send streaming /v1/completions requests back to back until N
+(--requests-per-level, default max(4C, 16)) have been sent and the level has lasted --min-level-s (default 3 s: a
+level of a fraction of a second measures a GPU whose clocks and caches have not settled, and one stall is a large part
+of it), then finish what they sent; the clients run in ceil(C / 8) processes (--client-procs), each with its share of
+them and of the requests, timed from the moment all are ready (one Python process streaming 16 clients' tokens used a
+whole core).
 Request i sends prompt i mod P of the task (text, built as `python -m eval` builds it: raw prefix or --chat template,
 the last --max-prompt-tokens tokens), `max_tokens` with `ignore_eos`, and with --seed S, seed S + i when T > 0 (no
 seed by default, as vLLM's benchmark_serving: the engine decodes seeded sampled requests plainly unless k is pinned).
@@ -45,6 +48,7 @@ import os
 import platform
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,6 +119,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--out", help="JSON file for every number")
     p.add_argument("--client-procs", type=int, default=0, help="client processes per level (0: one per "
                    f"{CLIENTS_PER_PROCESS} clients): one Python process streaming many clients is itself the limit")
+    p.add_argument("--rounds", type=int, default=1, help="times each level runs per mode, the modes' servers up at "
+                   "once and taking turns (1: one server at a time)")
     p.add_argument("--profile", default="", help="TASK:T:C, e.g. creative:0.7:4: each server's engine thread under "
                    "torch.profiler over that level (POST /start_profile, /stop_profile), written next to --out")
     a = p.parse_args(argv)
@@ -125,7 +131,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for flag, v, lo in [("--requests-per-level", a.requests_per_level, 0), ("--max-tokens", a.max_tokens, 1),
                         ("--num-prompts", a.num_prompts, 0), ("--max-prompt-tokens", a.max_prompt_tokens, 1),
                         ("--max-model-len", a.max_model_len, 0), ("--port", a.port, 0),
-                        ("--client-procs", a.client_procs, 0)]:
+                        ("--client-procs", a.client_procs, 0), ("--rounds", a.rounds, 1)]:
         if v < lo:
             raise ValueError(f"{flag}: expected an integer >= {lo}, got {v}")
     if not a.min_level_s >= 0:
@@ -382,30 +388,45 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
 
 # ---------------------------------------------------------------------------- report
 def rows(levels: list[dict]) -> list[dict]:
-    """One row per (task, temperature, concurrency) with both modes side by side and the greedy text check."""
-    keyed = {(lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]): lv for lv in levels}
+    """One row per (task, temperature, concurrency) with both modes side by side (each figure the median over the
+    rounds), DSpark ÷ AR (the median of each round's ratio, every round's in `speedups`) and the greedy text check."""
+    by: dict[tuple, list[dict]] = {}
+    for lv in levels:
+        by.setdefault((lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]), []).append(lv)
     out = []
     for key in dict.fromkeys((lv["task"], lv["temperature"], lv["concurrency"]) for lv in levels):
-        ar, ds = keyed.get(("ar", *key)), keyed.get(("dspark", *key))
-        row = {"task": key[0], "temperature": key[1], "concurrency": key[2], "ar": ar and _brief(ar),
-               "dspark": ds and _brief(ds), "speedup": None, "greedy_equal": None, "greedy_compared": None}
-        row["cut"] = any(lv and lv.get("cut_by_time_limit") for lv in (ar, ds))  # a part of a level: no ratio
-        if ar and ds and ar["output_tok_s"] and not row["cut"]:
-            row["speedup"] = ds["output_tok_s"] / ar["output_tok_s"]
+        ar, ds = by.get(("ar", *key), []), by.get(("dspark", *key), [])
+        row = {"task": key[0], "temperature": key[1], "concurrency": key[2], "ar": _brief(ar), "dspark": _brief(ds),
+               "speedup": None, "speedups": [], "greedy_equal": None, "greedy_compared": None}
+        row["cut"] = any(lv.get("cut_by_time_limit") for lv in ar + ds)  # a part of a level: no ratio
+        if not row["cut"]:
+            ar_round = {lv.get("round", 0): lv["output_tok_s"] for lv in ar}
+            row["speedups"] = [lv["output_tok_s"] / ar_round[lv.get("round", 0)] for lv in ds
+                               if ar_round.get(lv.get("round", 0))]
+            row["speedup"] = statistics.median(row["speedups"]) if row["speedups"] else None
         if ar and ds and key[1] == 0:  # each DSpark text against the AR text of its prompt (levels differ in how
             # many requests they sent, and client processes report theirs in their own order)
-            ar_text = {x["prompt"]: x["text"] for x in ar["per_request"] if x["ok"]}
-            pairs = [(ar_text[y["prompt"]], y["text"]) for y in ds["per_request"] if y["ok"] and y["prompt"] in ar_text]
+            ar_text = {x["prompt"]: x["text"] for lv in ar for x in lv["per_request"] if x["ok"]}
+            pairs = [(ar_text[y["prompt"]], y["text"]) for lv in ds for y in lv["per_request"]
+                     if y["ok"] and y["prompt"] in ar_text]
             row["greedy_compared"] = len(pairs)
             row["greedy_equal"] = sum(x == y for x, y in pairs)
         out.append(row)
     return out
 
 
-def _brief(lv: dict) -> dict:
-    return {k: lv[k] for k in ("output_tok_s", "request_s", "tau", "errors", "tokens_per_event")} | {
+def _brief(lvs: list[dict]) -> dict | None:
+    """A mode's figures at one level: the median over its rounds (errors: their sum); None without a level."""
+    if not lvs:
+        return None
+    each = [{k: lv[k] for k in ("output_tok_s", "request_s", "tau", "errors", "tokens_per_event")} | {
         "ttft_p50_ms": lv["ttft_ms"]["p50"], "itl_p50_ms": lv["itl_ms"]["p50"], "itl_p99_ms": lv["itl_ms"]["p99"],
-        "tpot_p50_ms": lv["tpot_ms"]["p50"]}
+        "tpot_p50_ms": lv["tpot_ms"]["p50"]} for lv in lvs]
+    out = {}
+    for k in each[0]:
+        xs = [x[k] for x in each if x[k] is not None]
+        out[k] = sum(xs) if k == "errors" else statistics.median(xs) if xs else None
+    return out
 
 
 def table(rs: list[dict]) -> str:
@@ -415,21 +436,28 @@ def table(rs: list[dict]) -> str:
     def both(r, k, d=2):
         return " / ".join(f((r[m] or {}).get(k), d) for m in MODES)
 
+    def ratio(r):
+        if r.get("cut"):
+            return "cut"
+        sp = r.get("speedups") or []
+        return f(r["speedup"], 2) + "×" * (r["speedup"] is not None) + (
+            f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
+
     lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | τ | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
              "| TPOT p50 ms | errors | greedy = AR |",
              "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for r in rs:
         ar, ds = r["ar"] or {}, r["dspark"] or {}
         greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
-        ratio = "cut" if r.get("cut") else f(r["speedup"], 2) + "×" * (r["speedup"] is not None)
         lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
-                     f"{f(ds.get('output_tok_s'))} | {ratio} | {f(ds.get('tau'), 2)} | "
+                     f"{f(ds.get('output_tok_s'))} | {ratio(r)} | {f(ds.get('tau'), 2)} | "
                      f"{both(r, 'ttft_p50_ms')} | {both(r, 'itl_p50_ms')} | {both(r, 'itl_p99_ms')} | "
                      f"{both(r, 'tpot_p50_ms')} | {' / '.join(str((r[m] or {}).get('errors', '—')) for m in MODES)} "
                      f"| {greedy} |")
     return "\n".join(lines) + "\n\nTwo figures per cell: AR / DSpark. ITL is per SSE event (a DSpark event carries a " \
                               "whole verify step's tokens); TPOT is per token. cut: the time limit (--time-limit) " \
-                              "ended a level, its errors the requests left unfinished.\n"
+                              "ended a level, its errors the requests left unfinished. With --rounds R a figure is " \
+                              "the median over the rounds, and the ratio's range over them follows it.\n"
 
 
 def environment() -> dict:
@@ -456,80 +484,110 @@ def write_json(path: str, report: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- main
-def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -> None:
-    end = time.monotonic() + a.time_limit
+def start_server(a, mode: str, port: int, extra: list[str], report: dict, limit: float, log) -> subprocess.Popen:
+    """One mode's `python -m serve` on port, its output in a log beside --out; returns once /health answers."""
+    cmd = serve_command(a, mode, port, extra)
+    if a.out:
+        logfile = Path(a.out).with_suffix(f".serve-{mode}.log")
+        logfile.parent.mkdir(parents=True, exist_ok=True)
+    else:
+        fd, name = tempfile.mkstemp(prefix=f"serve-bench-{mode}-", suffix=".log")
+        os.close(fd)
+        logfile = Path(name)
+    srv = {"command": shlex.join(cmd), "log": str(logfile)}
+    report["servers"][mode] = srv
+    log(f"[serve_bench] {mode}: {srv['command']}")
+    t0 = time.monotonic()
+    with open(logfile, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}", logfile, limit)
+    except BaseException:
+        stop(proc)
+        raise
+    srv["startup_s"] = time.monotonic() - t0
+    srv["banner"] = next((x for x in logfile.read_text(errors="replace").splitlines() if x.startswith("serving ")),
+                         None)
+    return proc
 
-    def cut(msg: str) -> None:  # the time limit ended a mode: noted, and the next mode still runs
-        report["status"] = f"failed: {msg}" if report["status"] == "complete" else report["status"]
-        log(f"[serve_bench] {msg}")
-    for i, mode in enumerate(a.modes):
-        # each mode gets an equal share of the time left, so that a short --time-limit still measures every mode
-        deadline = time.monotonic() + (end - time.monotonic()) / (len(a.modes) - i)
-        port = a.port or free_port()
-        cmd = serve_command(a, mode, port, extra)
-        if a.out:
-            logfile = Path(a.out).with_suffix(f".serve-{mode}.log")
-            logfile.parent.mkdir(parents=True, exist_ok=True)
-        else:
-            fd, name = tempfile.mkstemp(prefix=f"serve-bench-{mode}-", suffix=".log")
-            os.close(fd)
-            logfile = Path(name)
-        srv = {"command": shlex.join(cmd), "log": str(logfile)}
-        report["servers"][mode] = srv
-        log(f"[serve_bench] {mode}: {srv['command']}")
-        t0 = time.monotonic()
-        with open(logfile, "w") as out:
-            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+def log_level(where: str, lv: dict, log) -> None:
+    step_ms = {k: tuple(None if v[x] is None else round(v[x], 3) for x in ("cycle_ms", "replay_ms", "device_ms"))
+               for k, v in lv["step_ms_per_k"].items()}
+    host = {k: None if v is None else round(v, 3) for k, v in lv["host_ms_per_step"].items()}
+    log(f"[serve_bench] {where} ({lv['level_s']:.1f} s in all): {lv['output_tok_s']:.1f} tok/s, "
+        f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
+        f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})} "
+        f"({int(lv.get('overlapped_steps', 0))} overlapped), context flushes "
+        f"{ {k: round(v, 4) for k, v in lv.get('context_flushes', {}).items()} }, "
+        f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay / device) "
+        f"{step_ms}, engine thread ms per step {host}, server first-token ms "
+        f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")
+    if lv.get("policy", {}).get("step_cost_ms"):
+        log(f"[serve_bench] {where}: policy step cost ms (rows/k/mode) {lv['policy']['step_cost_ms']}, "
+            f"acceptance {lv['policy']['acceptance']}, choices (rows/k/mode/basis) {lv['policy'].get('choices')}")
+    if lv["profile_files"]:
+        log(f"[serve_bench] {where}: engine profile in {lv['profile_files'][0]}")
+
+
+def run(a, extra: list[str], prompts: dict[str, list[str]], report: dict, log) -> None:
+    """With --rounds 1 one mode's server at a time, each running every level; with more, every mode's server up at
+    once and each level run --rounds times by the modes in turn (AR, DSpark, then DSpark, AR, ...), so that a drift
+    of the machine over the run (clocks, another process) falls on both modes alike."""
+    end = time.monotonic() + a.time_limit
+    groups = [[m] for m in a.modes] if a.rounds == 1 else [list(a.modes)]
+    for i, group in enumerate(groups):
+        # each server group gets an equal share of the time left, so that a short --time-limit measures every mode
+        deadline = time.monotonic() + (end - time.monotonic()) / (len(groups) - i)
+        who = "/".join(group)
+        procs: dict[str, subprocess.Popen] = {}
         try:
-            wait_healthy(proc, f"http://127.0.0.1:{port}", logfile, min(a.startup_timeout, deadline - t0))
-            srv["startup_s"] = time.monotonic() - t0
-            srv["banner"] = next((x for x in logfile.read_text(errors="replace").splitlines()
-                                  if x.startswith("serving ")), None)
-            # greedy on every task first, then the next temperature: a cut run keeps the most-asked cells
-            for temp, task, conc in [(T, t, c) for T in a.temperatures for t in a.tasks for c in a.concurrency]:
-                where = f"{mode} {task} T={temp:g} C={conc}"
+            ports = {}
+            for j, mode in enumerate(group):
+                ports[mode] = a.port + j if a.port else free_port()
+                procs[mode] = start_server(a, mode, ports[mode], extra, report,
+                                           min(a.startup_timeout, deadline - time.monotonic()), log)
+            if not run_levels(a, group, ports, prompts, report, deadline, log):
+                msg = f"{who}'s share of the time limit (--time-limit {a.time_limit:.0f} s) ended a level"
+                report["status"] = f"failed: {msg}" if report["status"] == "complete" else report["status"]
+                log(f"[serve_bench] {msg}")
+        finally:
+            for proc in procs.values():
+                stop(proc)
+
+
+def run_levels(a, group: list[str], ports: dict[str, int], prompts: dict[str, list[str]], report: dict,
+               deadline: float, log) -> bool:
+    """Every level by the group's servers (greedy on every task first, then the next temperature: a cut run keeps
+    the most-asked cells) -> False when the deadline came first or cut a level."""
+    for temp, task, conc in [(T, t, c) for T in a.temperatures for t in a.tasks for c in a.concurrency]:
+        for r in range(a.rounds):
+            for mode in group if r % 2 == 0 else group[::-1]:
+                where = f"{mode} {task} T={temp:g} C={conc}" + (f" round {r + 1}" if a.rounds > 1 else "")
                 if time.monotonic() >= deadline:
-                    cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) ended before {where}")
-                    break
+                    log(f"[serve_bench] the time limit came before {where}")
+                    return False
                 # the earlier levels' results out of the client's full collections: a pause of the client would
                 # read as the server's inter-token latency
                 gc.collect()
                 gc.freeze()
                 t_level = time.monotonic()
                 try:
-                    lv = asyncio.run(run_level(f"http://127.0.0.1:{port}", a, prompts[task], temp, conc, deadline,
-                                               a.profile == (task, temp, conc)))
+                    lv = asyncio.run(run_level(f"http://127.0.0.1:{ports[mode]}", a, prompts[task], temp, conc,
+                                               deadline, r == 0 and a.profile == (task, temp, conc)))
                 finally:
                     gc.unfreeze()
                 # the level's whole time: warm-up, counters and client processes' start included, not only wall_s
                 lv["level_s"] = time.monotonic() - t_level
-                report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc, **lv})
+                report["levels"].append({"mode": mode, "task": task, "temperature": temp, "concurrency": conc,
+                                         "round": r, **lv})
                 if a.out:  # the levels so far, so that a run stopped from outside still leaves them
                     write_json(a.out, {**report, "partial": True, "rows": rows(report["levels"])})
-                step_ms = {k: tuple(None if v[x] is None else round(v[x], 3)
-                                    for x in ("cycle_ms", "replay_ms", "device_ms"))
-                           for k, v in lv["step_ms_per_k"].items()}
-                host = {k: None if v is None else round(v, 3) for k, v in lv["host_ms_per_step"].items()}
-                log(f"[serve_bench] {where} ({lv['level_s']:.1f} s in all): {lv['output_tok_s']:.1f} tok/s, "
-                    f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
-                    f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})} "
-                    f"({int(lv.get('overlapped_steps', 0))} overlapped), context flushes "
-                    f"{ {k: round(v, 4) for k, v in lv.get('context_flushes', {}).items()} }, "
-                    f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay / device) "
-                    f"{step_ms}, engine thread ms per step {host}, "
-                    f"server first-token ms "
-                    f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")
-                if lv.get("policy", {}).get("step_cost_ms"):
-                    log(f"[serve_bench] {where}: policy step cost ms (rows/k/mode) {lv['policy']['step_cost_ms']}, "
-                        f"acceptance {lv['policy']['acceptance']}, choices (rows/k/mode/basis) "
-                        f"{lv['policy'].get('choices')}")
-                if lv["profile_files"]:
-                    log(f"[serve_bench] {where}: engine profile in {lv['profile_files'][0]}")
+                log_level(where, lv, log)
                 if lv["cut_by_time_limit"]:
-                    cut(f"{mode}'s share of the time limit (--time-limit {a.time_limit:.0f} s) cut {where}")
-                    break
-        finally:
-            stop(proc)
+                    log(f"[serve_bench] the time limit cut {where}")
+                    return False
+    return True
 
 
 def main(argv: list[str] | None = None, log=print) -> int:

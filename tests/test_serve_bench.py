@@ -184,6 +184,52 @@ def test_serve_bench_time_limit_shares(models, monkeypatch):
     assert report["status"].startswith("failed: ar's share of the time limit")
 
 
+def test_serve_bench_rounds_take_turns(models, monkeypatch):
+    """--rounds 2: both servers come up before the first level, each level runs twice per mode with the modes taking
+    turns (AR, DSpark, DSpark, AR), and a row's figures are the medians over the rounds, its ratio the median of the
+    rounds' ratios with each round's kept. Servers and clients replaced as in the test above (the schedule only)."""
+    bench = _bench()
+    events = []
+    tok_s = iter([100.0, 110.0, 120.0, 90.0, 100.0, 80.0, 100.0, 125.0])  # ar, ds, ds, ar per level
+
+    async def level(url, a, prompts, temperature, conc, deadline, profile=False):
+        events.append(("level", url.rsplit(":", 1)[1], profile))
+        return {"output_tok_s": next(tok_s), "request_s": 1.0, "tau": None, "errors": 1, "tokens_per_event": 1.0,
+                "ttft_ms": {"p50": 1.0}, "itl_ms": {"p50": 1.0, "p99": 1.0}, "tpot_ms": {"p50": 1.0},
+                "per_request": [], "steps_per_k": {}, "step_ms_per_k": {}, "host_ms_per_step": {},
+                "server_first_token_ms": {}, "profile_files": [], "cut_by_time_limit": False}
+
+    def popen(cmd, **kw):
+        events.append(("start", cmd[cmd.index("--port") + 1]))
+        return cmd
+
+    monkeypatch.setattr(bench, "run_level", level)
+    monkeypatch.setattr(bench, "wait_healthy", lambda *a: None)
+    monkeypatch.setattr(bench, "stop", lambda proc: events.append(("stop", proc[proc.index("--port") + 1])))
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    a, extra = bench.parse_args(["--target", str(models[0]), "--drafter", str(models[1]), "--rounds", "2",
+                                 "--temperatures", "0.7", "--tasks", "creative", "--concurrency", "1,4",
+                                 "--port", "9000", "--profile", "creative:0.7:1", "--out", ""])
+    report = {"status": "complete", "servers": {}, "levels": []}
+    bench.run(a, extra, {t: ["p"] for t in a.tasks}, report, lambda *x, **k: None)
+    assert report["status"] == "complete" and set(report["servers"]) == {"ar", "dspark"}
+    # ar on 9000, dspark on 9001; the profile in the first round only (one per server)
+    assert events == [("start", "9000"), ("start", "9001"),
+                      ("level", "9000", True), ("level", "9001", True), ("level", "9001", False),
+                      ("level", "9000", False)] + [("level", p, False) for p in ("9000", "9001", "9001", "9000")] + [
+                      ("stop", "9000"), ("stop", "9001")]
+    assert [(lv["mode"], lv["round"]) for lv in report["levels"][:4]] == [("ar", 0), ("dspark", 0), ("dspark", 1),
+                                                                        ("ar", 1)]
+    c1, c4 = bench.rows(report["levels"])
+    assert c1["speedups"] == [110 / 100, 120 / 90] and c1["speedup"] == (110 / 100 + 120 / 90) / 2
+    assert c1["ar"]["output_tok_s"] == 95.0 and c1["dspark"]["output_tok_s"] == 115.0 and c1["ar"]["errors"] == 2
+    assert c4["speedups"] == [80 / 100, 100 / 125] and c4["speedup"] == 0.8
+    assert "| 0.80× (0.80–0.80) |" in bench.table([c4]) and "| 1.22× (1.10–1.33) |" in bench.table([c1])
+    for bad in ("0", "-1"):
+        with pytest.raises(ValueError, match="--rounds: expected an integer >= 1"):
+            bench.parse_args(["--target", str(models[0]), "--modes", "ar", "--rounds", bad])
+
+
 def test_clients_keep_sending_until_the_level_has_lasted_min_level_s(monkeypatch):
     """A level's clients send the `need` requests it asks for, then more until --min-level-s has passed (each one
     sent is marked; the rest stay unsent), and with --min-level-s 0 exactly `need`. The HTTP request is replaced by a
