@@ -12,7 +12,8 @@ which Python does for every row. Reported: the median over --repeats runs, and t
 Python runs and the host time is the generate call's wall time over its decode steps. --drafts K adds a tiny DSpark
 drafter whose k policy drafts K tokens on every step (with --no-forward none is accepted: each step emits one token);
 --drafts 0 decodes plainly on every step (what a GPU server does where drafting does not pay, as at T = 0.7), so
-their host time per step compares with AR's. --overlap runs the engine's async scheduling as on
+their host time per step compares with AR's; --accept (with --no-forward) accepts every draft, so each step emits
+K + 1 tokens per row, as a drafting step that pays does. --overlap runs the engine's async scheduling as on
 a GPU: each step is queued before the one before it is read, its inputs chained from that step's output (with a
 fixed output, the host path of a server's step at one row: no staging, no copy of the inputs). --server runs the same
 requests through the engine process's loop (serve.engine_proc.PipeRunner: its commands read from a pipe, each step's
@@ -57,13 +58,15 @@ def timed(obj, name: str, total: list[float]):
     setattr(obj, name, wrapper)
 
 
-def fixed_step(outs: dict):
-    """A runner step that returns [a=0, n=0, token 5] per row (one tensor per step key) and computes nothing."""
+def fixed_step(outs: dict, accept: bool = False):
+    """A runner step that returns [a=0, n=0, token 5] per row (one tensor per step key) and computes nothing; accept:
+    [a=k, n=k, token 5 x (k + 1)], every draft accepted (a drafting step's k + 1 tokens per row)."""
     def step(st):
         out = outs.get(st.key)
         if out is None:
-            out = outs[st.key] = torch.full((st.key.rows, st.key.k + 3), 5, dtype=torch.long)
-            out[:, :2] = 0
+            k = st.key.k
+            out = outs[st.key] = torch.full((st.key.rows, k + 3), 5, dtype=torch.long)
+            out[:, :2] = k if accept else 0
         return out
     return step
 
@@ -118,7 +121,7 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 
 
 def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafts: int | None = None,
-        overlap: bool = False, server: bool = False) -> tuple[float, float, int]:
+        overlap: bool = False, server: bool = False, accept: bool = False) -> tuple[float, float, int]:
     """-> (host ms per decode step, the generate call's wall seconds, decode steps). drafts: with a drafter whose
     policy drafts that many tokens every step (0: decodes plainly); server: through the engine process's loop (module
     doc)."""
@@ -134,7 +137,7 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     if drafts is not None:
         engine.policy.choose = lambda *a, **k: drafts
     if not forward:
-        engine.runner._run = fixed_step({})
+        engine.runner._run = fixed_step({}, accept)
     engine.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))  # first-call costs
     forwards = [0.0]
     timed(engine.runner, "_run", forwards)
@@ -161,6 +164,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-forward", action="store_true", help="a fixed output for every step: the engine's Python alone")
     p.add_argument("--drafts", type=int, help="a drafter whose k policy drafts this many tokens (0-3) every step")
+    p.add_argument("--accept", action="store_true", help="with --no-forward: every draft accepted (k + 1 tokens per "
+                   "step and row, as a drafting step that pays emits)")
     p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
     p.add_argument("--server", action="store_true", help="through the engine process's loop, driven over a pipe")
     a = p.parse_args(argv)
@@ -169,7 +174,9 @@ def main(argv=None) -> int:
     if a.drafts is not None and not 0 <= a.drafts <= 3:
         p.error(f"--drafts {a.drafts}: expected 0-3 (the drafter's block is 4)")
     torch.set_num_threads(a.threads)
-    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.drafts, a.overlap, a.server)
+    if a.accept and not (a.no_forward and a.drafts):
+        p.error("--accept: give it with --no-forward and --drafts K > 0")
+    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.drafts, a.overlap, a.server, a.accept)
            for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "
