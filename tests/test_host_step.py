@@ -21,6 +21,15 @@ def test_every_mode_runs_the_same_decode_steps(drafts):
     assert all(r[0] > 0 and r[1] > 0 for r in runs.values()), runs
 
 
+def test_accept_emits_every_draft():
+    """--accept: each step of 2 drafts emits 3 tokens per row, so 8 tokens after the prefill's take 3 steps (3 + 3 +
+    the 2 a request has room for), in every mode."""
+    for kw in ({}, {"overlap": True}, {"overlap": True, "server": True}):
+        host, wall, steps = host_step.run(rows=2, num_prompts=6, new_tokens=9, seed=0, forward=False, drafts=2,
+                                          accept=True, **kw)
+        assert steps == 6 * 3 // 2 and host > 0, (kw, steps)
+
+
 def test_the_server_mode_raises_when_requests_fail(monkeypatch):
     warm = host_step.Engine.generate
 
