@@ -12,7 +12,7 @@ Phases (each a subprocess, timed; OUT/peer.json and OUT/peer.md hold the table):
 3. export      python -m train.speculators_data: the same rows + the target's features in speculators' data format
                (speculators trains from features stored on disk: its end-to-end time = export + training)
 4. speculators python -m speculators.train --speculator-type dspark, one row per --optimizers (adamw: like ours;
-               muon: its default), unmodified on a GPU
+               muon: its default) and --spec-seeds seed, unmodified on a GPU
 5. convert     python -m dspark.checkpoint convert (speculators' last checkpoint -> our vLLM layout), and
                bench/speculators_parity.py: that checkpoint in speculators' model and in ours, max abs logit diffs
 6. eval        python -m eval on every drafter with the same prompts: tau and alpha per task
@@ -44,6 +44,7 @@ import argparse
 import json
 import logging
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -199,6 +200,9 @@ def parse_args(argv):
                     help="'NAME: key=value ...': one of our rows, recipe overrides on top of the matched ones "
                     "(repeatable; default: ours = AdamW, ours-muon = Muon)")
     ap.add_argument("--optimizers", default="adamw,muon", help="speculators rows")
+    ap.add_argument("--spec-seeds", default="", help="comma-separated seeds, one speculators row per optimizer and "
+                    "seed (default: --seed); a row of another seed than --seed is named NAME-sSEED, as an --ours-row "
+                    "with seed=SEED may be, and the table adds each such group's mean")
     ap.add_argument("--spec-loss", default="kl_div", help="speculators' --loss-fn")
     ap.add_argument("--spec-arg", action="append", default=[], help="extra speculators.train argument (repeatable)")
     ap.add_argument("--ours-arg", action="append", default=[], help="extra recipe override key=value (repeatable)")
@@ -231,7 +235,8 @@ def recipe_overrides(a, out: Path, ids: list[int], cuda: bool) -> list[str]:
             f"mixed_precision={'bf16' if cuda else 'no'}", f"seed={a.seed}", *a.ours_arg]
 
 
-def speculators_args(a, out: Path, name: str, optimizer: str, data: dict, mask_id: int, cuda: bool) -> list[str]:
+def speculators_args(a, out: Path, name: str, optimizer: str, data: dict, mask_id: int, cuda: bool,
+                     seed: int) -> list[str]:
     B, row = a.batch_size, data["max_seq_len"]
     epochs = max(1, math.ceil(a.steps / max(1, data["train_rows"] // B)))
     return ["--speculator-type", "dspark", "--verifier-name-or-path", str(a.target), "--data-path",
@@ -244,7 +249,7 @@ def speculators_args(a, out: Path, name: str, optimizer: str, data: dict, mask_i
             "--max-anchors", str(B * a.anchors), "--total-seq-len", str(B * row), "--loss-fn", a.spec_loss,
             "--optimizer", optimizer, "--lr", str(a.lr), "--weight-decay", str(a.weight_decay),
             "--scheduler-type", "cosine", "--scheduler-warmup-steps", str(a.warmup), "--max-steps", str(a.steps),
-            "--epochs", str(epochs), "--checkpoint-freq", str(epochs), "--seed", str(a.seed),
+            "--epochs", str(epochs), "--checkpoint-freq", str(epochs), "--seed", str(seed),
             "--num-workers", str(a.num_workers if cuda else 0),
             "--hidden-states-dtype", "bfloat16" if cuda else "float32",
             "--loss-implementation", "eager", *([] if cuda else ["--draft-attn-impl", "sdpa"]), *a.spec_arg]
@@ -301,9 +306,10 @@ def bench(a) -> dict:
     for name, row in res["rows"].items():
         row.update(json.loads((logs / f"{name}.json").read_text()), e2e_s=row["wall_s"],
                    steady_tok_s=steady_ours(out / name, tokens_per_step, warm))
-    for opt in [o for o in a.optimizers.split(",") if o]:
-        name = f"speculators-{opt}"
-        args = speculators_args(a, out, name, opt, data, mask_id, cuda)
+    seeds = [int(x) for x in a.spec_seeds.split(",") if x] or [a.seed]
+    for opt, seed in [(o, s) for o in a.optimizers.split(",") if o for s in seeds]:
+        name = f"speculators-{opt}" + ("" if seed == a.seed else f"-s{seed}")
+        args = speculators_args(a, out, name, opt, data, mask_id, cuda, seed)
         row = {"wall_s": phases.run(name, [py, ME, "_speculators", str(logs / f"{name}.json"), *args],
                                     clear=(out / name,))}
         rec = json.loads((logs / f"{name}.json").read_text())
@@ -354,6 +360,14 @@ def table(res: dict) -> str:
     for name, r in rows.items():
         lines.append("| " + " | ".join([name, *[f(r["tau"][t]) for t in tasks], f(r["tau_overall"]),
                                          f(r["steady_tok_s"], 0), f(r["e2e_s"], 0), f(r["peak_alloc_gib"])]) + " |")
+    groups: dict[str, list[str]] = {}  # rows that differ by their seed alone (NAME, NAME-sSEED)
+    for name in rows:
+        groups.setdefault(re.sub(r"-s\d+$", "", name), []).append(name)
+    for base, names in groups.items():
+        if len(names) > 1:
+            taus = [[rows[n]["tau"][t] for n in names] for t in tasks] + [[rows[n]["tau_overall"] for n in names]]
+            lines.append("| " + " | ".join([f"{base}, mean of {len(names)} seeds",
+                                             *[f(sum(x) / len(x)) for x in taus], "", "", ""]) + " |")
     theirs = [n for n in rows if n.startswith("speculators")]
     if theirs and all("per_prompt" in r for r in rows.values()):
         lines.append(f"\nτ ours ÷ speculators per task, the same prompts (95 % bootstrap over prompts): "

@@ -12,7 +12,7 @@ from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
 from speculators.proposals.greedy import GreedyTokenProposalConfig
 from transformers import Qwen3Config
 
-from bench.peer_speculators import table
+from bench.peer_speculators import parse_args, speculators_args, table
 from bench.speculators_parity import max_diffs
 from dspark.checkpoint import convert, export_drafter, load_drafter, load_target, main
 from dspark.engine import Engine
@@ -259,3 +259,23 @@ def test_peer_table_compares_each_of_ours_with_speculators_on_the_same_prompts()
     line = next(x for x in text.splitlines() if x.startswith("- ours ÷ speculators-muon"))
     ratio, lo, hi = (float(v) for v in line.split(": ")[1].replace("[", "").replace("]", "").replace(",", "").split())
     assert ratio == pytest.approx(75 / 68, abs=1e-3) and 1.0 < lo <= ratio <= hi
+
+
+def test_peer_table_adds_the_mean_of_rows_that_differ_by_seed_alone():
+    """Rows named NAME and NAME-sSEED (an --ours-row with seed=SEED, --spec-seeds) get one more table row: their mean
+    τ per task and over all; a row of one seed gets none."""
+    pp = {"steps": [10], "committed": [20]}
+    rows = {name: {"tau": {"code": tau, "prose": tau + 1}, "per_prompt": {"code": pp, "prose": pp},
+                   "tau_overall": tau + 0.5, "steady_tok_s": 1.0, "e2e_s": 1.0, "peak_alloc_gib": 1.0}
+            for name, tau in (("ours", 2.0), ("ours-s2", 2.5), ("speculators-muon", 2.2))}
+    text = table({"rows": rows, "regenerate_s": 1.0, "export_s": 1.0, "tokens_per_step": 8, "device": "cpu"})
+    means = [x for x in text.splitlines() if "mean of" in x]
+    assert means == ["| ours, mean of 2 seeds | 2.25 | 3.25 | 2.75 |  |  |  |"]
+
+
+def test_speculators_rows_train_with_their_seed(tmp_path):
+    """--spec-seeds: each speculators row's own seed reaches speculators.train (--seed), not the bench's --seed."""
+    a = parse_args(["--target", "T", "--out", str(tmp_path), "--seed", "1", "--spec-seeds", "1,2"])
+    data = {"max_seq_len": 256, "train_rows": 64, "train_data_ratio": 0.9, "speculators_target_layer_ids": [2, 3]}
+    args = speculators_args(a, tmp_path, "speculators-muon-s2", "muon", data, 5, False, 2)
+    assert args[args.index("--seed") + 1] == "2" and str(tmp_path / "speculators-muon-s2" / "ckpt") in args
