@@ -11,7 +11,9 @@ replay (a drafting step's host work, such as its acceptance bookkeeping, follows
 of those it is modelled: its graph's replay time and the host's own work per step (each cycle less the host's waits
 for the device, the median over the last steps of every kind), with async scheduling the larger of the two (they
 overlap), else their sum. Measured cycles hold what the model leaves out, such as a step whose host work and device
-time fail to overlap.
+time fail to overlap. Plain decoding's cycles are those of every plain step, the AR engine's (no row keeps the
+drafter's context, no stash) among them: while most sampled requests keep no context those are most plain steps, and
+the few that stash, priced alone, make plain decoding read dear and the policy draft where drafting loses.
 A kind not run for STALE_STEPS steps forgets its cycles: a cost measured under other traffic (another level of
 load, a transient such as the first steps after a burst) would otherwise stand for good against a kind that keeps
 running; once plain decoding's cycles are forgotten the policy decodes plainly for the few steps that measure them
@@ -282,15 +284,16 @@ class KPolicy:
         first) leaves the last step unsampled: that gap holds a wait the next step's kind, not the last one's,
         caused. Under overlap a step's cycle also holds the read of the step before it, so it counts for its kind
         only after a step of the same kind (the first plain step after drafting ones would carry their device
-        time). A plain step none of whose rows keeps the drafter's context (the AR step, no stash) is no choice
-        of the policy's: its host work is sampled, its cycle is no kind's."""
+        time). A plain step none of whose rows keeps the drafter's context (the AR step, no stash) counts for the
+        plain kind as one that stashes does: where most sampled requests keep no context, most plain steps are AR's,
+        and plain decoding priced from the rare stashing steps alone would read dear (module doc)."""
         now, last = time.perf_counter(), self.last_step
         kind = None if last is None or last[2] is None else (last[2].rows, last[2].k, last[2].mode)
         if last is not None and last[3] is not None and (chained or not self.overlap):
             cycle = (now - last[0]) * 1e3
             if cycle < HOST_PAUSE_MS:
                 self.host_all.append(max(0.0, cycle - (waited_ms - last[1])))
-                if (self.before == kind or not self.overlap) and last[2].context:
+                if self.before == kind or not self.overlap:
                     self.cycle_by_kind.setdefault(kind, deque(maxlen=CYCLE_WINDOW)).append(cycle)
                     self.sampled_at[kind] = self.steps
                     self.replay_by_kind[kind] = last[3]

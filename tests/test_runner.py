@@ -417,21 +417,32 @@ def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
     assert engine.policy.best(1, 100, "greedy", acc, reach) == 4
 
 
-def test_k_policy_samples_no_kind_from_steps_without_drafter_context(targets, monkeypatch):
-    """A plain step none of whose rows keeps the drafter's context (the AR step, no stash) is no choice of the
-    policy's: its host work is sampled, its cycle goes to no kind (the plain kind the policy weighs stashes)."""
+def test_k_policy_prices_plain_decoding_from_ar_steps_too(targets, monkeypatch):
+    """A plain step none of whose rows keeps the drafter's context (the AR step, no stash) counts for the plain kind
+    as a stashing one does: priced from a rare stashing step alone (a slow one here), plain decoding reads dear and
+    drafting at a low acceptance would win; with the AR steps' cycles in its median it does not."""
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target), overlap=False)
-    clock = iter([10.0, 10.0152, 10.0304])  # starts of three decode steps (s)
+    starts = [10.0]
+    for ms in (0.6, 0.15, 0.15, 0.15, 0.15):  # a stashing plain step of 0.6 ms, then four AR steps of 0.15 ms
+        starts.append(starts[-1] + ms / 1e3)
+    clock = iter(starts)
     monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: next(clock))
     p, key = engine.policy, engine.runner.key_for
+    engine.runner.step_ms = lambda key: 0.1 + 0.02 * key.k
+    p.cycle_by_kind[1, 4, "sample"] = deque([0.3] * 3)  # drafting 4: 0.3 ms a step
+    acc, reach = [50, 20, 8, 3], [100, 50, 20, 8]  # 1.86 tokens per step at k = 4: 6.2 per ms
     p.step_started(0.0)
-    p.step_replayed(0.2, key(1, 0, 100, "greedy", context=False))
-    p.step_started(5.0)  # 15.2 ms later, 5 of them waiting: 10.2 ms of host work
-    assert p.host_ms == pytest.approx(10.2) and not p.cycle_by_kind and p.cycles[0] == 0
-    p.step_replayed(0.2, key(1, 0, 100, "greedy"))  # with the stash: the plain kind's cycle
-    p.step_started(10.0)
-    assert list(p.cycle_by_kind[1, 0, "greedy"]) == [pytest.approx(15.2)] and p.cycles[0] == 1
+    p.step_replayed(0.1, key(1, 0, 100, "sample"))  # stashes
+    p.step_started(0.0)
+    assert list(p.cycle_by_kind[1, 0, "sample"]) == [pytest.approx(0.6)]
+    p.cycle_by_kind[1, 0, "sample"].extend([0.6, 0.6])  # three stashing cycles: plain at 1.8 per ms loses
+    assert p.best(1, 100, "sample", acc, reach) == 4
+    for _ in range(4):
+        p.step_replayed(0.1, key(1, 0, 100, "sample", context=False))  # AR's step
+        p.step_started(0.0)
+    assert sorted(p.cycle_by_kind[1, 0, "sample"]) == pytest.approx([0.15] * 4 + [0.6] * 3) and p.cycles[0] == 5
+    assert p.best(1, 100, "sample", acc, reach) == 0  # 1 / 0.15 x DRAFT_GAIN = 7.3 per ms
 
 
 def test_k_policy_weighs_each_kinds_measured_time_with_async_scheduling(targets):
