@@ -280,7 +280,7 @@ class Engine:
             return True
         if self.pinned_k is None and p.seed is not None and p.temperature > 0:
             return False
-        return self.policy.context_for(p.temperature > 0)
+        return self.policy.context_for(p.temperature > 0, len(self.scheduler.running))
 
     def _launch_chained(self, flight: InFlight, decode: list[Request]) -> InFlight | None:
         """The next step queued before `flight` is read, its rows continuing flight's on the device, when its

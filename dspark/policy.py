@@ -53,8 +53,10 @@ FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving aver
 ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
 # estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
 DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects this many times its tokens per ms
-# while plain decoding is the sampled rows' choice, one sampled request in this many keeps the drafter's context (the
-# others decode as the AR engine does); its steps carry the probes that find where drafting pays again
+# while plain decoding is the sampled rows' choice, one sampled request in this many per request running keeps the
+# drafter's context (the others decode as the AR engine does): about one step in this many then carries such a row at
+# any batch size (its plain steps stash the context, dearer than AR's), and those steps carry the probes that find
+# where drafting pays again
 CONTEXT_EVERY = 8
 GROUPS = ("greedy", "sampled")
 
@@ -139,15 +141,19 @@ class KPolicy:
         self.last_k = hit[0]
         return hit[0]
 
-    def context_for(self, sampled: bool) -> bool:
+    def context_for(self, sampled: bool, running: int = 1) -> bool:
         """Whether a request whose prompt is in keeps the drafter's context (stashed by its plain steps, so that it
-        may draft). A sampled one does not while probes keep finding plain decoding best for sampled rows (their
-        interval has grown past PROBE_EVERY: dspark.engine's plain steps then cost what AR's do), except one in
-        CONTEXT_EVERY; greedy ones, a pinned k, and a drafting choice keep it."""
+        may draft), `running` requests decoding or prefilling then (itself included). A sampled one does not while
+        probes keep finding plain decoding best for sampled rows (their interval has grown past PROBE_EVERY:
+        dspark.engine's plain steps then cost what AR's do), except one in CONTEXT_EVERY x running; greedy ones, a
+        pinned k, and a drafting choice keep it."""
         if self.k == 0 or self.pinned or not sampled or self.probe_every["sampled"] <= PROBE_EVERY:
             return True
         self.sampled_without += 1
-        return self.sampled_without % CONTEXT_EVERY == 0
+        if self.sampled_without < CONTEXT_EVERY * max(running, 1):
+            return False
+        self.sampled_without = 0
+        return True
 
     def _made(self, num_rows: int, k: int, mode: str, basis: str) -> None:
         key = (num_rows, k, mode, basis)

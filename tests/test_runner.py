@@ -184,11 +184,12 @@ def test_k_policy_probes_less_often_while_probes_confirm_plain_decoding(targets)
 
 
 def test_sampled_requests_keep_no_drafter_context_while_plain_decoding_is_their_choice(targets, prompts):
-    """Once probes keep plain decoding the sampled rows' choice (their interval has grown past PROBE_EVERY), a sampled
-    request whose prompt comes in keeps no drafter context, except one in CONTEXT_EVERY: it never drafts, and a plain
-    step none of whose rows keeps it is the AR engine's step (key.context False: no stash). Greedy requests, and every
-    request under a pinned k, keep it; so do sampled ones once drafting is their choice again. A seeded sampled
-    request under the policy keeps none either: its text is the AR engine's for its seed."""
+    """Once probes keep plain decoding the sampled rows' choice (their interval has grown past PROBE_EVERY), a
+    sampled request whose prompt comes in keeps no drafter context, except one in CONTEXT_EVERY per request running:
+    it never drafts, and a plain step none of whose rows keeps it is the AR engine's step (key.context False: no
+    stash). Greedy requests, and every request under a pinned k, keep it; so do sampled ones once drafting is their
+    choice again. A seeded sampled request under the policy keeps none either: its text is the AR engine's for its
+    seed."""
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target), max_batch_size=16)
     p = engine.policy
@@ -196,6 +197,9 @@ def test_sampled_requests_keep_no_drafter_context_while_plain_decoding_is_their_
     p.probe_every["sampled"] = 2 * PROBE_EVERY  # probes have found plain decoding best for sampled rows
     assert [p.context_for(sampled=True) for _ in range(2 * CONTEXT_EVERY)] == ([False] * (CONTEXT_EVERY - 1)
                                                                              + [True]) * 2
+    # with 4 requests running, one in 4 x CONTEXT_EVERY: about one step in CONTEXT_EVERY carries such a row
+    assert [p.context_for(sampled=True, running=4) for _ in range(8 * CONTEXT_EVERY)] == (
+        [False] * (4 * CONTEXT_EVERY - 1) + [True]) * 2
     assert p.context_for(sampled=False) and p.probe_every["greedy"] == PROBE_EVERY
     pinned = Engine(target, make_drafter(target), num_speculative_tokens=2).policy
     pinned.probe_every["sampled"] = 2 * PROBE_EVERY
@@ -203,9 +207,10 @@ def test_sampled_requests_keep_no_drafter_context_while_plain_decoding_is_their_
 
     sampled = SamplingParams(max_tokens=N_NEW, temperature=0.9, ignore_eos=True)
     greedy = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
-    p.sampled_without = 0
     reqs = [engine.add_request(prompts[i % 3], sampled) for i in range(CONTEXT_EVERY)]
     reqs.append(engine.add_request(prompts[0], greedy))
+    # their prompts come in in one step, len(reqs) running: the last sampled one is the one in CONTEXT_EVERY x that
+    p.sampled_without = CONTEXT_EVERY * len(reqs) - CONTEXT_EVERY
     while engine.has_work():
         engine.step()
     assert [r.context for r in reqs] == [False] * (CONTEXT_EVERY - 1) + [True, True]
