@@ -121,10 +121,11 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 
 
 def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafts: int | None = None,
-        overlap: bool = False, server: bool = False, accept: bool = False) -> tuple[float, float, int]:
+        overlap: bool = False, server: bool = False, accept: bool = False, context: bool = True
+        ) -> tuple[float, float, int]:
     """-> (host ms per decode step, the generate call's wall seconds, decode steps). drafts: with a drafter whose
     policy drafts that many tokens every step (0: decodes plainly); server: through the engine process's loop (module
-    doc)."""
+    doc); context=False: no request keeps the drafter's context."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_position_embeddings=512)
@@ -136,6 +137,7 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
                     max_model_len=512, prefill_chunk=512, overlap=overlap)
     if drafts is not None:
         engine.policy.choose = lambda *a, **k: drafts
+        engine.policy.context_for = lambda *a, **k: context
     if not forward:
         engine.runner._run = fixed_step({}, accept)
     engine.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))  # first-call costs
@@ -166,6 +168,8 @@ def main(argv=None) -> int:
     p.add_argument("--drafts", type=int, help="a drafter whose k policy drafts this many tokens (0-3) every step")
     p.add_argument("--accept", action="store_true", help="with --no-forward: every draft accepted (k + 1 tokens per "
                    "step and row, as a drafting step that pays emits)")
+    p.add_argument("--no-context", action="store_true", help="with --drafts 0: no request keeps the drafter's context "
+                   "(every step the AR engine's step inside the DSpark engine)")
     p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
     p.add_argument("--server", action="store_true", help="through the engine process's loop, driven over a pipe")
     a = p.parse_args(argv)
@@ -176,7 +180,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     if a.accept and not (a.no_forward and a.drafts):
         p.error("--accept: give it with --no-forward and --drafts K > 0")
-    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.drafts, a.overlap, a.server, a.accept)
+    if a.no_context and a.drafts != 0:
+        p.error("--no-context: give it with --drafts 0 (a request without the drafter's context never drafts)")
+    res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.drafts, a.overlap, a.server, a.accept,
+               not a.no_context)
            for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "

@@ -41,3 +41,26 @@ def test_the_server_mode_raises_when_requests_fail(monkeypatch):
     monkeypatch.setattr(host_step.Engine, "generate", generate_then_fail)
     with pytest.raises(RuntimeError, match="2 requests failed in the engine loop: .*step failed"):
         host_step.run(rows=2, num_prompts=2, new_tokens=4, seed=0, forward=False, overlap=True, server=True)
+
+
+def test_no_context_runs_the_ar_step_inside_the_dspark_engine(monkeypatch):
+    """--no-context (with --drafts 0): no request keeps the drafter's context, so every decode step is the AR step
+    (key.context False); without it every plain step stashes the context. Any other --drafts is refused."""
+    keys, real = set(), host_step.fixed_step
+
+    def spy(outs, accept=False):
+        step = real(outs, accept)
+
+        def recorded(st):
+            keys.add((st.key.k, st.key.context))
+            return step(st)
+        return recorded
+
+    monkeypatch.setattr(host_step, "fixed_step", spy)
+    for context in (False, True):
+        keys.clear()
+        host_step.run(rows=2, num_prompts=6, new_tokens=9, seed=0, forward=False, drafts=0, overlap=True,
+                      server=True, context=context)
+        assert keys == {(0, context)}, (context, keys)
+    with pytest.raises(SystemExit):
+        host_step.main(["--drafts", "1", "--no-context", "--no-forward"])
