@@ -4,7 +4,9 @@
         [--runs ar,k4,auto] [--temperatures 0,0.7] [--batches 1,16] [--prompts 16] [--max-tokens 128] [--out F.json]
         [--kernels 8 [--kernels-batch 1]] [--per-step]
 
-Each run (ar: no drafter; kN: N drafts pinned; auto: the k policy) decodes at least --prompts requests, --batches
+Each run (ar: no drafter; kN: N drafts pinned; auto: the k policy; plain: the drafter loaded but no request keeping
+its context, so every step is the AR step inside the DSpark engine, as a server's sampled requests decode where
+drafting does not pay for them) decodes at least --prompts requests, --batches
 of them at a time, through Engine.generate (overlap as the engine defaults it). Per decode step it records, on the
 host: step() in all, the launch (of it the graph replay call and the wait for the step's staging buffer), the eager
 context flush, the read's wait for the device and the rest of the read (unpacking, stop handling); on the device,
@@ -75,7 +77,7 @@ class Timeline:
 
         def timed_launch(rows, tables, num_cached, slots, key):
             t0, w0 = time.perf_counter(), runner.launch_wait_s
-            self.cur["keys"].append((key.rows, key.k, key.width, len(rows)))
+            self.cur["keys"].append((key.rows, key.k, key.width, len(rows), key.context))
             ev = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)] if self.cuda else []
             if ev:
                 ev[0].record()
@@ -352,9 +354,11 @@ def main(argv=None) -> None:
     print("| run | T | batch | tok/s (probed) | τ | steps per k | " + " | ".join(cols) + " |\n|---|--:|--:|--:|--:|---|"
           + "--:|" * len(cols))
     for name in a.runs.split(","):
-        k = None if name in ("ar", "auto") else int(name[1:])
+        k = None if name in ("ar", "auto", "plain") else int(name[1:])
         engine = Engine(target, None if name == "ar" else drafter, num_speculative_tokens=k,
                         max_batch_size=max(batches), max_model_len=mml)
+        if name == "plain":  # no request keeps the drafter's context (KPolicy.context_for): AR's steps
+            engine.policy.context_for = lambda *a, **kw: False
         engine.warmup(modes=("greedy", "sample"))
         for t in temps:
             for b in batches:
