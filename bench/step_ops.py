@@ -161,12 +161,13 @@ def step_ops(engine: Engine, prompts: list[list[int]], params: SamplingParams, s
             "ops": {f"{p} / {o}": c / n for (p, o), c in sorted(counter.ops.items())}}
 
 
-def engine_for(run: str, target, drafter, max_model_len: int) -> Engine:
-    """A run's engine at batch 1: ar (no drafter), plain (the drafter loaded, every step k = 0: what the k policy runs
-    where drafting does not pay), nocontext (plain, its request keeping no drafter context: what a sampled request
-    runs while plain decoding is the sampled rows' choice) or kN (N drafts pinned)."""
-    k = None if run in ("ar", "plain", "nocontext") else int(run.removeprefix("k"))
-    engine = Engine(target, None if run == "ar" else drafter, num_speculative_tokens=k, max_batch_size=1,
+def engine_for(run: str, target, drafter, max_model_len: int, max_batch_size: int = 1) -> Engine:
+    """A run's engine: ar (no drafter), auto (the k policy), plain (the drafter loaded, every step k = 0: what the k
+    policy runs where drafting does not pay), nocontext (plain, its requests keeping no drafter context: what sampled
+    requests run while plain decoding is the sampled rows' choice, the AR step inside the DSpark engine) or kN (N
+    drafts pinned)."""
+    k = None if run in ("ar", "auto", "plain", "nocontext") else int(run.removeprefix("k"))
+    engine = Engine(target, None if run == "ar" else drafter, num_speculative_tokens=k, max_batch_size=max_batch_size,
                     max_model_len=max_model_len)
     if run in ("plain", "nocontext"):
         engine.policy.choose = lambda *a, **kw: 0

@@ -4,9 +4,9 @@
         [--runs ar,k4,auto] [--temperatures 0,0.7] [--batches 1,16] [--prompts 16] [--max-tokens 128] [--out F.json]
         [--kernels 8 [--kernels-batch 1]] [--per-step]
 
-Each run (ar: no drafter; kN: N drafts pinned; auto: the k policy; plain: the drafter loaded but no request keeping
-its context, so every step is the AR step inside the DSpark engine, as a server's sampled requests decode where
-drafting does not pay for them) decodes at least --prompts requests, --batches
+Each run (bench/step_ops.py's engine_for: ar, no drafter; kN, N drafts pinned; auto, the k policy; plain, every step
+k = 0; nocontext, plain with no request keeping the drafter's context, the AR step inside the DSpark engine, as a
+server's sampled requests decode where drafting does not pay for them) decodes at least --prompts requests, --batches
 of them at a time, through Engine.generate (overlap as the engine defaults it). Per decode step it records, on the
 host: step() in all, the launch (of it the graph replay call and the wait for the step's staging buffer), the eager
 context flush, the read's wait for the device and the rest of the read (unpacking, stop handling); on the device,
@@ -36,6 +36,7 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_decode import encode  # noqa: E402  (bench/pair_decode.py: prompts encoded as python -m eval does)
+from step_ops import engine_for  # noqa: E402
 
 from dspark import Engine, SamplingParams, load_drafter, load_target  # noqa: E402
 from dspark.device import resolve_device, resolve_dtype  # noqa: E402
@@ -354,11 +355,7 @@ def main(argv=None) -> None:
     print("| run | T | batch | tok/s (probed) | τ | steps per k | " + " | ".join(cols) + " |\n|---|--:|--:|--:|--:|---|"
           + "--:|" * len(cols))
     for name in a.runs.split(","):
-        k = None if name in ("ar", "auto", "plain") else int(name[1:])
-        engine = Engine(target, None if name == "ar" else drafter, num_speculative_tokens=k,
-                        max_batch_size=max(batches), max_model_len=mml)
-        if name == "plain":  # no request keeps the drafter's context (KPolicy.context_for): AR's steps
-            engine.policy.context_for = lambda *a, **kw: False
+        engine = engine_for(name, target, drafter, mml, max(batches))
         engine.warmup(modes=("greedy", "sample"))
         for t in temps:
             for b in batches:

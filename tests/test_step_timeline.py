@@ -57,20 +57,21 @@ def test_step_timeline_phases_add_up(models, tmp_path):
         assert k["kernels_per_step"] == 0  # no device on the CPU
 
 
-def test_step_timeline_plain_run_is_the_ar_step_inside_the_dspark_engine(models, tmp_path):
-    """--runs plain: the drafter loaded, no request keeping its context: every decode step is plain and stashes
-    nothing (key.context False), as AR's steps are, and it runs as many of them as AR."""
+def test_step_timeline_nocontext_run_is_the_ar_step_inside_the_dspark_engine(models, tmp_path):
+    """--runs nocontext: the drafter loaded, no request keeping its context: every decode step is plain and stashes
+    nothing (key.context False), as AR's steps are, and it runs as many of them as AR; plain stashes."""
     target, drafter = models
     out = tmp_path / "timeline.json"
     cmd = [sys.executable, "bench/step_timeline.py", "--target", str(target), "--drafter", str(drafter),
-           "--runs", "plain,ar", "--temperatures", "0.7", "--batches", "2", "--prompts", "2", "--max-tokens", "24",
+           "--runs", "nocontext,plain,ar", "--temperatures", "0.7", "--batches", "2", "--prompts", "2", "--max-tokens", "24",
            "--device", "cpu", "--per-step", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     runs = {r["run"]: r for r in json.loads(out.read_text())["runs"]}
     keys = {name: {(key[1], key[4]) for s in r["per_step"] for key in s["keys"]} for name, r in runs.items()}
-    assert keys == {"plain": {(0, False)}, "ar": {(0, True)}}, keys  # AR's key: no drafter, nothing to stash
-    assert runs["plain"]["steps"] == runs["ar"]["steps"] > 0 and set(runs["plain"]["per_k"]) == {"0"}
+    # AR's key says context: without a drafter there is nothing to stash
+    assert keys == {"nocontext": {(0, False)}, "plain": {(0, True)}, "ar": {(0, True)}}, keys
+    assert runs["nocontext"]["steps"] == runs["ar"]["steps"] > 0 and set(runs["nocontext"]["per_k"]) == {"0"}
 
 
 def test_pair_profile_has_the_prefill_then_the_decode_steps(models):
