@@ -267,10 +267,11 @@ class Engine:
     def _choose_k(self, reqs: list[Request], ahead: int = 0) -> int:
         """The step's drafts: the policy's (module doc), or 0 when no row keeps the drafter's context. ahead: tokens
         the step in flight may still add to each row."""
-        if not any(r.context for r in reqs):
+        drafting = sum(r.context for r in reqs)
+        if not drafting:
             return 0
         return self.policy.choose(len(reqs), max(r.num_computed for r in reqs) + ahead,
-                                  sampling_mode([r.params for r in reqs]))
+                                  sampling_mode([r.params for r in reqs]), drafting)
 
     def _keeps_context(self, p: SamplingParams) -> bool:
         """Whether a request whose prompt is in keeps the drafter's context (and may draft): not a seeded sampled

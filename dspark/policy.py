@@ -1,7 +1,9 @@
 """The k policy: how many drafts each decode step verifies, 0 (plain decoding) up to the drafter's block.
 
-A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row (alpha_j: the measured acceptance of draft
-position j given all before it, greedy and sampled rows apart, over the recent row-steps). Its cost is what steps of
+A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row that keeps the drafter's context (alpha_j: the
+measured acceptance of draft position j given all before it, greedy and sampled rows apart, over the recent
+row-steps), one per row that keeps none (it verifies no drafts): a batch where few rows draft gains little from a
+drafting step that costs what one of all rows drafting does. Its cost is what steps of
 its kind (batch bucket, k, sampling mode) took from one start to the next when they ran back to back (with async
 scheduling: the next step queued behind it; a switch to drafting flushes the stashed context first): the median of
 the kind's last CYCLE_WINDOW such cycles, once it has MIN_CYCLES (a median: a first step's one-off costs, or a
@@ -102,14 +104,18 @@ class KPolicy:
         self.cycles, self.cycle_ms, self.replay_ms = [0] * (self.k + 1), [0.0] * (self.k + 1), [0.0] * (self.k + 1)
 
     # ------------------------------------------------------------------ the choice
-    def choose(self, num_rows: int, longest: int, mode: str) -> int:
-        """Drafts for this step: the pinned k, else the best candidate (module doc) at this batch bucket. It drafts
+    def choose(self, num_rows: int, longest: int, mode: str, drafting: int | None = None) -> int:
+        """Drafts for this step of num_rows rows, `drafting` of them keeping the drafter's context (default all): the
+        pinned k, else the best candidate (module doc) at this batch bucket. It drafts
         the whole block until 8 steps have reached the first position, and once after PROBE_EVERY plain steps, so
         the statistics keep coming (a probe costs a drafting step that does not pay and the context rows of every
         position since the last one, so while probes leave the choice at 0 their interval doubles, up to PROBE_MAX,
         and a choice of k > 0 resets it); a choice is reused for REPICK_EVERY steps of the same batch size, context
         bucket and mode, one on a modelled cost only for the MIN_CYCLES + 1 steps that measure it (a capture's
-        replay time and another bucket's host work can make a kind look cheaper than it runs)."""
+        replay time and another bucket's host work can make a kind look cheaper than it runs). Whether drafting pays
+        for the group (what resets the probes' interval, and so lets new sampled requests keep the context:
+        context_for) is judged as if every row drafted: rows that keep none would otherwise hold it at plain decoding
+        for good."""
         if self.k == 0:
             return 0
         if self.pinned:
@@ -122,16 +128,18 @@ class KPolicy:
             self.last_k = self.k
             self._made(num_rows, self.k, mode, "probe")
             return self.k
-        memo = (num_rows, longest.bit_length(), mode)
+        drafting = num_rows if drafting is None else drafting
+        memo = (num_rows, drafting, longest.bit_length(), mode)
         hit = self.memo.get(memo)
         if hit is None or hit[1] <= 0:
-            k = self.best(num_rows, longest, mode, acc, reach)
+            k = self.best(num_rows, longest, mode, acc, reach, drafting)
             key = self.runner.key_for(num_rows, k, longest + k + 1, mode)
             # a choice on a modelled cost lasts until its kind is measured (then its cost is known), not REPICK_EVERY
             measured = self.measured_cycles(key) is not None
             hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1]
             self._made(num_rows, k, mode, "measured" if measured else "modelled")
-            if hit[0] > 0:  # drafting pays (again)
+            pays = k > 0 or (drafting < num_rows and self.best(num_rows, longest, mode, acc, reach) > 0)
+            if pays:  # drafting pays (again), for every row that keeps the context
                 self.probe_every[group] = PROBE_EVERY
             elif self.probed[group]:  # a probe, and still plain
                 self.probe_every[group] = min(2 * self.probe_every[group], PROBE_MAX)
@@ -202,13 +210,14 @@ class KPolicy:
             return replay_ms + excess
         return max(replay_ms, self.host_ms) if self.overlap else replay_ms + self.host_ms
 
-    def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int]) -> int:
+    def best(self, num_rows: int, longest: int, mode: str, acc: list[int], reach: list[int],
+             drafting: int | None = None) -> int:
         """The candidate with the most expected tokens per millisecond (estimates); without graphs the whole
         block. Once steps have run, plain decoding is measured before drafting is weighed against it: until plain
         steps of this mode have run back to back (at any batch bucket) it decodes plainly, since modelling them
         with the drafting steps' host work would price them too high, and a choice never tried is never
-        measured."""
-        est = self.estimates(num_rows, longest, mode, acc, reach)
+        measured. drafting: the rows that keep the drafter's context (default all)."""
+        est = self.estimates(num_rows, longest, mode, acc, reach, drafting)
         if est is None:
             return self.k
         if self.host_all and not self.measured_kinds(0, mode):
@@ -225,8 +234,9 @@ class KPolicy:
         return bool(self.forget_stale([(key.rows, 0, key.mode)], REFRESH_STEPS))
 
     def estimates(self, num_rows: int, longest: int, mode: str, acc: list[int] | None = None,
-                  reach: list[int] | None = None) -> dict[int, dict] | None:
-        """Per candidate k what the choice weighs: expected tokens per step, cost (ms: step_cost; a k > 0 after
+                  reach: list[int] | None = None, drafting: int | None = None) -> dict[int, dict] | None:
+        """Per candidate k what the choice weighs: expected tokens per row and step (`drafting` of the num_rows rows
+        keep the drafter's context, default all; the others emit one), cost (ms: step_cost; a k > 0 after
         plain steps also pays a flush spread over REPICK_EVERY steps), whether that cost was measured, and the rate
         (tokens per ms; plain decoding's counted DRAFT_GAIN times). A position reached fewer than 8 times takes the
         acceptance of the one before it. None without graphs. acc / reach default to the mode's group's counts."""
@@ -238,12 +248,13 @@ class KPolicy:
         reach = self.reached[group] if reach is None else reach
         flush = (self.flush_ms or 0.0) / REPICK_EVERY if self.last_k == 0 else 0.0
         alpha = self.acceptance(acc, reach)
+        share = 1.0 if drafting is None else drafting / num_rows
         out = {}
         for k, ms in times.items():
             expected, surv = 1.0, 1.0
             for j in range(k):
                 surv *= alpha[j]
-                expected += surv
+                expected += share * surv
             key = self.runner.key_for(num_rows, k, longest + k + 1, mode)
             cost = self.step_cost(key, ms) + (flush if k else 0.0)
             out[k] = {"expected": expected, "cost_ms": cost, "replay_ms": ms,

@@ -260,6 +260,44 @@ def test_k_policy_keeps_a_choice_on_a_modelled_cost_only_until_it_is_measured(ta
     assert {"rows": 1, "k": 2, "mode": "sample", "basis": "measured", "n": 4} in p.view()["choices"]
 
 
+def test_k_policy_counts_one_token_for_each_row_that_keeps_no_drafter_context(targets, prompts):
+    """A drafting step's expected tokens count only the rows that keep the drafter's context: at acceptance 0.9 a
+    step of 4 rows drafting the block pays for a step that costs 1.8x a plain one, with 1 of the 4 drafting it does
+    not, and the policy decodes plainly. Whether drafting pays for the group is still judged as if every row drafted:
+    that choice brings the probes' interval back to PROBE_EVERY, so new sampled requests keep the context again. The
+    engine passes the rows that keep it."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target))
+    p, k = engine.policy, engine.k
+    engine.runner.step_ms = lambda key: 1.0 + (0.8 if key.k else 0.0) + 0.01 * key.k
+    acc = [round(100 * 0.9 ** (j + 1)) for j in range(k)]
+    reach = [100] + acc[:-1]
+    assert p.best(4, 100, "sample", acc, reach) == k and p.best(4, 100, "sample", acc, reach, 4) == k
+    assert p.best(4, 100, "sample", acc, reach, 1) == 0
+    every, one = p.estimates(4, 100, "sample", acc, reach), p.estimates(4, 100, "sample", acc, reach, 1)
+    assert one[0]["expected"] == every[0]["expected"] == 1.0
+    assert abs((one[k]["expected"] - 1) - (every[k]["expected"] - 1) / 4) < 1e-9 and one[k]["expected"] > 1
+    p.accepted["sampled"], p.reached["sampled"] = acc, reach
+    p.probe_every["sampled"], p.probed["sampled"] = 2 * PROBE_EVERY, True
+    assert not p.context_for(sampled=True)
+    assert p.choose(4, 100, "sample", drafting=1) == 0
+    assert p.probe_every["sampled"] == PROBE_EVERY and p.context_for(sampled=True)
+    engine.runner.step_ms = lambda key: 1.0 + 3.0 * bool(key.k)  # drafting loses even with every row drafting
+    p.memo.clear()
+    p.probe_every["sampled"], p.probed["sampled"] = 2 * PROBE_EVERY, True
+    assert p.choose(4, 100, "sample", drafting=1) == 0 and p.probe_every["sampled"] == 4 * PROBE_EVERY
+
+    seen = []
+    p.choose = lambda *a: seen.append(a) or 0
+    reqs = [engine.add_request(prompts[i % 3], SamplingParams(max_tokens=8, temperature=0.7)) for i in range(4)]
+    for r, keeps in zip(reqs, (True, False, True, False)):
+        r.context = keeps
+    assert engine._choose_k(reqs) == 0 and seen[-1][2:] == ("sample", 2)
+    for r in reqs:
+        r.context = False
+    assert engine._choose_k(reqs) == 0 and len(seen) == 1  # no row keeps it: plain, no choice made
+
+
 def test_k_policy_drafts_only_for_a_clear_gain(targets):
     """Drafting is chosen over plain decoding only when it expects DRAFT_GAIN times plain decoding's tokens per ms:
     at acceptance 0.5 on the first position (1.5 tokens per step of one draft), a one-draft step costing 1.4x a
