@@ -90,10 +90,16 @@ def test_cuda_mla_absorbed_attention_at_k3_shapes():
             got = m16._absorbed(q.bfloat16(), rows.bfloat16(), mask)
             want = m._expanded(q, rows, mask, False)
             assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max(), (shape, T)
-            # attend takes it where rows x heads are many: K3's 8 x 64, not k3-mini's 8 x 6
+            # attend takes it where rows x heads are many: K3's 8 x 64, not k3-mini's 8 x 6 (which form ran, not
+            # torch.equal on their outputs: SDPA's kernels may differ in the last bit from one call to the next)
+            ran = []
+            for name in ("_absorbed", "_expanded"):
+                setattr(m16, name, partial(lambda fn, n, log, *a: log.append(n) or fn(*a), getattr(m16, name), name,
+                                           ran))
             chosen = m16.attend(q.bfloat16(), rows.bfloat16(), mask)
-            form = m16._absorbed if heads == 64 else partial(m16._expanded, is_causal=False)
-            assert torch.equal(chosen, form(q.bfloat16(), rows.bfloat16(), mask)), (shape, T)
+            del m16._absorbed, m16._expanded
+            assert ran == ["_absorbed" if heads == 64 else "_expanded"], (shape, T)
+            assert (chosen.float() - want).abs().max() <= 2e-2 * want.abs().max(), (shape, T)
 
 
 @torch.no_grad()
