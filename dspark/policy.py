@@ -3,8 +3,8 @@
 A step of k drafts emits 1 + sum_i prod_{j<=i} alpha_j tokens per row that keeps the drafter's context (alpha_j: the
 measured acceptance of draft position j given all before it, greedy and sampled rows apart, over the recent
 row-steps), one per row that keeps none (it verifies no drafts): a batch where few rows draft gains little from a
-drafting step that costs what one of all rows drafting does. Its cost is what steps of
-its kind (batch bucket, k, sampling mode) took from one start to the next when they ran back to back (with async
+drafting step that costs what one of all rows drafting does. Its cost is what steps of its kind (batch bucket, k,
+sampling mode) took from one start to the next when they ran back to back (with async
 scheduling: the next step queued behind it; a switch to drafting flushes the stashed context first): the median of
 the kind's last CYCLE_WINDOW such cycles, once it has MIN_CYCLES (a median: a first step's one-off costs, or a
 pause inside a step, would otherwise stick to a kind that runs rarely). A kind not timed that often borrows from

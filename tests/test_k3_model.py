@@ -1,6 +1,6 @@
 """The tiny hybrid K3 model (KDA + MLA + AttnRes + LatentMoE): incremental decoding, verify/rollback, aux states."""
 import math
-from functools import partial
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -92,13 +92,10 @@ def test_cuda_mla_absorbed_attention_at_k3_shapes():
             assert (got.float() - want).abs().max() <= 2e-2 * want.abs().max(), (shape, T)
             # attend takes it where rows x heads are many: K3's 8 x 64, not k3-mini's 8 x 6 (which form ran, not
             # torch.equal on their outputs: SDPA's kernels may differ in the last bit from one call to the next)
-            ran = []
-            for name in ("_absorbed", "_expanded"):
-                setattr(m16, name, partial(lambda fn, n, log, *a: log.append(n) or fn(*a), getattr(m16, name), name,
-                                           ran))
-            chosen = m16.attend(q.bfloat16(), rows.bfloat16(), mask)
-            del m16._absorbed, m16._expanded
-            assert ran == ["_absorbed" if heads == 64 else "_expanded"], (shape, T)
+            with (patch.object(m16, "_absorbed", wraps=m16._absorbed) as absorbed,
+                  patch.object(m16, "_expanded", wraps=m16._expanded) as expanded):
+                chosen = m16.attend(q.bfloat16(), rows.bfloat16(), mask)
+            assert (absorbed.call_count, expanded.call_count) == ((1, 0) if heads == 64 else (0, 1)), (shape, T)
             assert (chosen.float() - want).abs().max() <= 2e-2 * want.abs().max(), (shape, T)
 
 
