@@ -37,7 +37,7 @@ from dspark.models.k3.model import K3ForCausalLM  # noqa: E402
 from dspark.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
 from train.target import target_config  # noqa: E402
 
-DEFAULT_ROWS = {"eager": [], "compiled": ["compile=true"]}
+DEFAULT_ROWS = {"eager": ["compile=false"], "compiled": ["compile=true"]}
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, datasheet
 
 
