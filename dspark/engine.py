@@ -64,6 +64,8 @@ def traced(name: str):
 
 
 PREFILL_ALIGN = 64  # on CUDA an eager prefill's width is a multiple of this: few shapes (graphed ones are powers of 2)
+ALLOC_BLOCKS = 4  # a decode step that needs a block takes this many at once: its rows' block tables change (and the
+# runner stages them to the device again) every this many blocks, not every block
 
 
 def sampling_mode(params: list[SamplingParams]) -> str:
@@ -320,8 +322,11 @@ class Engine:
         rids = [r.id for r in reqs]
         # room for this step after what the step in flight may add, within each request's reservation
         held = self.scheduler.reserved  # request id -> the blocks it reserved at admission
-        counts = [min(a + k + 1, held[r.id] * self.block_size - self.cache.num_tokens(r.id))
-                  for r, a in zip(reqs, ahead)]
+        chunk = ALLOC_BLOCKS * self.block_size
+        counts = []
+        for r, a in zip(reqs, ahead):
+            n = self.cache.num_tokens(r.id)
+            counts.append(min(-(-(n + a + k + 1) // chunk) * chunk, held[r.id] * self.block_size) - n)
         num_cached, tables, slots = self.cache.step_rows(rids, counts)
         key = self.runner.key_for(len(reqs), k, max(c + a for c, a in zip(num_cached, ahead)) + k + 1, mode,
                                   k > 0 or any(r.context for r in reqs))

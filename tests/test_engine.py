@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark.cache.prefix import PrefixCacheConfig
-from dspark.engine import Engine
+from dspark.engine import ALLOC_BLOCKS, Engine
 from dspark.models.drafter import DrafterConfig, DSparkDrafter
 from dspark.request import SamplingParams
 from dspark.spec.draft import Proposal
@@ -177,6 +177,27 @@ def test_cancelled_requests_free_their_cache(target, prompts):
         engine.step()
     assert engine.cache.pool.num_used == 0
     assert all(r.finish_reason == "length" for r in reqs[1:4])
+
+
+def test_decode_steps_take_blocks_in_chunks_within_the_reservation(target, prompts):
+    """A decode step that needs a cache block takes ALLOC_BLOCKS at once (the rows' block tables, which the runner
+    stages to the device whenever they change, then change every ALLOC_BLOCKS blocks), never past the blocks the
+    request reserved at admission; every block goes back when it finishes. Its text is the AR engine's
+    (test_speculative_greedy_equals_autoregressive)."""
+    engine = Engine(target, make_drafter(target), block_size=4)
+    reqs = [engine.add_request(prompts[0], SamplingParams(max_tokens=60, ignore_eos=True)),
+            engine.add_request(prompts[1], SamplingParams(max_tokens=12, ignore_eos=True))]
+    held, sizes = {}, {r.id: set() for r in reqs}
+    while engine.has_work():
+        engine.step()
+        held.update((r.id, engine.scheduler.reserved[r.id]) for r in reqs if r.id in engine.scheduler.reserved)
+        for r in reqs:
+            if r.num_steps and r.id in engine.cache.reqs:  # decoding: its last step reserved
+                sizes[r.id].add(len(engine.cache.reqs[r.id].table.blocks))
+    assert len(sizes[reqs[0].id]) >= 3 and sizes[reqs[1].id]
+    for r in reqs:
+        assert all(n % ALLOC_BLOCKS == 0 or n == held[r.id] for n in sizes[r.id]) and max(sizes[r.id]) <= held[r.id]
+    assert engine.cache.pool.num_used == 0
 
 
 def test_prefill_decode_handoff_equals_one_engine(target, prompts, refs):
