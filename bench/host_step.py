@@ -15,11 +15,12 @@ drafter whose k policy drafts K tokens on every step (with --no-forward none is 
 their host time per step compares with AR's; --accept (with --no-forward) accepts every draft, so each step emits
 K + 1 tokens per row, as a drafting step that pays does. --overlap runs the engine's async scheduling as on
 a GPU: each step is queued before the one before it is read, its inputs chained from that step's output (with a
-fixed output, the host path of a server's step at one row: no staging, no copy of the inputs). --server runs the same
-requests through the engine process's loop (serve.engine_proc.PipeRunner: its commands read from a pipe, each step's
-events sent back through serve.engine_proc.PipeSink, the pipe's other end read by a thread here), as `python -m
-serve` on a GPU does: its host time per step is the loop's busy time (loop_s: steps and delivery) less the runner's
-forwards.
+fixed output, the host path of a server's step at one row). --graph-buckets keys the steps as CUDA graphs do (their
+context buckets; nothing is captured), so the steps that stage their inputs anew (reported) are a GPU's. --server runs
+the same requests through the engine process's loop (serve.engine_proc.PipeRunner: its commands read from a pipe,
+each step's events sent back through serve.engine_proc.PipeSink, the pipe's other end read by a thread here), as
+`python -m serve` on a GPU does: its host time per step is the loop's busy time (loop_s: steps and delivery) less the
+runner's forwards.
 """
 from __future__ import annotations
 
@@ -121,11 +122,12 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 
 
 def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafts: int | None = None,
-        overlap: bool = False, server: bool = False, accept: bool = False, context: bool = True
-        ) -> tuple[float, float, int]:
-    """-> (host ms per decode step, the generate call's wall seconds, decode steps). drafts: with a drafter whose
-    policy drafts that many tokens every step (0: decodes plainly); server: through the engine process's loop (module
-    doc); context=False: no request keeps the drafter's context."""
+        overlap: bool = False, server: bool = False, accept: bool = False, context: bool = True,
+        graph_buckets: bool = False) -> tuple[float, float, int, float]:
+    """-> (host ms per decode step, the generate call's wall seconds, decode steps, the share of them whose inputs
+    were staged anew). drafts: with a drafter whose policy drafts that many tokens every step (0: decodes plainly);
+    server: through the engine process's loop (module doc); context=False: no request keeps the drafter's context;
+    graph_buckets: step keys of the context buckets CUDA graphs use (powers of 2; nothing is captured)."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_position_embeddings=512)
@@ -140,10 +142,14 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
         engine.policy.context_for = lambda *a, **k: context
     if not forward:
         engine.runner._run = fixed_step({}, accept)
+    if graph_buckets:
+        graph_keys(engine.runner)
     engine.generate(prompts[:8], SamplingParams(max_tokens=4, ignore_eos=True))  # first-call costs
-    forwards = [0.0]
+    forwards, staged = [0.0], [0]
     timed(engine.runner, "_run", forwards)
     timed(engine.runner, "_prefill_fn", forwards)
+    stage = engine.runner._stage
+    engine.runner._stage = lambda *a, **kw: staged.__setitem__(0, staged[0] + 1) or stage(*a, **kw)
     steps = engine.counters["decode_steps_per_k"]
     steps[:] = [0] * len(steps)
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
@@ -154,7 +160,22 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
         engine.generate(prompts, params)
     wall = time.perf_counter() - t0
     n = sum(steps)
-    return ((busy if server else wall) - forwards[0]) / n * 1e3, wall, n
+    return ((busy if server else wall) - forwards[0]) / n * 1e3, wall, n, staged[0] / n
+
+
+def graph_keys(runner) -> None:
+    """Make the runner's step keys those of CUDA graphs (their context buckets: powers of 2) without capturing: which
+    steps stage their inputs anew then follows the block tables, as on a GPU (eager keys change with every block)."""
+    key_for = runner.key_for
+
+    def bucketed(*a, **kw):
+        runner.graphs = True
+        try:
+            return key_for(*a, **kw)
+        finally:
+            runner.graphs = False
+
+    runner.key_for = bucketed
 
 
 def main(argv=None) -> int:
@@ -172,6 +193,8 @@ def main(argv=None) -> int:
                    "(every step the AR engine's step inside the DSpark engine)")
     p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
     p.add_argument("--server", action="store_true", help="through the engine process's loop, driven over a pipe")
+    p.add_argument("--graph-buckets", action="store_true", help="step keys of CUDA graphs' context buckets (powers of "
+                   "2), nothing captured: the steps that stage their inputs anew are then a GPU's")
     a = p.parse_args(argv)
     if a.rows < 1 or a.prompts < a.rows or a.new_tokens < 2 or a.repeats < 1:
         p.error("--rows >= 1, --prompts >= --rows, --new-tokens >= 2 and --repeats >= 1 expected")
@@ -183,11 +206,12 @@ def main(argv=None) -> int:
     if a.no_context and a.drafts != 0:
         p.error("--no-context: give it with --drafts 0 (a request without the drafter's context never drafts)")
     res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.drafts, a.overlap, a.server, a.accept,
-               not a.no_context)
+               not a.no_context, a.graph_buckets)
            for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "
-          f"host {host:.3f} ms per step (median), generate {wall:.1f} s")
+          f"host {host:.3f} ms per step (median), generate {wall:.1f} s, inputs staged anew on "
+          f"{100 * statistics.median(r[3] for r in res):.1f} % of the steps")
     return 0
 
 

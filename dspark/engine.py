@@ -320,7 +320,8 @@ class Engine:
         src = src or [-1] * len(reqs)
         ahead = [0 if s < 0 else chain.k + 1 for s in src]
         rids = [r.id for r in reqs]
-        # room for this step after what the step in flight may add, within each request's reservation
+        # room for this step after what the step in flight may add (whole chunks of ALLOC_BLOCKS blocks), within each
+        # request's reservation
         held = self.scheduler.reserved  # request id -> the blocks it reserved at admission
         chunk = ALLOC_BLOCKS * self.block_size
         counts = []

@@ -25,8 +25,8 @@ def test_accept_emits_every_draft():
     """--accept: each step of 2 drafts emits 3 tokens per row, so 8 tokens after the prefill's take 3 steps (3 + 3 +
     the 2 a request has room for), in every mode."""
     for kw in ({}, {"overlap": True}, {"overlap": True, "server": True}):
-        host, wall, steps = host_step.run(rows=2, num_prompts=6, new_tokens=9, seed=0, forward=False, drafts=2,
-                                          accept=True, **kw)
+        host, wall, steps, _ = host_step.run(rows=2, num_prompts=6, new_tokens=9, seed=0, forward=False, drafts=2,
+                                             accept=True, **kw)
         assert steps == 6 * 3 // 2 and host > 0, (kw, steps)
 
 
@@ -64,3 +64,12 @@ def test_no_context_runs_the_ar_step_inside_the_dspark_engine(monkeypatch):
         assert keys == {(0, context)}, (context, keys)
     with pytest.raises(SystemExit):
         host_step.main(["--drafts", "1", "--no-context", "--no-forward"])
+
+
+def test_graph_buckets_stage_inputs_only_where_a_block_table_changes():
+    """--graph-buckets: the step keys of CUDA graphs (powers of 2), nothing captured. Eager keys change with every
+    cache block a row grows into, and each new key stages its inputs; under graph keys a chained step stages them
+    only where its rows' block tables change, which a step that needs a block does every ALLOC_BLOCKS blocks."""
+    kw = dict(rows=1, num_prompts=4, new_tokens=120, seed=0, forward=False, drafts=3, accept=True, overlap=True)
+    eager, graphs = host_step.run(**kw)[3], host_step.run(**kw, graph_buckets=True)[3]
+    assert 0 < graphs < eager / 2, (graphs, eager)
