@@ -23,7 +23,7 @@
 #   timeline       where a decode step's time goes in the engine (bench/step_timeline.py): the host's phases against
 #                  the device's busy and idle time, AR / 4 drafts pinned / the k policy, greedy and T = 0.7, batches 1
 #                  and 16 -> $OUT/timeline.json; then the engine's Python alone on this machine's CPU
-#                  (bench/host_step.py --no-forward --overlap --rows 1)
+#                  (bench/host_step.py --no-forward --overlap --rows 1 --graph-buckets: AR, then --drafts 3 --accept)
 #   floor          bs=1 AR decode through the engine against the HBM floor (bench/floor.py): the Qwen3-8B shape and
 #                  the K3 shape; random weights, nothing to train first
 #   serve          the server under load (bench/serve_bench.py): concurrency 1, 4, 16, 64 on code and prose prompts,
@@ -294,9 +294,12 @@ case "$target" in
     echo "target $TARGET_DIR, drafter $DRAFTER_DIR"
     CUDA_VISIBLE_DEVICES=0 log timeline python3 bench/step_timeline.py --target "$TARGET_DIR" --drafter "$DRAFTER_DIR" \
       --out "$OUT/timeline.json" "$@" || rc=$?
-    # the engine's Python alone on this machine's CPU (a fixed output for every step, one row, async scheduling)
+    # the engine's Python alone on this machine's CPU (a fixed output for every step, one row, async scheduling, the
+    # step keys of graphs): AR, then 3 drafts a step, all accepted
     log timeline python3 bench/host_step.py --rows 1 --prompts 8 --new-tokens 300 --repeats 5 --no-forward --overlap \
-      || rc=$?
+      --graph-buckets || rc=$?
+    log timeline python3 bench/host_step.py --rows 1 --prompts 8 --new-tokens 300 --repeats 5 --no-forward --overlap \
+      --graph-buckets --drafts 3 --accept || rc=$?
     ;;
   floor)
     CUDA_VISIBLE_DEVICES=0 log floor python3 bench/floor.py --shape qwen3-8b --hf --out "$OUT/floor-qwen3-8b.json" \
