@@ -132,13 +132,14 @@ class KPolicy:
         memo = (num_rows, drafting, longest.bit_length(), mode)
         hit = self.memo.get(memo)
         if hit is None or hit[1] <= 0:
-            k = self.best(num_rows, longest, mode, acc, reach, drafting)
+            est = self.estimates(num_rows, longest, mode, acc, reach, drafting)
+            k = self.pick(num_rows, longest, mode, est)
             key = self.runner.key_for(num_rows, k, longest + k + 1, mode)
             # a choice on a modelled cost lasts until its kind is measured (then its cost is known), not REPICK_EVERY
             measured = self.measured_cycles(key) is not None
             hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1]
             self._made(num_rows, k, mode, "measured" if measured else "modelled")
-            pays = k > 0 or (drafting < num_rows and self.best(num_rows, longest, mode, acc, reach) > 0)
+            pays = k > 0 or (drafting < num_rows and self.pick(num_rows, longest, mode, est, "rate_all") > 0)
             if pays:  # drafting pays (again), for every row that keeps the context
                 self.probe_every[group] = PROBE_EVERY
             elif self.probed[group]:  # a probe, and still plain
@@ -217,13 +218,17 @@ class KPolicy:
         steps of this mode have run back to back (at any batch bucket) it decodes plainly, since modelling them
         with the drafting steps' host work would price them too high, and a choice never tried is never
         measured. drafting: the rows that keep the drafter's context (default all)."""
-        est = self.estimates(num_rows, longest, mode, acc, reach, drafting)
+        return self.pick(num_rows, longest, mode, self.estimates(num_rows, longest, mode, acc, reach, drafting))
+
+    def pick(self, num_rows: int, longest: int, mode: str, est: dict[int, dict] | None, rate: str = "rate") -> int:
+        """best's choice from estimates already made; rate "rate_all": as if every row kept the drafter's
+        context."""
         if est is None:
             return self.k
         if self.host_all and not self.measured_kinds(0, mode):
             return 0
-        k = max(est, key=lambda k: (est[k]["rate"], -k))
-        if k and est[k]["rate"] < CLEAR_GAIN * est[0]["rate"] and self.forget_old_plain(num_rows, longest, mode):
+        k = max(est, key=lambda k: (est[k][rate], -k))
+        if k and est[k][rate] < CLEAR_GAIN * est[0][rate] and self.forget_old_plain(num_rows, longest, mode):
             return 0
         return k
 
@@ -238,7 +243,8 @@ class KPolicy:
         """Per candidate k what the choice weighs: expected tokens per row and step (`drafting` of the num_rows rows
         keep the drafter's context, default all; the others emit one), cost (ms: step_cost; a k > 0 after
         plain steps also pays a flush spread over REPICK_EVERY steps), whether that cost was measured, and the rate
-        (tokens per ms; plain decoding's counted DRAFT_GAIN times). A position reached fewer than 8 times takes the
+        (tokens per ms; plain decoding's counted DRAFT_GAIN times; rate_all: the same were every row to keep the
+        context). A position reached fewer than 8 times takes the
         acceptance of the one before it. None without graphs. acc / reach default to the mode's group's counts."""
         times = self.step_times(num_rows, longest, mode)
         if times is None:
@@ -251,15 +257,16 @@ class KPolicy:
         share = 1.0 if drafting is None else drafting / num_rows
         out = {}
         for k, ms in times.items():
-            expected, surv = 1.0, 1.0
+            gained, surv = 0.0, 1.0  # expected accepted drafts of a row that keeps the context
             for j in range(k):
                 surv *= alpha[j]
-                expected += share * surv
+                gained += surv
             key = self.runner.key_for(num_rows, k, longest + k + 1, mode)
             cost = self.step_cost(key, ms) + (flush if k else 0.0)
-            out[k] = {"expected": expected, "cost_ms": cost, "replay_ms": ms,
+            gain = DRAFT_GAIN if k == 0 else 1.0
+            out[k] = {"expected": 1.0 + share * gained, "cost_ms": cost, "replay_ms": ms,
                       "measured": self.measured_cycles(key) is not None,
-                      "rate": expected / cost * (DRAFT_GAIN if k == 0 else 1.0)}
+                      "rate": (1.0 + share * gained) / cost * gain, "rate_all": (1.0 + gained) / cost * gain}
         return out
 
     def acceptance(self, acc: list[int], reach: list[int]) -> list[float]:

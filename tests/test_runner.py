@@ -241,9 +241,9 @@ def test_k_policy_keeps_a_choice_on_a_modelled_cost_only_until_it_is_measured(ta
     p = engine.policy
     p.accepted["sampled"], p.reached["sampled"] = [50] * engine.k, [100] * engine.k  # past the first statistics
     calls = []
-    p.best = lambda *a: calls.append(len(calls)) or 2
+    p.pick = lambda *a: calls.append(len(calls)) or 2  # the choice from its estimates
 
-    def picks(n: int) -> int:  # best's calls over n steps
+    def picks(n: int) -> int:  # choices made over n steps
         before = len(calls)
         assert all(p.choose(1, 100, "sample") == 2 for _ in range(n))
         return len(calls) - before
