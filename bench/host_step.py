@@ -12,7 +12,10 @@ which Python does for every row. Reported: the median over --repeats runs, and t
 Python runs and the host time is the generate call's wall time over its decode steps. --drafts K adds a tiny DSpark
 drafter whose k policy drafts K tokens on every step (with --no-forward none is accepted: each step emits one token);
 --drafts 0 decodes plainly on every step (what a GPU server does where drafting does not pay, as at T = 0.7), so
-their host time per step compares with AR's; --accept (with --no-forward) accepts every draft, so each step emits
+their host time per step compares with AR's; --mixed-context (with --drafts 0) samples at T = 0.7 and leaves to the k
+policy which requests keep the drafter's context, as where its probes find plain decoding best for sampled rows (one
+in CONTEXT_EVERY x running): the plain steps then mix the AR step and the stashing one, as a T = 0.7 server's do;
+--accept (with --no-forward) accepts every draft, so each step emits
 K + 1 tokens per row, as a drafting step that pays does. --overlap runs the engine's async scheduling as on
 a GPU: each step is queued before the one before it is read, its inputs chained from that step's output (with a
 fixed output, the host path of a server's step at one row). --graph-buckets keys the steps as CUDA graphs do (their
@@ -38,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark.engine import Engine  # noqa: E402
 from dspark.models.drafter import DrafterConfig, DSparkDrafter  # noqa: E402
 from dspark.models.qwen3 import Qwen3ForCausalLM, qwen3_config  # noqa: E402
+from dspark.policy import PROBE_EVERY  # noqa: E402
 from dspark.request import SamplingParams  # noqa: E402
 from serve.engine_proc import PipeRunner, PipeSink  # noqa: E402
 from serve.runner import Event  # noqa: E402
@@ -123,11 +127,11 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 
 def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafts: int | None = None,
         overlap: bool = False, server: bool = False, accept: bool = False, context: bool = True,
-        graph_buckets: bool = False) -> tuple[float, float, int, float]:
+        graph_buckets: bool = False, mixed: bool = False) -> tuple[float, float, int, float]:
     """-> (host ms per decode step, the generate call's wall seconds, decode steps, the share of them whose inputs
     were staged anew). drafts: with a drafter whose policy drafts that many tokens every step (0: decodes plainly);
     server: through the engine process's loop (module doc); context=False: no request keeps the drafter's context;
-    graph_buckets: step keys of the context buckets CUDA graphs use (powers of 2; nothing is captured)."""
+    mixed: sampled requests, the policy's choice of which keep it (module doc); graph_buckets: step keys of the context buckets CUDA graphs use (powers of 2; nothing is captured)."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_position_embeddings=512)
@@ -139,7 +143,10 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
                     max_model_len=512, prefill_chunk=512, overlap=overlap)
     if drafts is not None:
         engine.policy.choose = lambda *a, **k: drafts
-        engine.policy.context_for = lambda *a, **k: context
+        if mixed:  # as after probes that found plain decoding best for sampled rows
+            engine.policy.probe_every["sampled"] = 2 * PROBE_EVERY
+        else:
+            engine.policy.context_for = lambda *a, **k: context
     if not forward:
         engine.runner._run = fixed_step({}, accept)
     if graph_buckets:
@@ -150,7 +157,7 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     timed(engine.runner, "_prefill_fn", forwards)
     steps = engine.counters["decode_steps_per_k"]
     steps[:] = [0] * len(steps)
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.7 if mixed else 0.0)
     t0 = time.perf_counter()
     if server:
         busy = serve_all(engine, prompts, params)
@@ -190,6 +197,8 @@ def main(argv=None) -> int:
                    "step and row, as a drafting step that pays emits)")
     p.add_argument("--no-context", action="store_true", help="with --drafts 0: no request keeps the drafter's context "
                    "(every step the AR engine's step inside the DSpark engine)")
+    p.add_argument("--mixed-context", action="store_true", help="with --drafts 0: sampled requests, the k policy "
+                   "choosing which keep the drafter's context (one in CONTEXT_EVERY x running; module doc)")
     p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
     p.add_argument("--server", action="store_true", help="through the engine process's loop, driven over a pipe")
     p.add_argument("--graph-buckets", action="store_true", help="step keys of CUDA graphs' context buckets (powers of "
@@ -202,10 +211,12 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     if a.accept and not (a.no_forward and a.drafts):
         p.error("--accept: give it with --no-forward and --drafts K > 0")
+    if a.mixed_context and (a.drafts != 0 or a.no_context):
+        p.error("--mixed-context: give it with --drafts 0 and without --no-context")
     if a.no_context and a.drafts != 0:
         p.error("--no-context: give it with --drafts 0 (a request without the drafter's context never drafts)")
     res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.drafts, a.overlap, a.server, a.accept,
-               not a.no_context, a.graph_buckets)
+               not a.no_context, a.graph_buckets, a.mixed_context)
            for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "

@@ -15,9 +15,10 @@ drafter's block, by expected emitted tokens per millisecond (measured acceptance
 start to start, or its replay time and the host's measured work where that kind has not run often enough); on CPU
 (no graphs) it drafts the whole block. An int pins k.
 Under the policy a sampled request with a seed decodes plainly (its text is then the AR engine's for that seed); with
-a pinned k it drafts like the others. Such a request keeps no drafter context, nor does a sampled one whose prompt
-comes in while plain decoding is the sampled rows' choice (KPolicy.context_for): it never drafts, and a plain step
-none of whose rows keeps the context is the AR engine's step (no stash).
+a pinned k it drafts like the others. Such a request keeps no drafter context, nor does a sampled one admitted while
+plain decoding is the sampled rows' choice (KPolicy.context_for): it never drafts, its prefill is the target's alone
+(its prompt blocks are cached apart: scheduler.NO_CONTEXT_SALT), and a plain step none of whose rows keeps the
+context is the AR engine's step (no stash).
 
 Overlap (on by default with graphs): step() leaves the decode step it launches in flight, and the next call queues
 the following step before it reads that one, so the host's work (reading, stop handling, scheduling, a server's
@@ -181,7 +182,7 @@ class Engine:
         overlap, the decode step it launches is read by the next call (its tokens come back then)."""
         t0 = time.perf_counter()
         sched = self.scheduler
-        sched.admit()
+        sched.admit(self._keeps_context)
         emitted, self._resolved = self._resolved, []
         prefill = [r for r in sched.running if r.status is Status.PREFILL]
         try:
@@ -224,7 +225,8 @@ class Engine:
         rids, lens = [r.id for r in reqs], [len(c) for c in chunks]
         num_cached, tables, slots = self.cache.step_rows(rids, lens)
         self.counters["target_forwards"] += 1
-        last = self.runner.prefill(chunks, num_cached, tables, slots, self.prefill_align)  # [n, V]
+        last = self.runner.prefill(chunks, num_cached, tables, slots, self.prefill_align,
+                                   [r.context for r in reqs])  # [n, V]
         self.cache.advance(rids, lens, prefill=True)
         done = []
         for b, (r, chunk) in enumerate(zip(reqs, chunks)):
@@ -240,7 +242,6 @@ class Engine:
         first = self._first_tokens(rows, last).tolist()
         emitted, now, c = [], time.perf_counter(), self.counters
         for r, tok in zip(rows, first):
-            r.context = self._keeps_context(r.params)
             c["prompt_tokens"] += len(r.prompt_ids)
             c["first_tokens"] += 1
             c["queue_s"] += r.admitted - r.arrival
@@ -275,10 +276,12 @@ class Engine:
         return self.policy.choose(len(reqs), max(r.num_computed for r in reqs) + ahead,
                                   sampling_mode([r.params for r in reqs]), drafting)
 
-    def _keeps_context(self, p: SamplingParams) -> bool:
-        """Whether a request whose prompt is in keeps the drafter's context (and may draft): not a seeded sampled
-        one under the policy (it decodes plainly: module doc), nor, under the policy, a sampled one while drafting
-        does not pay for sampled rows (KPolicy.context_for). Without it its plain steps are the AR engine's."""
+    def _keeps_context(self, req: Request) -> bool:
+        """Whether a request being admitted keeps the drafter's context (and may draft): not a seeded sampled one
+        under the policy (it decodes plainly: module doc), nor, under the policy, a sampled one while drafting does
+        not pay for sampled rows (KPolicy.context_for). Without it its prefill writes no drafter context rows and its
+        plain steps are the AR engine's."""
+        p = req.params
         if self.drafts is None:
             return True
         if self.pinned_k is None and p.seed is not None and p.temperature > 0:
@@ -400,7 +403,8 @@ class Engine:
     @torch.no_grad()  # what the forwards run under (the MoE's inference paths; no autograd on the cache)
     def warmup(self, max_len: int | None = None, modes: tuple[str, ...] = ("greedy",), progress: bool = False) -> int:
         """Capture now every graph a run up to max_len tokens per request (default max_model_len) may use: the
-        prefill of each chunk width and context bucket, the context flush of each such width from FLUSH_MIN (with a
+        prefill of each chunk width and context bucket (with a drafter, under the policy with a sampling mode listed,
+        also without the drafter's context rows), the context flush of each such width from FLUSH_MIN (with a
         drafter: a graph per row, and each shape of the batched eager flush run once), and the decode step of each
         batch bucket, each k the engine may pick, each context bucket, each sampling mode listed. A server calls it
         before it takes requests, so no request pays for a capture. Returns the number of graphs and eager flush
@@ -411,7 +415,9 @@ class Engine:
         gc.collect()  # once; then the heap is frozen, so the collections the captures' eager runs trigger scan little
         gc.freeze()
         try:
-            prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len)
+            # under the policy, sampled requests may keep no drafter context: their prefills are the target's alone
+            contexts = (True, False) if self.pinned_k is None and any(m != "greedy" for m in modes) else (True,)
+            prefills = [key for key in self.runner.prefill_keys(self.prefill_chunk, max_len, contexts)
                         if self.runner.prefill_graph(key) is not None]
             flushes = 0
             if self.drafts is not None:  # drafting after plain steps flushes their stashed context rows

@@ -151,7 +151,7 @@ class KPolicy:
         return hit[0]
 
     def context_for(self, sampled: bool, running: int = 1) -> bool:
-        """Whether a request whose prompt is in keeps the drafter's context (stashed by its plain steps, so that it
+        """Whether a request being admitted keeps the drafter's context (stashed by its plain steps, so that it
         may draft), `running` requests decoding or prefilling then (itself included). A sampled one does not while
         probes keep finding plain decoding best for sampled rows (their interval has grown past PROBE_EVERY:
         dspark.engine's plain steps then cost what AR's do), except one in CONTEXT_EVERY x running; greedy ones, a

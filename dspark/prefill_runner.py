@@ -93,13 +93,15 @@ class PrefillRunner:
         return out
 
     # ------------------------------------------------------------------ prefill
-    def prefill_key(self, num_tokens: int, num_cached: int, align: int = 1) -> PrefillKey:
+    def prefill_key(self, num_tokens: int, num_cached: int, align: int = 1, context: bool = True) -> PrefillKey:
         """The key of a chunk of num_tokens tokens after num_cached cached ones: with graphs a power-of-two width and
-        context; else the width rounded up to `align`, the exact context."""
+        context; else the width rounded up to `align`, the exact context. context=False: without the drafter's
+        context rows (a target alone has none)."""
+        context = context and self.aux_ids is not None
         if self.graphs:
-            return self._graph_key(num_tokens, num_cached, PREFILL_MIN)
+            return self._graph_key(num_tokens, num_cached, PREFILL_MIN)._replace(context=context)
         T = -(-num_tokens // align) * align
-        return PrefillKey(T, -(-(num_cached + T) // self.cache.block_size))
+        return PrefillKey(T, -(-(num_cached + T) // self.cache.block_size), context)
 
     def _graph_key(self, num_tokens: int, num_cached: int, t_min: int) -> PrefillKey:
         """A one-request graph's key (a prefill's, a flush's): a power-of-two width from t_min and context."""
@@ -123,15 +125,18 @@ class PrefillRunner:
 
     @torch.no_grad()
     def prefill(self, chunks: list[list[int]], num_cached: list[int], tables: list[list[int]], slots: list[int],
-                align: int = 1) -> torch.Tensor:
+                align: int = 1, contexts: list[bool] | None = None) -> torch.Tensor:
         """Forward each request's next prompt chunk (its blocks already reserved) -> each row's logits at its chunk's
-        last token [n, V]. A few chunks (up to PREFILL_GRAPH_ROWS) replay their key's graph one request at a time; the
-        rest run eagerly, batched: chunks sorted by width, in forwards of at most PREFILL_BATCH_TOKENS padded tokens
-        (a regeneration admits hundreds of requests at once, and hundreds of replays cost several times one batch)."""
+        last token [n, V]; contexts: per row, whether it writes the drafter's context rows (default: all do). A few
+        chunks (up to PREFILL_GRAPH_ROWS) replay their key's graph one request at a time; the rest run eagerly,
+        batched: chunks sorted by context and width, in forwards of at most PREFILL_BATCH_TOKENS padded tokens (a
+        regeneration admits hundreds of requests at once, and hundreds of replays cost several times one batch)."""
         out: list[torch.Tensor | None] = [None] * len(chunks)
+        contexts = contexts or [True] * len(chunks)
         eager = []
         for i, (c, n) in enumerate(zip(chunks, num_cached)):
-            pf = self._prefill_graph_for(len(c), n, align) if len(chunks) <= PREFILL_GRAPH_ROWS else None
+            pf = (self._prefill_graph_for(len(c), n, align, contexts[i]) if len(chunks) <= PREFILL_GRAPH_ROWS
+                  else None)
             if pf is None:
                 eager.append(i)
                 continue
@@ -139,27 +144,32 @@ class PrefillRunner:
             pf.graph.replay()
             out[i] = pf.out.clone()  # the pool is shared: the next replay may reuse this memory
         padded = [-(-len(c) // align) * align for c in chunks]  # an eager forward's width: few shapes on CUDA
-        groups: list[list[int]] = []  # widest last in each: sorted by width, each within the token budget
-        for i in sorted(eager, key=padded.__getitem__):
-            if not groups or (len(groups[-1]) + 1) * padded[i] > PREFILL_BATCH_TOKENS:
+        groups: list[list[int]] = []  # one context each, widest last: sorted by width, each within the token budget
+        for i in sorted(eager, key=lambda i: (contexts[i], padded[i])):
+            if not groups or (len(groups[-1]) + 1) * padded[i] > PREFILL_BATCH_TOKENS or \
+                    contexts[groups[-1][0]] != contexts[i]:
                 groups.append([])
             groups[-1].append(i)
         for group in groups:
-            last = self._prefill_eager(group, chunks, num_cached, tables, slots, padded[group[-1]])
+            last = self._prefill_eager(group, chunks, num_cached, tables, slots, padded[group[-1]],
+                                       contexts[group[0]])
             for j, i in enumerate(group):
                 out[i] = last[j: j + 1]
         return torch.cat(out)
 
-    def _prefill_graph_for(self, num_tokens: int, num_cached: int, align: int) -> PrefillBuffers | None:
+    def _prefill_graph_for(self, num_tokens: int, num_cached: int, align: int, context: bool
+                           ) -> PrefillBuffers | None:
         """The captured prefill of a chunk's key (captured now if graph-safe), else None."""
-        key = self.prefill_key(num_tokens, num_cached, align)
+        key = self.prefill_key(num_tokens, num_cached, align, context)
         pf = self.prefills.get(key)  # captured: no need to walk the model's modules again
         return pf if pf is not None or not self.prefill_graph_safe(key) else self.prefill_graph(key)
 
-    def _prefill_eager(self, rows: list[int], chunks, num_cached, tables, slots, T: int) -> torch.Tensor:
-        """One eager forward over the chunks `rows`, right-padded to T tokens -> their last logits [len(rows), V]."""
+    def _prefill_eager(self, rows: list[int], chunks, num_cached, tables, slots, T: int, context: bool = True
+                       ) -> torch.Tensor:
+        """One eager forward over the chunks `rows`, right-padded to T tokens (with the drafter's context rows or
+        without) -> their last logits [len(rows), V]."""
         width = max(-(-(num_cached[i] + T) // self.cache.block_size) for i in rows)
-        pf = PrefillBuffers(len(rows), PrefillKey(T, width), self.device)
+        pf = PrefillBuffers(len(rows), PrefillKey(T, width, context), self.device)
         self._fill(pf, [chunks[i] for i in rows], [num_cached[i] for i in rows], [tables[i] for i in rows],
                    [slots[i] for i in rows])
         return self._prefill_fn(pf)
@@ -199,13 +209,16 @@ class PrefillRunner:
         cuDNN's attention: it builds an execution graph for every new shape."""
         view = self._row_view(pf.ints, pf.key.T)
         with sdpa_kernel(PREFILL_ATTENTION):
-            logits = self.forward(pf.ids, view)  # [rows, T, V]
+            logits = self.forward(pf.ids, view, context=pf.key.context)  # [rows, T, V]
         last = (view.num_new - 1).clamp(min=0)[:, None, None].expand(-1, 1, logits.shape[-1])
         return logits.gather(1, last)[:, 0]
 
-    def prefill_keys(self, max_chunk: int, max_len: int) -> list[PrefillKey]:
-        """The graph-safe prefill keys of chunks up to max_chunk tokens in requests up to max_len tokens."""
-        return [k for k in self._graph_keys(PREFILL_MIN, max_chunk, max_len) if self.prefill_graph_safe(k)]
+    def prefill_keys(self, max_chunk: int, max_len: int, contexts: tuple[bool, ...] = (True,)) -> list[PrefillKey]:
+        """The graph-safe prefill keys of chunks up to max_chunk tokens in requests up to max_len tokens, with the
+        drafter's context rows and / or without (contexts)."""
+        return [k._replace(context=c) for k in self._graph_keys(PREFILL_MIN, max_chunk, max_len)
+                for c in dict.fromkeys(c and self.aux_ids is not None for c in contexts)
+                if self.prefill_graph_safe(k)]
 
     def prefill_graph(self, key: PrefillKey) -> PrefillBuffers | None:
         """The captured prefill of one request for this key (captured at its first use; Engine.warmup captures the

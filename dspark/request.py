@@ -121,7 +121,7 @@ class Request:
         self.num_computed = 0  # tokens in the target cache
         self.num_context = 0  # of those, the ones whose drafter context rows are written (plain steps stash the rest)
         # whether its decode steps keep the drafter's context (stashed by plain steps): without, it never drafts and
-        # its plain steps are the AR engine's (the engine decides once its prompt is in: Engine._keeps_context)
+        # its plain steps are the AR engine's (the engine decides at admission: Engine._keeps_context)
         self.context = True
         self.num_steps = 0
         self.accepted_per_step: list[int] = []

@@ -6,10 +6,15 @@ from __future__ import annotations
 import collections
 import math
 import time
+from collections.abc import Callable
 
 from dspark.cache.blocks import OutOfBlocks
 from dspark.cache.paged import PagedCache
 from dspark.request import Request, Status
+
+# the prefix-cache salt of prompt blocks prefilled without the drafter's context rows: a request that keeps the
+# context never attaches to them (their drafter rows were never written)
+NO_CONTEXT_SALT = -2
 
 
 class Scheduler:
@@ -47,8 +52,9 @@ class Scheduler:
             if req.id == request_id:
                 self.finish(req, "abort")
 
-    def admit(self) -> None:
-        """FCFS admission while a batch slot and the worst-case blocks of the request are free."""
+    def admit(self, keeps_context: Callable[[Request], bool] | None = None) -> None:
+        """FCFS admission while a batch slot and the worst-case blocks of the request are free. keeps_context:
+        whether a request, once running, keeps the drafter's context (Request.context; None: every one does)."""
         while self.waiting and len(self.running) < self.max_batch_size:
             req = self.waiting[0]
             need = self.blocks_for(req)
@@ -56,10 +62,12 @@ class Scheduler:
                 return  # waits until a running request frees its blocks
             self.waiting.popleft()
             self.cache.add_request(req.id)
-            req.num_computed = req.num_context = self.cache.match_prefix(req.id, req.prompt_ids)
+            self.running.append(req)
+            req.context = keeps_context is None or keeps_context(req)
+            req.num_computed = req.num_context = self.cache.match_prefix(
+                req.id, req.prompt_ids, None if req.context else NO_CONTEXT_SALT)
             self.reserved[req.id] = need
             req.status, req.admitted = Status.PREFILL, time.perf_counter()
-            self.running.append(req)
 
     def room_for(self, req: Request) -> int:
         """The blocks a request joining the running batch directly (an imported one) reserves; OutOfBlocks when

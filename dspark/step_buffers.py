@@ -41,6 +41,7 @@ class StepKey(NamedTuple):  # a tuple: hashed in C on every step's lookups
 class PrefillKey(NamedTuple):
     T: int  # new tokens per row (the chunk, right-padded)
     width: int  # block-table width: the forward sees width * block_size positions
+    context: bool = True  # a prefill's: whether it writes the drafter's context rows (False: the target's alone)
 
 
 PREFILL_COLS = 3  # prefill int columns: num_cached, num_new, slot; then the block table

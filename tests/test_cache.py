@@ -47,6 +47,8 @@ def test_chained_hashes():
     assert prefix_hashes(a + b, 8) == [chain_hash(None, a), chain_hash(chain_hash(None, a), b)]
     assert prefix_hashes(b + b, 8)[1] != prefix_hashes(a + b, 8)[1]  # same block, different prefix
     assert len(prefix_hashes(a + b + [1, 2], 8)) == 2
+    salted = prefix_hashes(a + b, 8, salt=-2)  # blocks computed differently (the drafter's rows left out) stand apart
+    assert salted[0] == chain_hash(-2, a) and not set(salted) & set(prefix_hashes(a + b, 8))
 
 
 def test_paged_batch_is_atomic_and_leak_free():

@@ -45,7 +45,8 @@ def test_the_server_mode_raises_when_requests_fail(monkeypatch):
 
 def test_no_context_runs_the_ar_step_inside_the_dspark_engine(monkeypatch):
     """--no-context (with --drafts 0): no request keeps the drafter's context, so every decode step is the AR step
-    (key.context False); without it every plain step stashes the context. Any other --drafts is refused."""
+    (key.context False); without it every plain step stashes the context; with --mixed-context the steps are of both
+    kinds. Any other --drafts is refused."""
     keys, real = set(), host_step.fixed_step
 
     def spy(outs, accept=False):
@@ -62,8 +63,12 @@ def test_no_context_runs_the_ar_step_inside_the_dspark_engine(monkeypatch):
         host_step.run(rows=2, num_prompts=6, new_tokens=9, seed=0, forward=False, drafts=0, overlap=True,
                       server=True, context=context)
         assert keys == {(0, context)}, (context, keys)
-    with pytest.raises(SystemExit):
-        host_step.main(["--drafts", "1", "--no-context", "--no-forward"])
+    keys.clear()  # --mixed-context: the policy's choice, one sampled request in CONTEXT_EVERY x running keeps it
+    host_step.run(rows=2, num_prompts=24, new_tokens=4, seed=0, forward=False, drafts=0, overlap=True, mixed=True)
+    assert keys == {(0, False), (0, True)}
+    for bad in (["--drafts", "1", "--no-context"], ["--drafts", "1", "--mixed-context"]):
+        with pytest.raises(SystemExit):
+            host_step.main([*bad, "--no-forward"])
 
 
 def test_graph_buckets_stage_inputs_only_where_a_block_table_changes():

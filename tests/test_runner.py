@@ -185,7 +185,7 @@ def test_k_policy_probes_less_often_while_probes_confirm_plain_decoding(targets)
 
 def test_sampled_requests_keep_no_drafter_context_while_plain_decoding_is_their_choice(targets, prompts):
     """Once probes keep plain decoding the sampled rows' choice (their interval has grown past PROBE_EVERY), a
-    sampled request whose prompt comes in keeps no drafter context, except one in CONTEXT_EVERY per request running:
+    sampled request admitted keeps no drafter context, except one in CONTEXT_EVERY per request running:
     it never drafts, and a plain step none of whose rows keeps it is the AR engine's step (key.context False: no
     stash). Greedy requests, and every request under a pinned k, keep it; so do sampled ones once drafting is their
     choice again. A seeded sampled request under the policy keeps none either: its text is the AR engine's for its
@@ -209,13 +209,14 @@ def test_sampled_requests_keep_no_drafter_context_while_plain_decoding_is_their_
     greedy = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
     reqs = [engine.add_request(prompts[i % 3], sampled) for i in range(CONTEXT_EVERY)]
     reqs.append(engine.add_request(prompts[0], greedy))
-    # their prompts come in in one step, len(reqs) running: the last sampled one is the one in CONTEXT_EVERY x that
-    p.sampled_without = CONTEXT_EVERY * len(reqs) - CONTEXT_EVERY
+    # admitted in one step, the i-th with i + 1 running: the first is the one in CONTEXT_EVERY x 1 running, the other
+    # sampled ones count 1 .. CONTEXT_EVERY - 1 again, fewer than CONTEXT_EVERY x their running
+    p.sampled_without = CONTEXT_EVERY - 1
     while engine.has_work():
         engine.step()
-    assert [r.context for r in reqs] == [False] * (CONTEXT_EVERY - 1) + [True, True]
-    assert all(not any(r.num_drafts_per_step) for r in reqs[:-2])  # on the CPU the others draft
-    assert all(any(r.num_drafts_per_step) for r in reqs[-2:])
+    assert [r.context for r in reqs] == [True] + [False] * (CONTEXT_EVERY - 1) + [True]
+    assert all(not any(r.num_drafts_per_step) for r in reqs[1:-1])  # on the CPU the others draft
+    assert all(any(r.num_drafts_per_step) for r in (reqs[0], reqs[-1]))
     # steps whose rows all keep no context (the interval set again: a choice to draft, as the CPU's, resets it):
     # plain, the AR step's key, no context flush
     engine.runner.steps.clear()
@@ -230,6 +231,44 @@ def test_sampled_requests_keep_no_drafter_context_while_plain_decoding_is_their_
             == [o.token_ids for o in Engine(target).generate(prompts, seeded)])
     assert {(key.k, key.context) for key in fresh.runner.steps} == {(0, False)}
     assert fresh.runner.key_for(2, 3, 40, "sample", False).context  # a drafting step always writes it
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "k3"])
+def test_a_request_that_keeps_no_drafter_context_prefills_the_target_alone(targets, kind, monkeypatch):
+    """A sampled request admitted while plain decoding is the sampled rows' choice keeps no drafter context: its
+    prefill is the target's forward alone (no drafter context rows written), and its prompt blocks are cached apart
+    (scheduler.NO_CONTEXT_SALT): another such request with the same prompt attaches to them, one that keeps the
+    context (greedy) prefills the prompt anew, its rows written, and its greedy text is the target's."""
+    kind_, make = PAIRS[kind]
+    target = targets[kind_]
+    engine = Engine(target, make(target), max_batch_size=2, prefix_caching=True)
+    written = []
+    write = engine.runner.drafts.write_context
+    monkeypatch.setattr(engine.runner.drafts, "write_context",
+                        lambda batch, aux: (written.append(aux[0].shape[1]), write(batch, aux))[1])
+    engine.policy.probe_every["sampled"] = 2 * PROBE_EVERY  # probes have found plain decoding best for sampled rows
+    prompt = torch.randint(2, V, (50,), generator=torch.Generator().manual_seed(8)).tolist()
+    sampled = SamplingParams(max_tokens=N_NEW, temperature=0.9, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    stats = engine.cache.prefix.stats
+
+    def run(params):
+        hit = stats.hit_tokens
+        written.clear()
+        req = engine.add_request(prompt, params)
+        while engine.has_work():
+            engine.step()
+        return req, stats.hit_tokens - hit
+
+    a, hit = run(sampled)
+    assert not a.context and hit == 0 and written == []
+    b, hit = run(sampled)
+    assert not b.context and hit == 48 and written == []  # three whole blocks of 16 from a's
+    c, hit = run(greedy)
+    assert c.context and hit == 0 and written[0] >= 50  # its prefill wrote the prompt's context rows
+    assert c.output_ids == reference_greedy(target, prompt, N_NEW)
+    d, hit = run(greedy)
+    assert d.context and hit == 48 and d.output_ids == c.output_ids
 
 
 def test_k_policy_keeps_a_choice_on_a_modelled_cost_only_until_it_is_measured(targets):
@@ -765,7 +804,7 @@ def test_many_prefills_run_batched_by_a_token_budget(targets, pair, monkeypatch)
     forwards = []
     eager = engine.runner._prefill_eager
     monkeypatch.setattr(engine.runner, "_prefill_eager",
-                        lambda rows, *a: (forwards.append((len(rows), a[-1])), eager(rows, *a))[1])
+                        lambda rows, *a: (forwards.append((len(rows), a[4])), eager(rows, *a))[1])
     outs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
     assert [o.token_ids for o in outs] == [reference_greedy(target, p, 6) for p in prompts]
     align = engine.prefill_align

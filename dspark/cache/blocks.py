@@ -31,10 +31,13 @@ def chain_hash(parent: int | None, token_ids: Sequence[int]) -> int:
     return _digest(head + body) & 0x7FFF_FFFF_FFFF_FFFF
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None) -> list[int]:
-    """Chained hashes of the first `num_blocks` full blocks of token_ids (default: all full blocks)."""
+def prefix_hashes(token_ids: Sequence[int], block_size: int, num_blocks: int | None = None,
+                  salt: int | None = None) -> list[int]:
+    """Chained hashes of the first `num_blocks` full blocks of token_ids (default: all full blocks). salt (a negative
+    int: real hashes are not) stands before the first block, so that blocks computed differently (vLLM's cache_salt)
+    never share a hash with unsalted ones."""
     n = len(token_ids) // block_size if num_blocks is None else num_blocks
-    out, h = [], None
+    out, h = [], salt
     for i in range(n):
         h = chain_hash(h, token_ids[i * block_size: (i + 1) * block_size])
         out.append(h)

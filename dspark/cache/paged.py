@@ -204,14 +204,15 @@ class PagedCache:
                         written[r.slot] = True
 
     # --- prefix caching ---
-    def match_prefix(self, rid: Hashable, prompt_ids: Sequence[int]) -> int:
-        """Attach the longest cached prefix to a fresh request; returns its length (prefill the rest)."""
+    def match_prefix(self, rid: Hashable, prompt_ids: Sequence[int], salt: int | None = None) -> int:
+        """Attach the longest cached prefix of the same salt to a fresh request (its prompt blocks are offered under
+        that salt too: blocks.prefix_hashes); returns its length (prefill the rest)."""
         r = self.reqs[rid]
         if self.prefix is None:
             return 0
         if r.table.num_tokens or r.table.blocks:
             raise ValueError(f"match_prefix: request {rid!r} already holds tokens")
-        m = self.prefix.match(prompt_ids)
+        m = self.prefix.match(prompt_ids, salt)
         r.prefix = m
         if m.num_tokens:
             self.pool.incref(m.blocks)

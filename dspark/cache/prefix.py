@@ -96,9 +96,10 @@ class PrefixCache:
         return len(self.blocks) * self.kv_bytes_per_block + self.checkpoint_bytes
 
     # --- lookup ---
-    def match(self, prompt_ids: Sequence[int]) -> PrefixMatch:
-        """Longest usable cached prefix of the prompt (< len(prompt_ids)); touches what it uses."""
-        hashes = prefix_hashes(prompt_ids, self.bs)
+    def match(self, prompt_ids: Sequence[int], salt: int | None = None) -> PrefixMatch:
+        """Longest usable cached prefix of the prompt (< len(prompt_ids)) among blocks of the same salt
+        (blocks.prefix_hashes); touches what it uses."""
+        hashes = prefix_hashes(prompt_ids, self.bs, salt=salt)
         limit = max(0, (len(prompt_ids) - 1) // self.bs)  # leave >= 1 token to compute
         m = 0
         while m < limit and hashes[m] in self.blocks:
