@@ -131,7 +131,8 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     """-> (host ms per decode step, the generate call's wall seconds, decode steps, the share of them whose inputs
     were staged anew). drafts: with a drafter whose policy drafts that many tokens every step (0: decodes plainly);
     server: through the engine process's loop (module doc); context=False: no request keeps the drafter's context;
-    mixed: sampled requests, the policy's choice of which keep it (module doc); graph_buckets: step keys of the context buckets CUDA graphs use (powers of 2; nothing is captured)."""
+    mixed: sampled requests, the policy's choice of which keep it (module doc); graph_buckets: step keys of the
+    context buckets CUDA graphs use (powers of 2; nothing is captured)."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_position_embeddings=512)
