@@ -216,9 +216,9 @@ class PrefillRunner:
     def prefill_keys(self, max_chunk: int, max_len: int, contexts: tuple[bool, ...] = (True,)) -> list[PrefillKey]:
         """The graph-safe prefill keys of chunks up to max_chunk tokens in requests up to max_len tokens, with the
         drafter's context rows and / or without (contexts)."""
-        return [k._replace(context=c) for k in self._graph_keys(PREFILL_MIN, max_chunk, max_len)
-                for c in dict.fromkeys(c and self.aux_ids is not None for c in contexts)
-                if self.prefill_graph_safe(k)]
+        keys = [k._replace(context=c) for k in self._graph_keys(PREFILL_MIN, max_chunk, max_len)
+                for c in dict.fromkeys(c and self.aux_ids is not None for c in contexts)]
+        return [k for k in keys if self.prefill_graph_safe(k)]
 
     def prefill_graph(self, key: PrefillKey) -> PrefillBuffers | None:
         """The captured prefill of one request for this key (captured at its first use; Engine.warmup captures the

@@ -269,6 +269,13 @@ def test_a_request_that_keeps_no_drafter_context_prefills_the_target_alone(targe
     assert c.output_ids == reference_greedy(target, prompt, N_NEW)
     d, hit = run(greedy)
     assert d.context and hit == 48 and d.output_ids == c.output_ids
+    # a server's warm-up captures the prefill of each key with and without the drafter's rows (keys only here)
+    for runner in (engine.runner, Engine(target).runner):
+        monkeypatch.setattr(runner, "graphs", True)
+        one = runner.prefill_keys(64, 256)  # with the drafter's rows (a target alone has none: context False)
+        both = runner.prefill_keys(64, 256, (True, False))
+        want = one + [k._replace(context=False) for k in one] if runner.drafts is not None else one
+        assert sorted(both) == sorted(want) and {k.context for k in one} <= {runner.drafts is not None}
 
 
 def test_k_policy_keeps_a_choice_on_a_modelled_cost_only_until_it_is_measured(targets):
