@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from serve.app import ServerConfig, create_app, shutdown
+from serve.app import ServerConfig, create_app, freeze_heap, shutdown
 from serve.engine_proc import EngineClient, build_engine, check_max_model_len
 from serve.runner import EngineRunner
 
@@ -38,8 +38,10 @@ def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *
     else:
         runner = EngineRunner(build_engine(**load), profile_dir=profile_dir).start()
     name = served_model_name or Path(target_dir).resolve().name
-    return create_app(runner, ServerConfig(name, max_concurrent=max_concurrent, api_key=api_key,
-                                           max_prompt_bytes=max_prompt_bytes))
+    app = create_app(runner, ServerConfig(name, max_concurrent=max_concurrent, api_key=api_key,
+                                          max_prompt_bytes=max_prompt_bytes))
+    freeze_heap(app)
+    return app
 
 
 def target_positions(target_dir: str | Path) -> int | None:

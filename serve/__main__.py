@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import gc
 import ipaddress
 import logging
 import os
@@ -189,10 +188,6 @@ def _run_ours(args) -> int:
     # an engine thread in this process shares the GIL with the event loop: when the loop holds it (streaming to many
     # clients), the engine thread, whose device step has finished, waits up to the switch interval to go on
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    # what lives now (models, engine, graphs) lives as long as this process: out of the garbage collector's full
-    # passes, which otherwise stall the engine thread for milliseconds at large batches (vLLM does the same)
-    gc.collect()
-    gc.freeze()
     try:
         uvicorn.run(app, host=o.host, port=o.port, log_level="info")
     finally:

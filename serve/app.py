@@ -11,6 +11,7 @@ A client that disconnects (streaming or not) has its request aborted, which free
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import json
 import logging
@@ -470,7 +471,28 @@ def create_app(runner: EngineRunner | EngineClient, cfg: ServerConfig) -> FastAP
     return app
 
 
+_frozen_by = 0  # servers of this process up with the heap frozen
+
+
+def freeze_heap(app: FastAPI) -> None:
+    """Keep what lives once a server is up (models, engine, graphs, the web stack) out of the garbage collector's
+    full passes until its shutdown(): a pass over that heap takes tenths of a second, and the engine thread and the
+    event loop, every stream with them, wait for it (vLLM's freeze_gc_heap)."""
+    global _frozen_by
+    gc.collect()
+    gc.freeze()
+    app.state.heap_frozen = True
+    _frozen_by += 1
+
+
 def shutdown(app: FastAPI) -> None:
-    """Stop the engine thread and the tokenizer pool."""
+    """Stop the engine thread and the tokenizer pool; with the last server of the process stopped, the frozen heap
+    is collectable again. Once per app; a second call does nothing more."""
+    global _frozen_by
     app.state.runner.stop()
     app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+    if getattr(app.state, "heap_frozen", False):
+        app.state.heap_frozen = False
+        _frozen_by -= 1
+        if not _frozen_by:
+            gc.unfreeze()

@@ -210,7 +210,7 @@ def engine_main(conn, load: dict, profile_dir: str | None) -> None:
         return
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     gc.collect()
-    gc.freeze()  # what lives now lives as long as this process (see serve/__main__.py)
+    gc.freeze()  # what lives now lives as long as this process (serve.app.freeze_heap says why)
     runner.publish = sink.publish
     sink.send(("ready", runner.info, runner.snapshot))
     try:

@@ -19,7 +19,8 @@ import pytest
 
 from dspark.engine import Engine
 from dspark.request import SamplingParams
-from serve import EngineRunner, ServerThread, load_server
+from serve import EngineRunner, ServerThread, load_server, shutdown
+from serve import app as serve_app
 from tests.targets import make_target
 from tests.test_serve import MAX_LEN
 
@@ -302,6 +303,32 @@ def test_a_stopped_engine_thread_leaves_no_cycle_with_its_engine():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_the_startup_heap_sits_out_full_collections_while_a_server_is_up(models):
+    """load_server freezes what lives once it is up (vLLM's freeze_gc_heap): a full collection while serving then
+    scans what requests allocate, not the models, the engine and the web stack (a pass over those takes tenths of a
+    second, every stream stalled). The heap stays frozen while any server of the process is up; with the last one
+    shut down it is collectable again."""
+    others = serve_app._frozen_by  # servers of other tests still up in this process
+    tracked = lambda obj: any(o is obj for o in gc.get_objects())  # noqa: E731 - frozen objects are in none
+    a = load_server(*models, max_model_len=MAX_LEN, max_batch_size=4)
+    b = load_server(*models, max_model_len=MAX_LEN, max_batch_size=4)
+    ra, rb = a.state.runner, b.state.runner
+    try:
+        assert gc.get_freeze_count() > 0 and not tracked(ra) and not tracked(rb) and not tracked(rb.engine)
+        with ServerThread(b) as srv:  # its exit shuts b down
+            r = httpx.post(srv.url + "/v1/completions", json=body("def f():", stream=False), timeout=30)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 24
+            gc.collect()
+            assert not tracked(rb)
+        assert serve_app._frozen_by == others + 1 and not tracked(rb)  # a is up: the heap stays frozen
+    finally:
+        shutdown(a)
+        shutdown(a)  # once per app
+    assert serve_app._frozen_by == others
+    if not others:
+        assert gc.get_freeze_count() == 0 and tracked(rb)
 
 
 def test_profile_routes_are_off_without_a_profile_dir(server):
