@@ -405,10 +405,10 @@ class Engine:
         """Capture now every graph a run up to max_len tokens per request (default max_model_len) may use: the
         prefill of each chunk width and context bucket (with a drafter, under the policy with a sampling mode listed,
         also without the drafter's context rows), the context flush of each such width from FLUSH_MIN (with a
-        drafter: a graph per row, and each shape of the batched eager flush run once), and the decode step of each
+        drafter: a graph per row, and one per bucketed batch of rows), and the decode step of each
         batch bucket, each k the engine may pick, each context bucket, each sampling mode listed. A server calls it
-        before it takes requests, so no request pays for a capture. Returns the number of graphs and eager flush
-        shapes; 0 without graphs."""
+        before it takes requests, so no request pays for a capture. Returns the number of graphs (a flush shape that
+        failed to capture counted, run eagerly once instead); 0 without graphs."""
         if not self.runner.graphs:
             return 0
         max_len = max_len or self.max_model_len

@@ -33,9 +33,10 @@ FLUSH_MIN = 16  # the narrowest context-flush graph (its widths are powers of tw
 # batched (a regeneration's waves of hundreds): an eager forward's first shape may autotune kernels for seconds
 PREFILL_GRAPH_ROWS = 64
 PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward (its logits: this many x vocab)
-# a context flush replays one captured graph per row up to this many rows, else runs as one batched eager forward:
-# each row's graph costs the host a copy and a replay, on an H200 host tens of microseconds each (the k3-mini server's
-# flushes at 16 rows took 1.7 ms of host time), where the batched forward's launches do not grow with the rows
+# a context flush replays one captured graph per row up to this many rows, else one graph of all its rows (their
+# count, new tokens and table width bucketed to powers of two): each row's graph costs the host a copy and a replay,
+# on an H200 host tens of microseconds each (the k3-mini server's flushes at 16 rows took 1.7 ms of host time), and
+# the batched forward run eagerly some 1 ms of launches (the quickstart server's at 16 rows on an H100)
 FLUSH_GRAPH_ROWS = 4
 
 
@@ -52,8 +53,11 @@ class PrefillRunner:
         self.aux_ids = list(drafts.drafter.config.target_layer_ids) if drafts is not None else None
         self.prefills: dict[PrefillKey, PrefillBuffers] = {}
         self.prefill_failed: set[PrefillKey] = set()
-        self.flushes: dict[PrefillKey, PrefillBuffers] = {}  # context flushes, keyed like prefills
+        self.flushes: dict[PrefillKey, PrefillBuffers] = {}  # one row's context flushes, keyed like prefills
         self.flush_failed: set[PrefillKey] = set()
+        # context flushes of more than FLUSH_GRAPH_ROWS rows: (rows, key) -> their graph
+        self.batch_flushes: dict[tuple[int, PrefillKey], PrefillBuffers] = {}
+        self.batch_flush_failed: set[tuple[int, PrefillKey]] = set()
         self.pool = None  # one memory pool for every graph (they never run concurrently)
 
     # ------------------------------------------------------------------ forward
@@ -226,27 +230,34 @@ class PrefillRunner:
         with a warning."""
         return self._row_graph(self.prefills, self.prefill_failed, key, self._prefill_fn, "prefill")
 
-    def flush_graph(self, key: PrefillKey) -> PrefillBuffers | None:
-        """The captured context flush of one request for this key (flush_keys), as prefill_graph."""
-        return self._row_graph(self.flushes, self.flush_failed, key, self._flush_fn, "context flush")
+    def flush_graph(self, key: PrefillKey, rows: int = 1) -> PrefillBuffers | None:
+        """The captured context flush of `rows` requests (1, or a power of two above FLUSH_GRAPH_ROWS) for this key
+        (flush_keys), as prefill_graph."""
+        if rows == 1:
+            return self._row_graph(self.flushes, self.flush_failed, key, self._flush_fn, "context flush")
+        return self._row_graph(self.batch_flushes, self.batch_flush_failed, key, self._flush_fn, "context flush",
+                               rows)
 
     @torch.no_grad()
-    def _row_graph(self, store: dict, failed: set, key: PrefillKey, fn, what: str) -> PrefillBuffers | None:
-        """One request's graph of fn over a PrefillBuffers of this key, from store or captured now (the capture waits
-        for the device); None where it failed to capture (then, with a warning, that shape runs eagerly)."""
-        pf = store.get(key)
-        if pf is None and key not in failed:
-            pf = PrefillBuffers(1, key, self.device)
+    def _row_graph(self, store: dict, failed: set, key: PrefillKey, fn, what: str, rows: int = 1
+                   ) -> PrefillBuffers | None:
+        """The graph of fn over a PrefillBuffers of `rows` requests and this key (in store under key, or with more
+        rows under (rows, key)), from store or captured now on scratch rows (the capture waits for the device); None
+        where it failed to capture (then, with a warning, that shape runs eagerly)."""
+        slot = key if rows == 1 else (rows, key)
+        pf = store.get(slot)
+        if pf is None and slot not in failed:
+            pf = PrefillBuffers(rows, key, self.device)
             pf.ints.fill_(self.cache.scratch_block)
             pf.ints[:, :PREFILL_COLS] = torch.tensor([0, 1, self.cache.scratch_slot])
             try:
                 pf.out = self._capture_fn(lambda: fn(pf), pf, warmup=1)
             except Exception as err:  # noqa: BLE001 - a kernel that cannot be captured: the eager forward serves
-                warnings.warn(f"{what} graph {key} failed to capture ({type(err).__name__}: {err}); that shape runs "
+                warnings.warn(f"{what} graph {slot} failed to capture ({type(err).__name__}: {err}); that shape runs "
                               "eagerly", RuntimeWarning, stacklevel=3)
-                failed.add(key)
+                failed.add(slot)
                 return None
-            store[key] = pf
+            store[slot] = pf
         return pf
 
     @staticmethod
@@ -264,12 +275,22 @@ class PrefillRunner:
     @torch.no_grad()
     def flush_context(self, starts: list[int], counts: list[int], tables: list[list[int]], slots: list[int]) -> None:
         """The drafter's context rows of positions starts[b] .. starts[b] + counts[b] - 1 from their stashed ctx
-        (tables: each row's blocks, unpadded). With graphs and up to FLUSH_GRAPH_ROWS rows each row replays its key's
-        captured flush; else, and for a key that failed to capture, one eager forward of the context write over those
-        rows. Queued behind a step in flight without waiting for it: the row ints go up from pinned memory."""
-        eager, graphed = [], self.graphs and len(starts) <= FLUSH_GRAPH_ROWS
+        (tables: each row's blocks, unpadded). With graphs, up to FLUSH_GRAPH_ROWS rows each row replays its key's
+        captured flush, more replay one graph of them all (rows padded with scratch rows to a power of two, the key of
+        the longest flush and the latest start); else, and for a shape that failed to capture, one eager forward of
+        the context write over those rows. Queued behind a step in flight without waiting for it: the row ints go up
+        from pinned memory."""
+        if self.graphs and len(starts) > FLUSH_GRAPH_ROWS:
+            rows = pow2_at_least(len(starts), 1)
+            fl = self.flush_graph(self._graph_key(max(counts), max(starts), FLUSH_MIN), rows)
+            if fl is None:
+                return self._flush_eager(starts, counts, slots, tables)
+            self._fill_ints(fl, *_padded(rows, starts, counts, slots, tables, self.cache.scratch_slot))
+            fl.graph.replay()
+            return
+        eager = []
         for b, (start, count) in enumerate(zip(starts, counts)):
-            fl = self.flush_graph(self._graph_key(count, start, FLUSH_MIN)) if graphed else None
+            fl = self.flush_graph(self._graph_key(count, start, FLUSH_MIN)) if self.graphs else None
             if fl is None:
                 eager.append(b)
                 continue
@@ -283,23 +304,23 @@ class PrefillRunner:
         """One eager forward of the context write over these rows, its shape bucketed: rows, new tokens and table
         width padded to powers of two (padding rows write the scratch block), so that the Triton specialisations the
         first forward of a shape compiles (~0.2 s on an H100) are few and warm_flush compiles them before requests."""
-        bs, n = self.cache.block_size, len(starts)
-        T, rows = pow2_at_least(max(counts), FLUSH_MIN), pow2_at_least(n, 1)
+        bs = self.cache.block_size
+        T, rows = pow2_at_least(max(counts), FLUSH_MIN), pow2_at_least(len(starts), 1)
         width = pow2_at_least(max(-(-(s + T) // bs) for s in starts), 1)
-        pad = rows - n
-        ints = self._row_ints(starts + [0] * pad, counts + [1] * pad, slots + [self.cache.scratch_slot] * pad,
-                              tables + [[]] * pad, width)
+        ints = self._row_ints(*_padded(rows, starts, counts, slots, tables, self.cache.scratch_slot), width)
         self.drafts.flush_context(self._row_view(queued_copy(ints, self.device), T))
 
     def warm_flush(self, max_rows: int, max_len: int) -> int:
-        """Run each bucketed eager flush shape of more than FLUSH_GRAPH_ROWS up to max_rows rows, in requests up to
-        max_len tokens, on scratch rows (Engine.warmup: no request pays for their compiles) -> shapes run."""
+        """Each flush shape of more than FLUSH_GRAPH_ROWS up to max_rows rows, in requests up to max_len tokens, on
+        scratch rows (Engine.warmup: no request pays for their captures or compiles): with graphs captured (one that
+        fails to capture then runs eagerly), else run once eagerly -> shapes captured or run."""
         bs, keys, shapes = self.cache.block_size, self.flush_keys(max_len), 0
         rows = pow2_at_least(FLUSH_GRAPH_ROWS + 1, 1)
         while rows <= pow2_at_least(max_rows, 1):
             for key in keys:
                 start = key.width * bs - key.T  # the table's width is then key.width blocks
-                self._flush_eager([start] * rows, [key.T] * rows, [self.cache.scratch_slot] * rows, [[]] * rows)
+                if not self.graphs or self.flush_graph(key, rows) is None:
+                    self._flush_eager([start] * rows, [key.T] * rows, [self.cache.scratch_slot] * rows, [[]] * rows)
                 shapes += 1
             rows *= 2
         return shapes
@@ -307,3 +328,11 @@ class PrefillRunner:
     def _flush_fn(self, fl: PrefillBuffers) -> None:
         """The context flush of fl's rows (device ops only: what its graph captures)."""
         self.drafts.flush_context(self._row_view(fl.ints, fl.key.T))
+
+
+def _padded(rows: int, starts: list[int], counts: list[int], slots: list[int], tables: list[list[int]],
+            scratch_slot: int) -> tuple[list[int], list[int], list[int], list[list[int]]]:
+    """A flush's rows padded to `rows` with scratch rows (one token at position 0 into the scratch slot, no blocks):
+    (num_cached, num_new, slots, tables)."""
+    pad = rows - len(starts)
+    return starts + [0] * pad, counts + [1] * pad, slots + [scratch_slot] * pad, tables + [[]] * pad

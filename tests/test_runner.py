@@ -740,23 +740,53 @@ def _context_rows_match(engine, target, drafter, req) -> bool:
     return True
 
 
+class ReplayFn:
+    """On the CPU, a captured graph's stand-in: its replay runs the captured function again over the same buffers."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+def replay_flush_graphs_on_cpu(engine, monkeypatch) -> None:
+    """Make engine's context flushes take their graph path on the CPU (ReplayFn for each capture)."""
+    runner, flush = engine.runner, engine.runner.flush_context
+
+    def capture(fn, holder, warmup):
+        holder.graph = ReplayFn(fn)
+        return fn()
+
+    def graphed_flush(*a):
+        runner.graphs = True
+        try:
+            return flush(*a)
+        finally:
+            runner.graphs = False
+
+    monkeypatch.setattr(runner, "_capture_fn", capture)
+    monkeypatch.setattr(runner, "flush_context", graphed_flush)
+
+
+@pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("pair", ["qwen3", "k3"])
-def test_a_flush_of_many_rows_runs_as_one_forward(targets, pair, monkeypatch):
-    """A switch to drafting with more rows than FLUSH_GRAPH_ROWS flushes their stashed context in one batched eager
-    forward (with fewer rows, on CUDA, a captured graph per row), its rows and new tokens padded to powers of two:
-    after every drafting step each request's drafter rows of every committed position equal those of one plain
-    forward over its sequence, and every output is the target's greedy."""
+def test_a_flush_of_many_rows_runs_as_one_forward(targets, pair, graphs, monkeypatch):
+    """A switch to drafting with more rows than FLUSH_GRAPH_ROWS flushes their stashed context in one batched forward
+    (with graphs one graph of them all, with fewer rows a graph per row; on the CPU the graphs' replays run their
+    function again), its rows and new tokens padded to powers of two: after every drafting step each request's
+    drafter rows of every committed position equal those of one plain forward over its sequence, and every output is
+    the target's greedy."""
     kind, make = PAIRS[pair]
     target = targets[kind]
     drafter = make(target)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, V, (n,), generator=g).tolist() for n in (5, 9, 3)]
-    engine = Engine(target, drafter, max_batch_size=4, prefill_chunk=16)
+    engine = Engine(target, drafter, max_batch_size=4, prefill_chunk=16, graphs=None if graphs else False)
+    if graphs and not engine.runner.graphs:
+        replay_flush_graphs_on_cpu(engine, monkeypatch)
     k = engine.k
     schedule = iter([0, 0, 0, k, 0, 0, k, k] * 20)
     monkeypatch.setattr(engine.policy, "choose", lambda *a: next(schedule))
     monkeypatch.setattr(prefill_mod, "FLUSH_GRAPH_ROWS", 2)
-    rows, widths = [], []  # the rows and new tokens of each eager context flush (a capture runs one row)
+    rows, widths = [], []  # the rows and new tokens of each context flush run from Python (eager, or a capture)
     flush = engine.drafts.flush_context
     monkeypatch.setattr(engine.drafts, "flush_context", lambda view: (
         rows.append(view.num_new.shape[0]), widths.append(view.attn_read(engine.drafts.stash_layer).shape[1]),
@@ -770,12 +800,15 @@ def test_a_flush_of_many_rows_runs_as_one_forward(targets, pair, monkeypatch):
     assert checked >= 6 and max(rows) == 4  # the three rows' switch: one forward, a padding row with them
     assert all(n & (n - 1) == 0 for n in rows)
     assert all(T >= prefill_mod.FLUSH_MIN and T & (T - 1) == 0 for T in widths)
+    assert [r for r, _ in engine.runner.batch_flushes] == ([4] * len(engine.runner.batch_flushes))
+    assert bool(engine.runner.batch_flushes) == graphs  # with graphs the batch replays its graph
 
 
-def test_warm_flush_runs_each_eager_flush_shape_on_the_scratch_block(targets, monkeypatch):
-    """Engine.warmup's eager flushes (each bucketed shape of more than FLUSH_GRAPH_ROWS rows, so that no request
-    pays for its first run) cover every row bucket and flush key, and write the scratch block only: the context
-    rows of a request in flight stay as they were."""
+def test_warm_flush_runs_each_batched_flush_shape_on_the_scratch_block(targets, monkeypatch):
+    """Engine.warmup's batched flushes (each bucketed shape of more than FLUSH_GRAPH_ROWS rows, so that no request
+    pays for its first run: on CUDA captured, each run twice for its capture, else run eagerly) cover every row
+    bucket and flush key, and write the scratch block only: the context rows of a request in flight stay as they
+    were."""
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target), max_batch_size=12, max_model_len=48)
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True))
@@ -787,9 +820,12 @@ def test_warm_flush_runs_each_eager_flush_shape_on_the_scratch_block(targets, mo
     flush = engine.drafts.flush_context
     monkeypatch.setattr(engine.drafts, "flush_context", lambda view: (
         shapes.append((view.num_new.shape[0], view.attn_read(engine.drafts.stash_layer).shape[1])), flush(view))[-1])
-    assert engine.runner.warm_flush(12, 48) == len(shapes) > 0
+    n, graphs = engine.runner.warm_flush(12, 48), engine.runner.graphs
     keys = engine.runner.flush_keys(48)
+    assert n == 2 * len(keys) and len(shapes) == n * (2 if graphs else 1)
     assert sorted(set(shapes)) == sorted({(rows, key.T) for rows in (8, 16) for key in keys})
+    assert sorted(engine.runner.batch_flushes) == (sorted((rows, key) for rows in (8, 16) for key in keys)
+                                                   if graphs else [])
     scratch = engine.cache.scratch_block
     for ly, t in engine.cache.kv.items():
         assert torch.equal(t[:scratch], before[ly][:scratch]), ly
