@@ -11,6 +11,10 @@ if os.environ.get("DSPARK_TEST_DEVICE", "cpu").startswith("cuda"):
     os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
     torch.backends.cudnn.allow_tf32 = False  # cuDNN convs (the KDA short conv) likewise; matmuls are fp32 already
 
+from tests.targets import write_tiny_pair, write_tiny_target_and_data
+
+FAILURE_LOG = os.environ.get("DSPARK_FAILURE_LOG")  # where each failure's report goes the moment it happens
+
 # Under pytest-xdist the workers share the machine's cores: each takes its share for torch's CPU threads, and so do
 # the processes its tests start (OMP_NUM_THREADS). With every worker on all the cores, OpenMP's barriers in the
 # oversubscribed cores stretch a CPU test of a minute past its time limit.
@@ -18,10 +22,6 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1 and "OMP_NUM_THREADS" not in os.environ:
     os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // _WORKERS))
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-
-from tests.targets import write_tiny_pair, write_tiny_target_and_data
-
-FAILURE_LOG = os.environ.get("DSPARK_FAILURE_LOG")  # where each failure's report goes the moment it happens
 
 
 def pytest_runtest_logreport(report):
