@@ -38,6 +38,10 @@ PREFILL_BATCH_TOKENS = 16384  # padded tokens per batched eager prefill forward 
 # on an H200 host tens of microseconds each (the k3-mini server's flushes at 16 rows took 1.7 ms of host time), and
 # the batched forward run eagerly some 1 ms of launches (the quickstart server's at 16 rows on an H100)
 FLUSH_GRAPH_ROWS = 4
+# a flush of more rows and more new tokens per row than this runs eagerly even with graphs: a graph's activations
+# stay in the graph pool (rows x tokens x the target's aux features), and such flushes (after hundreds of plain steps)
+# are rare
+FLUSH_BATCH_GRAPH_TOKENS = 256
 
 
 class PrefillRunner:
@@ -277,12 +281,12 @@ class PrefillRunner:
         """The drafter's context rows of positions starts[b] .. starts[b] + counts[b] - 1 from their stashed ctx
         (tables: each row's blocks, unpadded). With graphs, up to FLUSH_GRAPH_ROWS rows each row replays its key's
         captured flush, more replay one graph of them all (rows padded with scratch rows to a power of two, the key of
-        the longest flush and the latest start); else, and for a shape that failed to capture, one eager forward of
-        the context write over those rows. Queued behind a step in flight without waiting for it: the row ints go up
+        the longest flush and the latest start; up to FLUSH_BATCH_GRAPH_TOKENS new tokens a row); else, and for a
+        shape that failed to capture, one eager forward of the context write over those rows. Queued behind a step in flight without waiting for it: the row ints go up
         from pinned memory."""
         if self.graphs and len(starts) > FLUSH_GRAPH_ROWS:
-            rows = pow2_at_least(len(starts), 1)
-            fl = self.flush_graph(self._graph_key(max(counts), max(starts), FLUSH_MIN), rows)
+            rows, key = pow2_at_least(len(starts), 1), self._graph_key(max(counts), max(starts), FLUSH_MIN)
+            fl = self.flush_graph(key, rows) if key.T <= FLUSH_BATCH_GRAPH_TOKENS else None
             if fl is None:
                 return self._flush_eager(starts, counts, slots, tables)
             self._fill_ints(fl, *_padded(rows, starts, counts, slots, tables, self.cache.scratch_slot))
@@ -312,14 +316,15 @@ class PrefillRunner:
 
     def warm_flush(self, max_rows: int, max_len: int) -> int:
         """Each flush shape of more than FLUSH_GRAPH_ROWS up to max_rows rows, in requests up to max_len tokens, on
-        scratch rows (Engine.warmup: no request pays for their captures or compiles): with graphs captured (one that
-        fails to capture then runs eagerly), else run once eagerly -> shapes captured or run."""
+        scratch rows (Engine.warmup: no request pays for their captures or compiles): with graphs captured up to
+        FLUSH_BATCH_GRAPH_TOKENS new tokens a row (one that fails to capture, and a wider one, run eagerly once), else
+        run once eagerly -> shapes captured or run."""
         bs, keys, shapes = self.cache.block_size, self.flush_keys(max_len), 0
         rows = pow2_at_least(FLUSH_GRAPH_ROWS + 1, 1)
         while rows <= pow2_at_least(max_rows, 1):
             for key in keys:
                 start = key.width * bs - key.T  # the table's width is then key.width blocks
-                if not self.graphs or self.flush_graph(key, rows) is None:
+                if not self.graphs or key.T > FLUSH_BATCH_GRAPH_TOKENS or self.flush_graph(key, rows) is None:
                     self._flush_eager([start] * rows, [key.T] * rows, [self.cache.scratch_slot] * rows, [[]] * rows)
                 shapes += 1
             rows *= 2

@@ -747,23 +747,28 @@ class ReplayFn:
         self.replay = fn
 
 
-def replay_flush_graphs_on_cpu(engine, monkeypatch) -> None:
-    """Make engine's context flushes take their graph path on the CPU (ReplayFn for each capture)."""
-    runner, flush = engine.runner, engine.runner.flush_context
+def replay_flush_graphs_on_cpu(engine, monkeypatch, names=("flush_context",)) -> None:
+    """Make the engine runner's methods `names` take their graph path on the CPU (ReplayFn for each capture, which
+    runs its function twice, as a capture's warm-up and the capture do)."""
+    runner = engine.runner
 
     def capture(fn, holder, warmup):
         holder.graph = ReplayFn(fn)
+        fn()
         return fn()
 
-    def graphed_flush(*a):
-        runner.graphs = True
-        try:
-            return flush(*a)
-        finally:
-            runner.graphs = False
+    def graphed(method):
+        def call(*a):
+            runner.graphs = True
+            try:
+                return method(*a)
+            finally:
+                runner.graphs = False
+        return call
 
     monkeypatch.setattr(runner, "_capture_fn", capture)
-    monkeypatch.setattr(runner, "flush_context", graphed_flush)
+    for name in names:
+        monkeypatch.setattr(runner, name, graphed(getattr(runner, name)))
 
 
 @pytest.mark.parametrize("graphs", [False, True])
@@ -804,13 +809,16 @@ def test_a_flush_of_many_rows_runs_as_one_forward(targets, pair, graphs, monkeyp
     assert bool(engine.runner.batch_flushes) == graphs  # with graphs the batch replays its graph
 
 
-def test_warm_flush_runs_each_batched_flush_shape_on_the_scratch_block(targets, monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_warm_flush_runs_each_batched_flush_shape_on_the_scratch_block(targets, graphs, monkeypatch):
     """Engine.warmup's batched flushes (each bucketed shape of more than FLUSH_GRAPH_ROWS rows, so that no request
-    pays for its first run: on CUDA captured, each run twice for its capture, else run eagerly) cover every row
-    bucket and flush key, and write the scratch block only: the context rows of a request in flight stay as they
-    were."""
+    pays for its first run: with graphs captured, each run twice for its capture, up to FLUSH_BATCH_GRAPH_TOKENS new
+    tokens a row, the wider ones run eagerly; without, run eagerly) cover every row bucket and flush key, and write
+    the scratch block only: the context rows of a request in flight stay as they were."""
     target = targets["qwen3"]
-    engine = Engine(target, make_drafter(target), max_batch_size=12, max_model_len=48)
+    engine = Engine(target, make_drafter(target), max_batch_size=12, max_model_len=48,
+                    graphs=None if graphs else False)
+    monkeypatch.setattr(prefill_mod, "FLUSH_BATCH_GRAPH_TOKENS", 32)  # of the flush keys' 16, 32 and 64 tokens
     engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True))
     for _ in range(3):
         engine.step()
@@ -820,12 +828,13 @@ def test_warm_flush_runs_each_batched_flush_shape_on_the_scratch_block(targets, 
     flush = engine.drafts.flush_context
     monkeypatch.setattr(engine.drafts, "flush_context", lambda view: (
         shapes.append((view.num_new.shape[0], view.attn_read(engine.drafts.stash_layer).shape[1])), flush(view))[-1])
-    n, graphs = engine.runner.warm_flush(12, 48), engine.runner.graphs
-    keys = engine.runner.flush_keys(48)
-    assert n == 2 * len(keys) and len(shapes) == n * (2 if graphs else 1)
+    if graphs and not engine.runner.graphs:
+        replay_flush_graphs_on_cpu(engine, monkeypatch, ("warm_flush",))
+    n, keys = engine.runner.warm_flush(12, 48), engine.runner.flush_keys(48)
+    captured = [(rows, key) for rows in (8, 16) for key in keys if key.T <= 32] if graphs else []
+    assert n == 2 * len(keys) and {key.T for key in keys} == {16, 32, 64}
+    assert sorted(engine.runner.batch_flushes) == sorted(captured) and len(shapes) == n + len(captured)
     assert sorted(set(shapes)) == sorted({(rows, key.T) for rows in (8, 16) for key in keys})
-    assert sorted(engine.runner.batch_flushes) == (sorted((rows, key) for rows in (8, 16) for key in keys)
-                                                   if graphs else [])
     scratch = engine.cache.scratch_block
     for ly, t in engine.cache.kv.items():
         assert torch.equal(t[:scratch], before[ly][:scratch]), ly
