@@ -6,8 +6,8 @@ its padded width (a power of two >= PREFILL_MIN) and the context it sees, while 
 reads), for up to PREFILL_GRAPH_ROWS requests a step; otherwise, and on CPU, the chunks of a step run eagerly,
 batched into forwards of up to PREFILL_BATCH_TOKENS tokens. The first token is sampled on the device from the last
 chunk's last logits. A context flush turns the positions a plain step stashed into the drafter's context rows (a
-captured graph per row, keyed like a prefill, for a few rows; one batched eager forward for more) before a request
-drafts again.
+captured graph per row, keyed like a prefill, for a few rows; one captured graph of them all for more, their count
+bucketed; eagerly on CPU and for the widest) before a request drafts again.
 """
 from __future__ import annotations
 
