@@ -236,9 +236,12 @@ class PrefillRunner:
 
     def flush_graph(self, key: PrefillKey, rows: int = 1) -> PrefillBuffers | None:
         """The captured context flush of `rows` requests (1, or a power of two above FLUSH_GRAPH_ROWS) for this key
-        (flush_keys), as prefill_graph."""
+        (flush_keys), as prefill_graph; None for more rows of more than FLUSH_BATCH_GRAPH_TOKENS new tokens (those
+        run eagerly)."""
         if rows == 1:
             return self._row_graph(self.flushes, self.flush_failed, key, self._flush_fn, "context flush")
+        if key.T > FLUSH_BATCH_GRAPH_TOKENS:
+            return None
         return self._row_graph(self.batch_flushes, self.batch_flush_failed, key, self._flush_fn, "context flush",
                                rows)
 
@@ -282,11 +285,11 @@ class PrefillRunner:
         (tables: each row's blocks, unpadded). With graphs, up to FLUSH_GRAPH_ROWS rows each row replays its key's
         captured flush, more replay one graph of them all (rows padded with scratch rows to a power of two, the key of
         the longest flush and the latest start; up to FLUSH_BATCH_GRAPH_TOKENS new tokens a row); else, and for a
-        shape that failed to capture, one eager forward of the context write over those rows. Queued behind a step in flight without waiting for it: the row ints go up
-        from pinned memory."""
+        shape without a graph, one eager forward of the context write over those rows. Queued behind a step in flight
+        without waiting for it: the row ints go up from pinned memory."""
         if self.graphs and len(starts) > FLUSH_GRAPH_ROWS:
-            rows, key = pow2_at_least(len(starts), 1), self._graph_key(max(counts), max(starts), FLUSH_MIN)
-            fl = self.flush_graph(key, rows) if key.T <= FLUSH_BATCH_GRAPH_TOKENS else None
+            rows = pow2_at_least(len(starts), 1)
+            fl = self.flush_graph(self._graph_key(max(counts), max(starts), FLUSH_MIN), rows)
             if fl is None:
                 return self._flush_eager(starts, counts, slots, tables)
             self._fill_ints(fl, *_padded(rows, starts, counts, slots, tables, self.cache.scratch_slot))
@@ -324,7 +327,7 @@ class PrefillRunner:
         while rows <= pow2_at_least(max_rows, 1):
             for key in keys:
                 start = key.width * bs - key.T  # the table's width is then key.width blocks
-                if not self.graphs or key.T > FLUSH_BATCH_GRAPH_TOKENS or self.flush_graph(key, rows) is None:
+                if not self.graphs or self.flush_graph(key, rows) is None:
                     self._flush_eager([start] * rows, [key.T] * rows, [self.cache.scratch_slot] * rows, [[]] * rows)
                 shapes += 1
             rows *= 2
