@@ -269,8 +269,9 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         # it timed with their whole time and replay time
         per_k: dict[str, dict[int, float]] = {name: {} for name in PER_K}
         # what our server's k policy weighs now: each measured kind's cost ("rows/k/mode": ms), the acceptance
-        # estimates per group and draft position; and the choices it made since it started ("rows/k/mode/basis")
-        policy: dict[str, dict] = {"step_cost_ms": {}, "acceptance": {}, "choices": {}}
+        # estimates per group and draft position; the choices it made since it started ("rows/k/mode/basis"); and per
+        # k its choices to draft k with the sums of what they weighed (n, plain_ms, ms, expected)
+        policy: dict[str, dict] = {"step_cost_ms": {}, "acceptance": {}, "choices": {}, "weighed": {}}
         for name, labels, v in parse_prometheus(text):
             vals[name] = vals.get(name, 0.0) + v
             if name in per_k and "k" in labels:
@@ -281,6 +282,8 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
                 policy["acceptance"].setdefault(labels["group"], {})[int(labels["position"])] = round(v, 3)
             elif name == "dspark:policy_choices_total":
                 policy["choices"]["/".join(labels[x] for x in ("rows", "k", "mode", "basis"))] = v
+            elif name == "dspark:policy_draft_weighed_total":
+                policy["weighed"].setdefault(int(labels["k"]), {})[labels["what"]] = v
         busy = vals.get("vllm:num_requests_running", 0) + vals.get("vllm:num_requests_waiting", 0)
         if not busy or time.monotonic() - t0 > timeout:
             return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
@@ -292,6 +295,19 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
                     "first_token": {key: (vals.get(f"{name}_sum", 0.0), vals.get(f"{name}_count", 0.0))
                                     for key, name in FIRST_TOKEN.items()}}
         await asyncio.sleep(0.05)
+
+
+def weighed(w0: dict[int, dict], w1: dict[int, dict]) -> dict[int, dict[str, float]]:
+    """Per k the level's choices to draft k: how many (n), and the means of what they weighed: plain decoding's cost
+    and k's (ms), k's expected tokens per row; to set beside the level's measured step times and tau."""
+    out = {}
+    for k, now in w1.items():
+        was = w0.get(k, {})
+        n = now.get("n", 0.0) - was.get("n", 0.0)
+        if n > 0:
+            out[k] = {"n": n, **{x: round((now.get(x, 0.0) - was.get(x, 0.0)) / n, 3)
+                                 for x in ("plain_ms", "ms", "expected")}}
+    return out
 
 
 def step_ms_per_k(c0: dict, c1: dict) -> dict[int, dict[str, float]]:
@@ -375,7 +391,8 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         # at the level's end: each measured kind's cost and the acceptance estimates; the level's choices
         "policy": {**c1["policy"], "choices": {key: n - c0["policy"]["choices"].get(key, 0.0)
                                                for key, n in c1["policy"]["choices"].items()
-                                               if n > c0["policy"]["choices"].get(key, 0.0)}},
+                                               if n > c0["policy"]["choices"].get(key, 0.0)},
+                   "weighed": weighed(c0["policy"]["weighed"], c1["policy"]["weighed"])},
         "overlapped_steps": c1["overlapped_steps"] - c0["overlapped_steps"],
         "context_flushes": {key: c1["flushes"][key] - c0["flushes"][key] for key in FLUSH},
         "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
@@ -525,7 +542,8 @@ def log_level(where: str, lv: dict, log) -> None:
         f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")
     if lv.get("policy", {}).get("step_cost_ms"):
         log(f"[serve_bench] {where}: policy step cost ms (rows/k/mode) {lv['policy']['step_cost_ms']}, "
-            f"acceptance {lv['policy']['acceptance']}, choices (rows/k/mode/basis) {lv['policy'].get('choices')}")
+            f"acceptance {lv['policy']['acceptance']}, choices (rows/k/mode/basis) {lv['policy'].get('choices')}, "
+            f"choices to draft by k and the means of what they weighed {lv['policy'].get('weighed')}")
     if lv["profile_files"]:
         log(f"[serve_bench] {where}: engine profile in {lv['profile_files'][0]}")
 

@@ -85,6 +85,9 @@ class KPolicy:
         # the choices made (each reused up to REPICK_EVERY steps): (rows, k, mode, basis) -> how many, basis "measured"
         # or "modelled" (the chosen kind's cost), or "probe" (the whole block, for the acceptance statistics)
         self.choices_made: dict[tuple[int, int, str, str], int] = {}
+        # per k > 0, over the choices to draft k (probes left out): how many, and the sums of what each weighed:
+        # plain decoding's cost and k's (ms), k's expected tokens per row (what /metrics shows against the measured)
+        self.weighed: dict[int, list[float]] = {}
         # over back-to-back graph steps: the host's own work per decode step (ms: scheduling, the launch, reading, the
         # server's loop; its waits for the device left out), the last samples of every kind; and per kind (batch
         # bucket, k, sampling mode) the last times from one step's start to the next (ms)
@@ -139,6 +142,12 @@ class KPolicy:
             measured = self.measured_cycles(key) is not None
             hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1]
             self._made(num_rows, k, mode, "measured" if measured else "modelled")
+            if k and est is not None:
+                w = self.weighed.setdefault(k, [0, 0.0, 0.0, 0.0])
+                w[0] += 1
+                w[1] += est[0]["cost_ms"]
+                w[2] += est[k]["cost_ms"]
+                w[3] += est[k]["expected"]
             pays = k > 0 or (drafting < num_rows and self.pick(num_rows, longest, mode, est, "rate_all") > 0)
             if pays:  # drafting pays (again), for every row that keeps the context
                 self.probe_every[group] = PROBE_EVERY
@@ -280,14 +289,17 @@ class KPolicy:
 
     def view(self) -> dict:
         """What the choice weighs now, for /metrics: each measured kind's cost (its batch bucket, k, sampling mode and
-        the median of its last cycles, ms), the acceptance estimates per group, the flush's host ms, and the choices
-        made so far (rows, k, mode, basis: see choices_made; n)."""
+        the median of its last cycles, ms), the acceptance estimates per group, the flush's host ms, the choices
+        made so far (rows, k, mode, basis: see choices_made; n), and per k what its choices to draft weighed (n, and
+        the sums of plain decoding's cost, k's cost and k's expected tokens: see weighed)."""
         return {"step_cost_ms": [{"rows": r, "k": k, "mode": m, "ms": statistics.median(c)}
                                  for (r, k, m), c in self.measured_kinds()],
                 "acceptance": {g: self.acceptance(self.accepted[g], self.reached[g]) for g in GROUPS},
                 "flush_ms": self.flush_ms or 0.0,
                 "choices": [{"rows": r, "k": k, "mode": m, "basis": b, "n": n}
-                            for (r, k, m, b), n in sorted(self.choices_made.items())]}
+                            for (r, k, m, b), n in sorted(self.choices_made.items())],
+                "weighed": [{"k": k, "n": w[0], "plain_ms": w[1], "ms": w[2], "expected": w[3]}
+                            for k, w in sorted(self.weighed.items())]}
 
     # ------------------------------------------------------------------ what it learns from
     def record(self, n: int, a: int, group: str) -> None:

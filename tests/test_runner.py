@@ -360,6 +360,26 @@ def test_k_policy_drafts_only_for_a_clear_gain(targets):
     assert 1.5 / 1.4 < DRAFT_GAIN < 1.5 / 1.25
 
 
+def test_k_policy_counts_what_its_choices_to_draft_weighed(targets):
+    """Each new choice to draft adds what it weighed (plain decoding's cost, the chosen k's, k's expected tokens) to
+    its k's sums in the view (/metrics shows them); a reused choice, a plain one and a probe add nothing."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target))
+    p = engine.policy
+    p.accepted["greedy"], p.reached["greedy"] = [90, 80, 70, 60], [100, 90, 80, 70]
+    engine.runner.step_ms = lambda key: 1.0 + 0.1 * key.k  # drafting cheap: a k > 0 pays
+    k = p.choose(1, 100, "greedy")
+    est = p.estimates(1, 100, "greedy")
+    assert k > 0 and p.choose(1, 100, "greedy") == k  # the second call reuses the choice
+    want = {"k": k, "n": 1, "plain_ms": est[0]["cost_ms"], "ms": est[k]["cost_ms"], "expected": est[k]["expected"]}
+    assert p.view()["weighed"] == [pytest.approx(want)]
+    engine.runner.step_ms = lambda key: 1.0 + 10.0 * key.k  # drafting dear: plain at another batch size
+    assert p.choose(2, 100, "greedy") == 0
+    p.plain_steps["greedy"] = p.probe_every["greedy"]  # a probe is due
+    assert p.choose(4, 100, "greedy") == p.k
+    assert p.view()["weighed"] == [pytest.approx(want)]
+
+
 def test_k_policy_measures_plain_decoding_before_weighing_drafting_against_it(targets, monkeypatch):
     """After its first drafting steps the policy has measured only drafting; modelled with their host work (0.42 ms
     a step, more than a plain step's 0.2) plain steps would look dearer than 2 drafts at an acceptance of 0.35, and

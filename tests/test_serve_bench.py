@@ -74,11 +74,12 @@ def test_serve_bench_end_to_end(models, tmp_path):
             choices = lv["policy"]["choices"]
             assert all(key.split("/")[1] == str(max(steps)) and key.split("/")[3] in ("probe", "modelled")
                        for key in choices) and all(n >= 1 for n in choices.values())
+            assert lv["policy"]["weighed"] == {}  # CPU: the whole block, drafted without weighing
             made += sum(choices.values())
         else:
             assert lv["tau"] is None and lv["spec_decode"]["num_steps"] == 0
             assert set(steps) == {0} and steps[0] > 0
-            assert lv["policy"] == {"step_cost_ms": {}, "acceptance": {}, "choices": {}}  # no drafter, no policy
+            assert lv["policy"] == {"step_cost_ms": {}, "acceptance": {}, "choices": {}, "weighed": {}}  # no policy
         assert lv["step_ms_per_k"] == {}  # CPU: eager steps, none timed against a replay
         # --profile: that level only, each server's engine thread, its named phases in the table
         profiled = (lv["task"], lv["temperature"], lv["concurrency"]) == ("creative", 0.7, 2)
@@ -135,6 +136,18 @@ def _bench():
     bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look the module up
     spec.loader.exec_module(bench)
     return bench
+
+
+def test_a_levels_choices_to_draft_weighed_are_the_counters_differences():
+    """Per k the level's choices to draft and the means of what they weighed, from the policy's cumulative sums at
+    the level's start and end; a k with no new choice in the level is left out."""
+    bench = _bench()
+    w0 = {2: {"n": 3.0, "plain_ms": 0.36, "ms": 0.75, "expected": 4.5}}
+    w1 = {2: {"n": 5.0, "plain_ms": 0.66, "ms": 1.25, "expected": 7.5}, 4: {"n": 3.0, "plain_ms": 0.45,
+                                                                            "ms": 0.9, "expected": 6.0}}
+    assert bench.weighed(w0, w1) == {2: {"n": 2.0, "plain_ms": 0.15, "ms": 0.25, "expected": 1.5},
+                                     4: {"n": 3.0, "plain_ms": 0.15, "ms": 0.3, "expected": 2.0}}
+    assert bench.weighed(w1, w1) == {}
 
 
 def test_serve_bench_bad_options(models, capsys):
