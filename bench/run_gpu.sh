@@ -209,7 +209,7 @@ echo "NGPU=$NGPU OUT=$OUT"
 # "regenerate:" stops them before the regeneration, whose host-bound steps they slow about fourfold)
 side_tests() {
   setsid bash "$0" tests-cuda -n 8 --timeout 200 tests/test_mailbox.py tests/test_overlap.py tests/test_runner.py \
-    tests/test_engine.py tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
+    tests/test_policy.py tests/test_engine.py tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
   side_pid=$! side_watcher=""
   [ $# -gt 0 ] || return 0
   # shellcheck disable=SC2086 # GLOB is expanded at every look
@@ -446,7 +446,7 @@ case "$target" in
   quickstart)
     qs=(env TARGET_DIR=runs/quickstart/target/final DRAFTER_DIR=runs/quickstart/drafter/final)
     bash "$0" tests-cuda -n 8 --timeout 200 tests/test_mailbox.py tests/test_kernels.py tests/test_sampled_kernels.py \
-      tests/test_runner.py tests/test_engine.py > "$OUT/first.txt" 2>&1 || rc=1
+      tests/test_runner.py tests/test_policy.py tests/test_engine.py > "$OUT/first.txt" 2>&1 || rc=1
     # shellcheck disable=SC2086 # TIMELINE_ARGS and QUICKSTART_ARGS are word lists
     "${qs[@]}" bash "$0" timeline ${TIMELINE_ARGS:---batches 1 --prompts 8 --runs ar,auto --temperatures 0,0.7 \
       --kernels 8} || rc=1
