@@ -87,7 +87,7 @@ class KPolicy:
         self.choices_made: dict[tuple[int, int, str, str], int] = {}
         # per k > 0, over the choices to draft k (probes left out): how many, and the sums of what each weighed:
         # plain decoding's cost and k's (ms), k's expected tokens per row (what /metrics shows against the measured)
-        self.weighed: dict[int, list[float]] = {}
+        self.weighed: dict[int, dict[str, float]] = {}
         # over back-to-back graph steps: the host's own work per decode step (ms: scheduling, the launch, reading, the
         # server's loop; its waits for the device left out), the last samples of every kind; and per kind (batch
         # bucket, k, sampling mode) the last times from one step's start to the next (ms)
@@ -143,11 +143,11 @@ class KPolicy:
             hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1]
             self._made(num_rows, k, mode, "measured" if measured else "modelled")
             if k and est is not None:
-                w = self.weighed.setdefault(k, [0, 0.0, 0.0, 0.0])
-                w[0] += 1
-                w[1] += est[0]["cost_ms"]
-                w[2] += est[k]["cost_ms"]
-                w[3] += est[k]["expected"]
+                w = self.weighed.setdefault(k, {"n": 0, "plain_ms": 0.0, "ms": 0.0, "expected": 0.0})
+                w["n"] += 1
+                w["plain_ms"] += est[0]["cost_ms"]
+                w["ms"] += est[k]["cost_ms"]
+                w["expected"] += est[k]["expected"]
             pays = k > 0 or (drafting < num_rows and self.pick(num_rows, longest, mode, est, "rate_all") > 0)
             if pays:  # drafting pays (again), for every row that keeps the context
                 self.probe_every[group] = PROBE_EVERY
@@ -298,8 +298,7 @@ class KPolicy:
                 "flush_ms": self.flush_ms or 0.0,
                 "choices": [{"rows": r, "k": k, "mode": m, "basis": b, "n": n}
                             for (r, k, m, b), n in sorted(self.choices_made.items())],
-                "weighed": [{"k": k, "n": w[0], "plain_ms": w[1], "ms": w[2], "expected": w[3]}
-                            for k, w in sorted(self.weighed.items())]}
+                "weighed": [{"k": k, **w} for k, w in sorted(self.weighed.items())]}
 
     # ------------------------------------------------------------------ what it learns from
     def record(self, n: int, a: int, group: str) -> None:

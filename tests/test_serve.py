@@ -175,7 +175,7 @@ def test_profile_window_writes_the_engine_threads_tables_and_trace(server, clien
 def test_metrics_agree_with_requests(server, client):
     # what the k policy's choices to draft weighed, per k: on CPU it drafts the whole block without weighing, so a
     # k's sums are set here (the engine thread's snapshots after the requests' steps carry them)
-    server.app.state.runner.engine.policy.weighed.setdefault(2, [3, 0.36, 0.75, 4.5])
+    server.app.state.runner.engine.policy.weighed.setdefault(2, {"n": 3, "plain_ms": 0.36, "ms": 0.75, "expected": 4.5})
     before = metrics(server)
     ids = [client.completions.create(model="tiny-target", prompt=p, max_tokens=32, **GREEDY).id
            for p in ["for i in range(", "while True:", "x = [1, 2"]]
@@ -208,8 +208,7 @@ def test_metrics_agree_with_requests(server, client):
     # and per k what its choices to draft weighed
     shown = {m.groups()[:2]: float(m[3]) for m in re.finditer(
         r'dspark:policy_draft_weighed_total{[^}]*k="(\d+)",what="(\w+)"} (\S+)', text)}
-    assert shown and shown == {(str(k), w): v for k, ws in p.weighed.items()
-                               for w, v in zip(("n", "plain_ms", "ms", "expected"), ws)}
+    assert shown and shown == {(str(k), w): v for k, ws in p.weighed.items() for w, v in ws.items()}
     # one row per step here; on CPU (no step times, so no k policy) each drafts the whole block
     steps = [d[f"dspark:decode_steps_total[{k}]"] for k in range(eng.k + 1)]
     assert sum(steps) == sum(len(o.num_drafts_per_step) for o in outs)
