@@ -209,7 +209,8 @@ echo "NGPU=$NGPU OUT=$OUT"
 # "regenerate:" stops them before the regeneration, whose host-bound steps they slow about fourfold)
 side_tests() {
   setsid bash "$0" tests-cuda -n 8 --timeout 200 tests/test_mailbox.py tests/test_overlap.py tests/test_runner.py \
-    tests/test_policy.py tests/test_engine.py tests/test_serve_engine_proc.py tests/test_serve.py tests/ > "$OUT/side.txt" 2>&1 &
+    tests/test_policy.py tests/test_engine.py tests/test_serve_engine_proc.py tests/test_serve.py tests/ \
+    > "$OUT/side.txt" 2>&1 &
   side_pid=$! side_watcher=""
   [ $# -gt 0 ] || return 0
   # shellcheck disable=SC2086 # GLOB is expanded at every look
