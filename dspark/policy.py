@@ -24,9 +24,10 @@ leads plain decoding by less than CLEAR_GAIN, a plain cost older than REFRESH_ST
 such a choice turns on that one estimate, and a plain cost measured high by a run's first steps would otherwise
 keep it drafting for STALE_STEPS steps.
 Drafting after plain steps also pays the flush of their stashed context rows, spread over the REPICK_EVERY steps a
-choice lasts. Plain decoding is measured before drafting is weighed against it: modelled with the host work of the
-drafting steps that ran first, plain steps would look dearer than they are, and a choice never made is never
-measured.
+choice lasts. Plain decoding is measured at the batch bucket before drafting is weighed against it there: modelled
+with the host work of the drafting steps that ran first, or borrowed from another bucket's (a level of 16 rows before
+one of 1, whose plain steps cost twice their replay), plain steps would look dearer than they are, and a choice never
+made is never measured.
 The policy picks the k with the most expected tokens per millisecond, so speculation runs plainly where drafting
 does not pay (and while probes keep finding that for sampled rows, most sampled requests keep no drafter context:
 their plain steps are then AR's, without the stash; context_for); drafting must beat plain decoding by DRAFT_GAIN (a
@@ -224,9 +225,9 @@ class KPolicy:
              drafting: int | None = None) -> int:
         """The candidate with the most expected tokens per millisecond (estimates); without graphs the whole
         block. Once steps have run, plain decoding is measured before drafting is weighed against it: until plain
-        steps of this mode have run back to back (at any batch bucket) it decodes plainly, since modelling them
-        with the drafting steps' host work would price them too high, and a choice never tried is never
-        measured. drafting: the rows that keep the drafter's context (default all)."""
+        steps of this mode have run back to back at this batch bucket it decodes plainly, since modelling them
+        with the drafting steps' host work, or another bucket's, would price them too high, and a choice never
+        tried is never measured. drafting: the rows that keep the drafter's context (default all)."""
         return self.pick(num_rows, longest, mode, self.estimates(num_rows, longest, mode, acc, reach, drafting))
 
     def pick(self, num_rows: int, longest: int, mode: str, est: dict[int, dict] | None, rate: str = "rate") -> int:
@@ -234,7 +235,7 @@ class KPolicy:
         context."""
         if est is None:
             return self.k
-        if self.host_all and not self.measured_kinds(0, mode):
+        if self.host_all and not est[0]["measured"]:
             return 0
         k = max(est, key=lambda k: (est[k][rate], -k))
         if k and est[k][rate] < CLEAR_GAIN * est[0][rate] and self.forget_old_plain(num_rows, longest, mode):

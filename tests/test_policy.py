@@ -534,11 +534,49 @@ def test_k_policy_costs_an_untimed_bucket_by_its_ks_measured_excess(targets, mon
     assert p.excess_ms(2, "sample") == pytest.approx(0.4) and p.excess_ms(2, "greedy") is None
     two = key(2, 2, 100, "sample")
     assert p.measured_cycles(two) is None and p.step_cost(two, 0.7) == pytest.approx(1.1)
+    p.cycle_by_kind[2, 0, "sample"] = deque([0.5] * 3)  # plain measured at two rows
     assert p.best(2, 100, "sample", acc, reach) == 0  # k = 2: 1.96 tokens per 1.1 ms against 1.1 x 1 / 0.5
     est = p.estimates(2, 100, "greedy", acc, reach)  # greedy kinds: none measured, the model
     assert est[2]["cost_ms"] == pytest.approx(0.7) and p.best(2, 100, "greedy", acc, reach) == 0  # plain first
-    p.cycle_by_kind[1, 0, "greedy"] = deque([0.5] * 3)  # greedy plain measured at one row: the model drafts
+    p.cycle_by_kind[2, 0, "greedy"] = deque([0.5] * 3)  # greedy plain measured at two rows: the model drafts
     assert p.best(2, 100, "greedy", acc, reach) > 0
+
+
+def test_k_policy_measures_plain_decoding_at_each_batch_bucket(targets, monkeypatch):
+    """After a level of 16 rows (plain steps 0.45 ms start to start, 0.25 above their replay) a level of one row
+    would borrow that excess for its plain steps too (0.13 + 0.25 ms) and draft 4 at an acceptance of 0.4 (1.65
+    tokens per 0.26 + 0.25 ms). So it decodes plainly at the new bucket until its plain steps are measured there
+    (0.14 ms), and then stays plain (but for the probes)."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p, key = engine.policy, engine.runner.key_for
+    replay = {(16, 0): 0.2, (16, 4): 0.35, (1, 0): 0.13, (1, 1): 0.22, (1, 2): 0.24, (1, 4): 0.26}
+    engine.runner.step_ms = lambda key: replay.get((key.rows, key.k), 0.5)
+    p.accepted["sampled"], p.reached["sampled"] = LOW_ACCEPTANCE
+    now = [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+
+    def step(rows: int, k: int, cycle_ms: float) -> None:
+        p.step_started(0.0)
+        p.step_replayed(replay[rows, k], key(rows, k, 100, "sample"))
+        now[0] += cycle_ms / 1e3
+
+    for k, cycle in ((0, 0.45), (4, 0.6)):
+        for _ in range(8):
+            step(16, k, cycle)
+    p.step_started(0.0)
+    p.last_step = None  # a prefill: the next step starts a new chain
+    est = p.estimates(1, 100, "sample")
+    assert not est[0]["measured"] and est[0]["cost_ms"] == pytest.approx(0.38)
+    assert est[4]["rate"] > est[0]["rate"]  # borrowed from 16 rows, plain decoding would lose
+    picks = []
+    for _ in range(200):
+        k = p.choose(1, 100, "sample")
+        picks.append(k)
+        step(1, k, 0.27 if k else 0.14)
+    assert picks[:MIN_CYCLES + 1] == [0] * (MIN_CYCLES + 1) and sum(picks) > 0  # plain first; probes drafted
+    assert not p.weighed and all(b == "probe" for _, k, _, b in p.choices_made if k)  # no choice to draft
+    assert p.step_cost(key(1, 0, 100, "sample"), 0.13) == pytest.approx(0.14)
 
 
 def test_k_policy_charges_a_switch_to_drafting_not_to_the_plain_step_before_it(targets, monkeypatch):
