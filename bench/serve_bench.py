@@ -48,7 +48,6 @@ import os
 import platform
 import shlex
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,20 +61,16 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.serve_clients import ClientError, Req, clients, http_client, in_processes, one  # noqa: E402
+from bench.serve_metrics import BenchError, counters, server_figures  # noqa: E402
+from bench.serve_report import MODES, rows, table  # noqa: E402
 from eval.__main__ import encode, versions  # noqa: E402
-from eval.measure import counters_delta, parse_prometheus, spec_decode_counters, stats_from_counters  # noqa: E402
 from eval.tasks import TASKS, build_task, select  # noqa: E402
 from serve import free_port, target_positions  # noqa: E402
 
-MODES = ("ar", "dspark")
 SET_HERE = ("--target", "--drafter", "--host", "--port", "--engine", "--dry-run")  # not allowed after `--`
 LEN_MARGIN = 64  # max_model_len room beyond prompt + max_tokens: the draft block and re-tokenized prompts
 CLIENTS_PER_PROCESS = 8  # streaming clients per client process (--client-procs 0): at 16, one process used a core
 MORE_PER_LEVEL = 63  # requests a level may add to its N to last --min-level-s, per request of N
-
-
-class BenchError(RuntimeError):
-    """A server that did not come up or a run cut short: reported, the JSON still written, exit status 1."""
 
 
 def _list(text: str, conv, flag: str, ok, expected: str) -> list:
@@ -237,105 +232,6 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-FIRST_TOKEN = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:request_queue_time_seconds",
-               "prefill": "vllm:request_prefill_time_seconds"}  # histograms: their _sum and _count
-PER_K = {"dspark:decode_steps_total": "steps_per_k", "dspark:step_cycles_total": "cycles_per_k",
-         "dspark:step_cycle_ms_total": "cycle_ms_per_k", "dspark:step_replay_ms_total": "replay_ms_per_k",
-         "dspark:step_device_timed_total": "device_steps_per_k", "dspark:step_device_ms_total": "device_ms_per_k"}
-# the engine thread's time (s): busy, inside step(), waiting for results, waiting to refill a step's inputs
-HOST = {"loop": "dspark:engine_loop_seconds_total", "step": "dspark:engine_step_seconds_total",
-        "read_wait": "dspark:step_read_wait_seconds_total", "launch_wait": "dspark:step_launch_wait_seconds_total"}
-
-
-# drafting after plain steps: the stashed context's flushes, those queued behind a plain step in flight, host seconds
-FLUSH = {"count": "dspark:context_flushes_total", "queued": "dspark:context_flushes_queued_total",
-         "seconds": "dspark:context_flush_seconds_total"}
-
-
-def per_k_delta(c0: dict, c1: dict, key: str) -> dict[int, float]:
-    return {k: v - c0[key].get(k, 0.0) for k, v in sorted(c1[key].items())}
-
-
-async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
-    """vLLM's spec-decode counters + generation_tokens, read once the server is idle (its snapshot is per step)."""
-    t0 = time.monotonic()
-    while True:
-        try:
-            text = (await client.get("/metrics", timeout=10.0)).raise_for_status().text
-        except httpx.HTTPError as e:
-            raise BenchError(f"GET /metrics failed ({type(e).__name__}: {e}); see the server's output") from None
-        vals: dict[str, float] = {}
-        # our server's counters by the k it chose (absent on vLLM): decode steps, and the back-to-back graph steps
-        # it timed with their whole time and replay time
-        per_k: dict[str, dict[int, float]] = {name: {} for name in PER_K}
-        # what our server's k policy weighs now: each measured kind's cost ("rows/k/mode": ms), the acceptance
-        # estimates per group and draft position; the choices it made since it started ("rows/k/mode/basis"); and per
-        # k its choices to draft k with the sums of what they weighed (n, plain_ms, ms, expected)
-        policy: dict[str, dict] = {"step_cost_ms": {}, "acceptance": {}, "choices": {}, "weighed": {}}
-        for name, labels, v in parse_prometheus(text):
-            vals[name] = vals.get(name, 0.0) + v
-            if name in per_k and "k" in labels:
-                per_k[name][int(labels["k"])] = per_k[name].get(int(labels["k"]), 0.0) + v
-            elif name == "dspark:policy_step_cost_ms":
-                policy["step_cost_ms"][f"{labels['rows']}/{labels['k']}/{labels['mode']}"] = round(v, 3)
-            elif name == "dspark:policy_acceptance":
-                policy["acceptance"].setdefault(labels["group"], {})[int(labels["position"])] = round(v, 3)
-            elif name == "dspark:policy_choices_total":
-                policy["choices"]["/".join(labels[x] for x in ("rows", "k", "mode", "basis"))] = v
-            elif name == "dspark:policy_draft_weighed_total":
-                policy["weighed"].setdefault(int(labels["k"]), {})[labels["what"]] = v
-        busy = vals.get("vllm:num_requests_running", 0) + vals.get("vllm:num_requests_waiting", 0)
-        if not busy or time.monotonic() - t0 > timeout:
-            return {**spec_decode_counters(text), "generation_tokens": vals.get("vllm:generation_tokens_total", 0.0),
-                    "overlapped_steps": vals.get("dspark:overlapped_steps_total", 0.0),
-                    "flushes": {key: vals.get(name, 0.0) for key, name in FLUSH.items()},
-                    **{key: per_k[name] for name, key in PER_K.items()},
-                    "step_host_ms": vals.get("dspark:step_host_ms"), "idle": not busy, "policy": policy,
-                    "host_s": {key: vals.get(name, 0.0) for key, name in HOST.items()},
-                    "first_token": {key: (vals.get(f"{name}_sum", 0.0), vals.get(f"{name}_count", 0.0))
-                                    for key, name in FIRST_TOKEN.items()}}
-        await asyncio.sleep(0.05)
-
-
-def weighed(w0: dict[int, dict], w1: dict[int, dict]) -> dict[int, dict[str, float]]:
-    """Per k the level's choices to draft k: how many (n), and the means of what they weighed: plain decoding's cost
-    and k's (ms), k's expected tokens per row; to set beside the level's measured step times and tau."""
-    out = {}
-    for k, now in w1.items():
-        was = w0.get(k, {})
-        n = now.get("n", 0.0) - was.get("n", 0.0)
-        if n > 0:
-            out[k] = {"n": n, **{x: round((now.get(x, 0.0) - was.get(x, 0.0)) / n, 3)
-                                 for x in ("plain_ms", "ms", "expected")}}
-    return out
-
-
-def step_ms_per_k(c0: dict, c1: dict) -> dict[int, dict[str, float]]:
-    """Per k the server chose in the level: its back-to-back graph steps' mean time from one start to the next and
-    mean replay (ms), what the k policy weighs against the drafts' acceptance."""
-    n, cycle, replay = (per_k_delta(c0, c1, key) for key in ("cycles_per_k", "cycle_ms_per_k", "replay_ms_per_k"))
-    timed, device = (per_k_delta(c0, c1, key) for key in ("device_steps_per_k", "device_ms_per_k"))
-    return {k: {"steps": c, "cycle_ms": cycle[k] / c, "replay_ms": replay[k] / c,
-                "device_ms": device[k] / timed[k] if timed.get(k) else None} for k, c in n.items() if c > 0}
-
-
-def host_ms_per_step(c0: dict, c1: dict, steps: float) -> dict[str, float | None]:
-    """The engine thread's time per decode step of the level (ms): busy (loop), inside step(), and of that waiting
-    for results (read_wait) and to refill a step's inputs (launch_wait)."""
-    return {key: 1e3 * (c1["host_s"][key] - c0["host_s"][key]) / steps if steps else None for key in HOST}
-
-
-def server_first_token_ms(c0: dict, c1: dict) -> dict[str, float | None]:
-    """The server's own mean time per request, in ms, from its engine taking the request to its first token (ttft),
-    split into waiting for a batch slot (queue) and admission to first token (prefill); the client's TTFT less this
-    is HTTP, tokenizing and delivery."""
-    out = {}
-    for key in FIRST_TOKEN:
-        (s0, n0), (s1, n1) = c0["first_token"][key], c1["first_token"][key]
-        out[key] = 1e3 * (s1 - s0) / (n1 - n0) if n1 > n0 else None
-    return out
-
-
 def pcts(xs: list[float]) -> dict:
     if not xs:
         return {"mean": None, "p50": None, "p99": None}
@@ -378,105 +274,20 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
             r.error = "not finished when the time limit (--time-limit) was reached"
     ok = [r for r in reqs if r.ok]
     toks = sum(r.completion_tokens for r in ok)
-    spec = stats_from_counters(counters_delta(c0, c1))
     return {
         "requests": n, "completed": len(ok), "errors": n - len(ok), "cut_by_time_limit": cut,
         "error_messages": sorted({r.error for r in reqs if r.error})[:5], "warmup_error": warm.error or None,
         "wall_s": wall, "output_tokens": toks, "output_tok_s": toks / wall, "request_s": len(ok) / wall,
         "ttft_ms": pcts([r.ttft for r in ok]), "itl_ms": pcts([x for r in ok for x in r.itl]),
         "tpot_ms": pcts([(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]),
-        "tokens_per_event": toks / max(sum(r.events for r in ok), 1), "tau": spec["tau"], "spec_decode": spec,
-        "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
-        "steps_per_k": per_k_delta(c0, c1, "steps_per_k"), "step_host_ms": c1["step_host_ms"],
-        # at the level's end: each measured kind's cost and the acceptance estimates; the level's choices
-        "policy": {**c1["policy"], "choices": {key: n - c0["policy"]["choices"].get(key, 0.0)
-                                               for key, n in c1["policy"]["choices"].items()
-                                               if n > c0["policy"]["choices"].get(key, 0.0)},
-                   "weighed": weighed(c0["policy"]["weighed"], c1["policy"]["weighed"])},
-        "overlapped_steps": c1["overlapped_steps"] - c0["overlapped_steps"],
-        "context_flushes": {key: c1["flushes"][key] - c0["flushes"][key] for key in FLUSH},
-        "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
-        "host_ms_per_step": host_ms_per_step(c0, c1, sum(per_k_delta(c0, c1, "steps_per_k").values())),
-        "server_idle_at_reads": c0["idle"] and c1["idle"], "client_procs": procs,
+        "tokens_per_event": toks / max(sum(r.events for r in ok), 1), **server_figures(c0, c1),
+        "client_procs": procs,
         "client_cpu_fraction": cpu_frac,  # the busiest client process's CPU time / the level's wall time
         "profile_files": files,
         "per_request": [asdict(r) for r in reqs]}
 
 
 # ---------------------------------------------------------------------------- report
-def rows(levels: list[dict]) -> list[dict]:
-    """One row per (task, temperature, concurrency) with both modes side by side (each figure the median over the
-    rounds), DSpark ÷ AR (the median of each round's ratio, every round's in `speedups`) and the greedy text check."""
-    by: dict[tuple, list[dict]] = {}
-    for lv in levels:
-        by.setdefault((lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]), []).append(lv)
-    out = []
-    for key in dict.fromkeys((lv["task"], lv["temperature"], lv["concurrency"]) for lv in levels):
-        ar, ds = by.get(("ar", *key), []), by.get(("dspark", *key), [])
-        row = {"task": key[0], "temperature": key[1], "concurrency": key[2], "ar": _brief(ar), "dspark": _brief(ds),
-               "speedup": None, "speedups": [], "greedy_equal": None, "greedy_compared": None}
-        row["cut"] = any(lv.get("cut_by_time_limit") for lv in ar + ds)  # a part of a level: no ratio
-        if not row["cut"]:
-            ar_round = {lv.get("round", 0): lv["output_tok_s"] for lv in ar}
-            row["speedups"] = [lv["output_tok_s"] / ar_round[lv.get("round", 0)] for lv in ds
-                               if ar_round.get(lv.get("round", 0))]
-            row["speedup"] = statistics.median(row["speedups"]) if row["speedups"] else None
-        if ar and ds and key[1] == 0:  # each DSpark text against the AR text of its prompt (levels differ in how
-            # many requests they sent, and client processes report theirs in their own order)
-            ar_text = {x["prompt"]: x["text"] for lv in ar for x in lv["per_request"] if x["ok"]}
-            pairs = [(ar_text[y["prompt"]], y["text"]) for lv in ds for y in lv["per_request"]
-                     if y["ok"] and y["prompt"] in ar_text]
-            row["greedy_compared"] = len(pairs)
-            row["greedy_equal"] = sum(x == y for x, y in pairs)
-        out.append(row)
-    return out
-
-
-def _brief(lvs: list[dict]) -> dict | None:
-    """A mode's figures at one level: the median over its rounds (errors: their sum); None without a level."""
-    if not lvs:
-        return None
-    each = [{k: lv[k] for k in ("output_tok_s", "request_s", "tau", "errors", "tokens_per_event")} | {
-        "ttft_p50_ms": lv["ttft_ms"]["p50"], "itl_p50_ms": lv["itl_ms"]["p50"], "itl_p99_ms": lv["itl_ms"]["p99"],
-        "tpot_p50_ms": lv["tpot_ms"]["p50"]} for lv in lvs]
-    out = {}
-    for k in each[0]:
-        xs = [x[k] for x in each if x[k] is not None]
-        out[k] = sum(xs) if k == "errors" else statistics.median(xs) if xs else None
-    return out
-
-
-def table(rs: list[dict]) -> str:
-    def f(x, d=1):
-        return "—" if x is None else f"{x:.{d}f}"
-
-    def both(r, k, d=2):
-        return " / ".join(f((r[m] or {}).get(k), d) for m in MODES)
-
-    def ratio(r):
-        if r.get("cut"):
-            return "cut"
-        sp = r.get("speedups") or []
-        return f(r["speedup"], 2) + "×" * (r["speedup"] is not None) + (
-            f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
-
-    lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | τ | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
-             "| TPOT p50 ms | errors | greedy = AR |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
-    for r in rs:
-        ar, ds = r["ar"] or {}, r["dspark"] or {}
-        greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
-        lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
-                     f"{f(ds.get('output_tok_s'))} | {ratio(r)} | {f(ds.get('tau'), 2)} | "
-                     f"{both(r, 'ttft_p50_ms')} | {both(r, 'itl_p50_ms')} | {both(r, 'itl_p99_ms')} | "
-                     f"{both(r, 'tpot_p50_ms')} | {' / '.join(str((r[m] or {}).get('errors', '—')) for m in MODES)} "
-                     f"| {greedy} |")
-    return "\n".join(lines) + "\n\nTwo figures per cell: AR / DSpark. ITL is per SSE event (a DSpark event carries a " \
-                              "whole verify step's tokens); TPOT is per token. cut: the time limit (--time-limit) " \
-                              "ended a level, its errors the requests left unfinished. With --rounds R a figure is " \
-                              "the median over the rounds, and the ratio's range over them follows it.\n"
-
-
 def environment() -> dict:
     import torch
 

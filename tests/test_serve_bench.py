@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.serve_metrics import weighed
+
 ROOT = Path(__file__).resolve().parents[1]
 TASKS, TEMPS, CONC = ("humaneval", "creative"), (0.0, 0.7), (1, 2)
 
@@ -141,13 +143,12 @@ def _bench():
 def test_a_levels_choices_to_draft_weighed_are_the_counters_differences():
     """Per k the level's choices to draft and the means of what they weighed, from the policy's cumulative sums at
     the level's start and end; a k with no new choice in the level is left out."""
-    bench = _bench()
     w0 = {2: {"n": 3.0, "plain_ms": 0.36, "ms": 0.75, "expected": 4.5}}
     w1 = {2: {"n": 5.0, "plain_ms": 0.66, "ms": 1.25, "expected": 7.5}, 4: {"n": 3.0, "plain_ms": 0.45,
                                                                             "ms": 0.9, "expected": 6.0}}
-    assert bench.weighed(w0, w1) == {2: {"n": 2.0, "plain_ms": 0.15, "ms": 0.25, "expected": 1.5},
+    assert weighed(w0, w1) == {2: {"n": 2.0, "plain_ms": 0.15, "ms": 0.25, "expected": 1.5},
                                      4: {"n": 3.0, "plain_ms": 0.15, "ms": 0.3, "expected": 2.0}}
-    assert bench.weighed(w1, w1) == {}
+    assert weighed(w1, w1) == {}
 
 
 def test_serve_bench_bad_options(models, capsys):

@@ -1,0 +1,80 @@
+"""serve_bench's summary: one row per (task, temperature, concurrency) with AR and DSpark side by side, as a
+markdown table."""
+from __future__ import annotations
+
+import statistics
+
+MODES = ("ar", "dspark")
+
+
+def rows(levels: list[dict]) -> list[dict]:
+    """One row per (task, temperature, concurrency) with both modes side by side (each figure the median over the
+    rounds), DSpark ÷ AR (the median of each round's ratio, every round's in `speedups`) and the greedy text check."""
+    by: dict[tuple, list[dict]] = {}
+    for lv in levels:
+        by.setdefault((lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]), []).append(lv)
+    out = []
+    for key in dict.fromkeys((lv["task"], lv["temperature"], lv["concurrency"]) for lv in levels):
+        ar, ds = by.get(("ar", *key), []), by.get(("dspark", *key), [])
+        row = {"task": key[0], "temperature": key[1], "concurrency": key[2], "ar": _brief(ar), "dspark": _brief(ds),
+               "speedup": None, "speedups": [], "greedy_equal": None, "greedy_compared": None}
+        row["cut"] = any(lv.get("cut_by_time_limit") for lv in ar + ds)  # a part of a level: no ratio
+        if not row["cut"]:
+            ar_round = {lv.get("round", 0): lv["output_tok_s"] for lv in ar}
+            row["speedups"] = [lv["output_tok_s"] / ar_round[lv.get("round", 0)] for lv in ds
+                               if ar_round.get(lv.get("round", 0))]
+            row["speedup"] = statistics.median(row["speedups"]) if row["speedups"] else None
+        if ar and ds and key[1] == 0:  # each DSpark text against the AR text of its prompt (levels differ in how
+            # many requests they sent, and client processes report theirs in their own order)
+            ar_text = {x["prompt"]: x["text"] for lv in ar for x in lv["per_request"] if x["ok"]}
+            pairs = [(ar_text[y["prompt"]], y["text"]) for lv in ds for y in lv["per_request"]
+                     if y["ok"] and y["prompt"] in ar_text]
+            row["greedy_compared"] = len(pairs)
+            row["greedy_equal"] = sum(x == y for x, y in pairs)
+        out.append(row)
+    return out
+
+
+def _brief(lvs: list[dict]) -> dict | None:
+    """A mode's figures at one level: the median over its rounds (errors: their sum); None without a level."""
+    if not lvs:
+        return None
+    each = [{k: lv[k] for k in ("output_tok_s", "request_s", "tau", "errors", "tokens_per_event")} | {
+        "ttft_p50_ms": lv["ttft_ms"]["p50"], "itl_p50_ms": lv["itl_ms"]["p50"], "itl_p99_ms": lv["itl_ms"]["p99"],
+        "tpot_p50_ms": lv["tpot_ms"]["p50"]} for lv in lvs]
+    out = {}
+    for k in each[0]:
+        xs = [x[k] for x in each if x[k] is not None]
+        out[k] = sum(xs) if k == "errors" else statistics.median(xs) if xs else None
+    return out
+
+
+def table(rs: list[dict]) -> str:
+    def f(x, d=1):
+        return "—" if x is None else f"{x:.{d}f}"
+
+    def both(r, k, d=2):
+        return " / ".join(f((r[m] or {}).get(k), d) for m in MODES)
+
+    def ratio(r):
+        if r.get("cut"):
+            return "cut"
+        sp = r.get("speedups") or []
+        return f(r["speedup"], 2) + "×" * (r["speedup"] is not None) + (
+            f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
+
+    lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | τ | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
+             "| TPOT p50 ms | errors | greedy = AR |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rs:
+        ar, ds = r["ar"] or {}, r["dspark"] or {}
+        greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
+        lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
+                     f"{f(ds.get('output_tok_s'))} | {ratio(r)} | {f(ds.get('tau'), 2)} | "
+                     f"{both(r, 'ttft_p50_ms')} | {both(r, 'itl_p50_ms')} | {both(r, 'itl_p99_ms')} | "
+                     f"{both(r, 'tpot_p50_ms')} | {' / '.join(str((r[m] or {}).get('errors', '—')) for m in MODES)} "
+                     f"| {greedy} |")
+    return "\n".join(lines) + "\n\nTwo figures per cell: AR / DSpark. ITL is per SSE event (a DSpark event carries a " \
+                              "whole verify step's tokens); TPOT is per token. cut: the time limit (--time-limit) " \
+                              "ended a level, its errors the requests left unfinished. With --rounds R a figure is " \
+                              "the median over the rounds, and the ratio's range over them follows it.\n"
