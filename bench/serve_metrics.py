@@ -76,15 +76,15 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
 
 
 def weighed(w0: dict[int, dict], w1: dict[int, dict]) -> dict[int, dict[str, float]]:
-    """Per k the level's choices to draft k: how many (n), and the means of what they weighed: plain decoding's cost
-    and k's (ms), k's expected tokens per row; to set beside the level's measured step times and tau."""
+    """Per k the level's choices to draft k: how many (n), and the means of what they weighed (plain decoding's cost
+    and k's, ms; k's expected tokens per row; the plain cost's cycles, the least of them, its age in steps: the
+    policy's WEIGHED), to set beside the level's measured step times and tau."""
     out = {}
     for k, now in w1.items():
         was = w0.get(k, {})
         n = now.get("n", 0.0) - was.get("n", 0.0)
         if n > 0:
-            out[k] = {"n": n, **{x: round((now.get(x, 0.0) - was.get(x, 0.0)) / n, 3)
-                                 for x in ("plain_ms", "ms", "expected")}}
+            out[k] = {"n": n, **{x: round((v - was.get(x, 0.0)) / n, 3) for x, v in now.items() if x != "n"}}
     return out
 
 

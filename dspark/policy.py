@@ -62,6 +62,9 @@ DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects t
 # where drafting pays again
 CONTEXT_EVERY = 8
 GROUPS = ("greedy", "sampled")
+# what a choice to draft weighed (KPolicy.weighed): how many, plain decoding's cost and the chosen k's (ms), k's expected
+# tokens per row; the plain cost's cycles (a modelled one counts as one of its value), their least (ms), their age
+WEIGHED = ("n", "plain_ms", "ms", "expected", "plain_cycles", "plain_min_ms", "plain_age")
 
 
 class KPolicy:
@@ -87,7 +90,8 @@ class KPolicy:
         # or "modelled" (the chosen kind's cost), or "probe" (the whole block, for the acceptance statistics)
         self.choices_made: dict[tuple[int, int, str, str], int] = {}
         # per k > 0, over the choices to draft k (probes left out): how many, and the sums of what each weighed:
-        # plain decoding's cost and k's (ms), k's expected tokens per row (what /metrics shows against the measured)
+        # plain decoding's cost and k's (ms), k's expected tokens per row (what /metrics shows against the measured);
+        # and of the plain cost's basis: its kind's cycles then, the least of them (ms), its age in decode steps
         self.weighed: dict[int, dict[str, float]] = {}
         # over back-to-back graph steps: the host's own work per decode step (ms: scheduling, the launch, reading, the
         # server's loop; its waits for the device left out), the last samples of every kind; and per kind (batch
@@ -144,11 +148,7 @@ class KPolicy:
             hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1]
             self._made(num_rows, k, mode, "measured" if measured else "modelled")
             if k and est is not None:
-                w = self.weighed.setdefault(k, {"n": 0, "plain_ms": 0.0, "ms": 0.0, "expected": 0.0})
-                w["n"] += 1
-                w["plain_ms"] += est[0]["cost_ms"]
-                w["ms"] += est[k]["cost_ms"]
-                w["expected"] += est[k]["expected"]
+                self._weighed(k, est, self.runner.key_for(num_rows, 0, longest + 1, mode))
             pays = k > 0 or (drafting < num_rows and self.pick(num_rows, longest, mode, est, "rate_all") > 0)
             if pays:  # drafting pays (again), for every row that keeps the context
                 self.probe_every[group] = PROBE_EVERY
@@ -173,6 +173,16 @@ class KPolicy:
             return False
         self.sampled_without = 0
         return True
+
+    def _weighed(self, k: int, est: dict[int, dict], plain: StepKey) -> None:
+        """Add a choice to draft k to k's sums of what it weighed (est: estimates; plain: plain decoding's key)."""
+        kind = (plain.rows, 0, plain.mode)
+        cycles = self.cycle_by_kind.get(kind) or [est[0]["cost_ms"]]
+        w = self.weighed.setdefault(k, dict.fromkeys(WEIGHED, 0.0))
+        for what, v in (("n", 1), ("plain_ms", est[0]["cost_ms"]), ("ms", est[k]["cost_ms"]),
+                        ("expected", est[k]["expected"]), ("plain_cycles", len(cycles)), ("plain_min_ms", min(cycles)),
+                        ("plain_age", self.steps - self.sampled_at.get(kind, self.steps))):
+            w[what] += v
 
     def _made(self, num_rows: int, k: int, mode: str, basis: str) -> None:
         key = (num_rows, k, mode, basis)
@@ -292,7 +302,7 @@ class KPolicy:
         """What the choice weighs now, for /metrics: each measured kind's cost (its batch bucket, k, sampling mode and
         the median of its last cycles, ms), the acceptance estimates per group, the flush's host ms, the choices
         made so far (rows, k, mode, basis: see choices_made; n), and per k what its choices to draft weighed (n, and
-        the sums of plain decoding's cost, k's cost and k's expected tokens: see weighed)."""
+        the sums of WEIGHED's other figures: see weighed)."""
         return {"step_cost_ms": [{"rows": r, "k": k, "mode": m, "ms": statistics.median(c)}
                                  for (r, k, m), c in self.measured_kinds()],
                 "acceptance": {g: self.acceptance(self.accepted[g], self.reached[g]) for g in GROUPS},

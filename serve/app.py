@@ -184,7 +184,9 @@ def metrics_text(runner: EngineRunner | EngineClient, model: str) -> str:
                 for e in policy["choices"]])
         metric("dspark:policy_draft_weighed_total", "counter", "Over the k policy's choices to draft (probes left "
                "out), by k: how many (what=n), and the sums of what each weighed: plain decoding's cost (plain_ms) and "
-               "the chosen k's (ms), the chosen k's expected tokens per row (expected).",
+               "the chosen k's (ms), the chosen k's expected tokens per row (expected); and of the plain cost's basis: "
+               "its kind's cycles (plain_cycles), the least of them (plain_min_ms), its age in decode steps "
+               "(plain_age).",
                [(f'{lab},k="{e["k"]}",what="{w}"', v) for e in policy["weighed"] for w, v in e.items() if w != "k"])
     n, queue, prefill = c.get("first_tokens", 0), c.get("queue_s", 0.0), c.get("prefill_s", 0.0)
     for total, name, help_ in [(queue + prefill, "vllm:time_to_first_token_seconds", "Time to first token: added to "

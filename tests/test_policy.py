@@ -237,13 +237,30 @@ def test_k_policy_counts_what_its_choices_to_draft_weighed(targets):
     k = p.choose(1, 100, "greedy")
     est = p.estimates(1, 100, "greedy")
     assert k > 0 and p.choose(1, 100, "greedy") == k  # the second call reuses the choice
-    want = {"k": k, "n": 1, "plain_ms": est[0]["cost_ms"], "ms": est[k]["cost_ms"], "expected": est[k]["expected"]}
+    want = {"k": k, "n": 1, "plain_ms": est[0]["cost_ms"], "ms": est[k]["cost_ms"], "expected": est[k]["expected"],
+            "plain_cycles": 1, "plain_min_ms": est[0]["cost_ms"], "plain_age": 0}  # a modelled plain cost: one value
     assert p.view()["weighed"] == [pytest.approx(want)]
     engine.runner.step_ms = lambda key: 1.0 + 10.0 * key.k  # drafting dear: plain at another batch size
     assert p.choose(2, 100, "greedy") == 0
     p.plain_steps["greedy"] = p.probe_every["greedy"]  # a probe is due
     assert p.choose(4, 100, "greedy") == p.k
     assert p.view()["weighed"] == [pytest.approx(want)]
+
+
+def test_k_policy_counts_the_basis_of_the_plain_cost_its_choices_to_draft_weighed(targets, monkeypatch):
+    """Beside the plain cost a choice to draft weighed, its basis: how many cycles its kind had then, the least of
+    them and how many decode steps ago the last one ran; /metrics shows their sums, serve_bench their means."""
+    p, key, picks = sampled_policy_run(targets, monkeypatch, LOW_ACCEPTANCE, 0.2, 1)  # 8 plain steps of 0.2 ms
+    # its first choice drafts on that cost: 6 cycles (the first plain step followed none, the last is in flight), the
+    # last of them taken at the start of the step before
+    w = p.weighed[picks[0]]
+    assert picks[0] > 0 and list(p.weighed) == [picks[0]]
+    assert {x: w[x] for x in ("n", "plain_ms", "plain_cycles", "plain_min_ms", "plain_age")} == pytest.approx(
+        {"n": 1, "plain_ms": 0.2, "plain_cycles": 6, "plain_min_ms": 0.2, "plain_age": 1})
+    p, key, picks = sampled_policy_run(targets, monkeypatch, LOW_ACCEPTANCE, 0.2, 40)
+    w = {what: sum(x[what] for x in p.weighed.values()) for what in p.weighed[picks[0]]}
+    assert w["n"] > 1 and w["plain_cycles"] == 6 + 7 * (w["n"] - 1)  # then the 8th too; no plain step since
+    assert w["plain_min_ms"] == pytest.approx(0.2 * w["n"]) and w["plain_age"] > 2 * REPICK_EVERY  # ageing
 
 
 def test_k_policy_measures_plain_decoding_before_weighing_drafting_against_it(targets, monkeypatch):
