@@ -62,8 +62,9 @@ DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects t
 # where drafting pays again
 CONTEXT_EVERY = 8
 GROUPS = ("greedy", "sampled")
-# what a choice to draft weighed (KPolicy.weighed): how many, plain decoding's cost and the chosen k's (ms), k's expected
-# tokens per row; the plain cost's cycles (a modelled one counts as one of its value), their least (ms), their age
+# what a choice to draft weighed (KPolicy.weighed): how many, plain decoding's cost and the chosen k's (ms), k's
+# expected tokens per row; the plain cost's cycles (a modelled one counts as one of its value), their least (ms), their
+# age (decode steps since the last)
 WEIGHED = ("n", "plain_ms", "ms", "expected", "plain_cycles", "plain_min_ms", "plain_age")
 
 
