@@ -48,7 +48,7 @@ async def counters(client: httpx.AsyncClient, timeout: float = 30.0) -> dict:
         per_k: dict[str, dict[int, float]] = {name: {} for name in PER_K}
         # what our server's k policy weighs now: each measured kind's cost ("rows/k/mode": ms), the acceptance
         # estimates per group and draft position; the choices it made since it started ("rows/k/mode/basis"); and per
-        # k its choices to draft k with the sums of what they weighed (n, plain_ms, ms, expected)
+        # k its choices to draft k with the sums of what they weighed (the policy's WEIGHED)
         policy: dict[str, dict] = {"step_cost_ms": {}, "acceptance": {}, "choices": {}, "weighed": {}}
         for name, labels, v in parse_prometheus(text):
             vals[name] = vals.get(name, 0.0) + v

@@ -26,8 +26,8 @@ keep it drafting for STALE_STEPS steps.
 Drafting after plain steps also pays the flush of their stashed context rows, spread over the REPICK_EVERY steps a
 choice lasts. Plain decoding is measured at the batch bucket before drafting is weighed against it there: modelled
 with the host work of the drafting steps that ran first, or borrowed from another bucket's (a level of 16 rows before
-one of 1, whose plain steps cost twice their replay), plain steps would look dearer than they are, and a choice never
-made is never measured.
+one of 1: the host work of 16 rows a step), plain steps would look dearer than they are, and a choice never made is
+never measured.
 The policy picks the k with the most expected tokens per millisecond, so speculation runs plainly where drafting
 does not pay (and while probes keep finding that for sampled rows, most sampled requests keep no drafter context:
 their plain steps are then AR's, without the stash; context_for); drafting must beat plain decoding by DRAFT_GAIN (a
