@@ -12,6 +12,7 @@ import openai
 import pytest
 import torch
 
+from dspark.policy import WEIGHED
 from dspark.runner import TIME_EVERY
 from serve import ServerThread, free_port, load_server
 from serve.__main__ import main as serve_main
@@ -175,7 +176,7 @@ def test_profile_window_writes_the_engine_threads_tables_and_trace(server, clien
 def test_metrics_agree_with_requests(server, client):
     # what the k policy's choices to draft weighed, per k: on CPU it drafts the whole block without weighing, so a
     # k's sums are set here (the engine thread's snapshots after the requests' steps carry them)
-    server.app.state.runner.engine.policy.weighed.setdefault(2, {"n": 3, "plain_ms": 0.36, "ms": 0.75, "expected": 4.5})
+    server.app.state.runner.engine.policy.weighed.setdefault(2, dict(zip(WEIGHED, (3, 0.36, 0.75, 4.5, 30, 0.33, 12))))
     before = metrics(server)
     ids = [client.completions.create(model="tiny-target", prompt=p, max_tokens=32, **GREEDY).id
            for p in ["for i in range(", "while True:", "x = [1, 2"]]

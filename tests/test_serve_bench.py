@@ -147,7 +147,7 @@ def test_a_levels_choices_to_draft_weighed_are_the_counters_differences():
     w1 = {2: {"n": 5.0, "plain_ms": 0.66, "ms": 1.25, "expected": 7.5}, 4: {"n": 3.0, "plain_ms": 0.45,
                                                                             "ms": 0.9, "expected": 6.0}}
     assert weighed(w0, w1) == {2: {"n": 2.0, "plain_ms": 0.15, "ms": 0.25, "expected": 1.5},
-                                     4: {"n": 3.0, "plain_ms": 0.15, "ms": 0.3, "expected": 2.0}}
+                               4: {"n": 3.0, "plain_ms": 0.15, "ms": 0.3, "expected": 2.0}}
     assert weighed(w1, w1) == {}
 
 
