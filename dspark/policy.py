@@ -19,10 +19,12 @@ the few that stash, priced alone, make plain decoding read dear and the policy d
 A kind not run for STALE_STEPS steps forgets its cycles: a cost measured under other traffic (another level of
 load, a transient such as the first steps after a burst) would otherwise stand for good against a kind that keeps
 running; once plain decoding's cycles are forgotten the policy decodes plainly for the few steps that measure them
-again (see below), so a plain cost measured too high cannot keep it drafting where drafting loses. Where drafting
-leads plain decoding by less than CLEAR_GAIN, a plain cost older than REFRESH_STEPS steps is forgotten that way too:
-such a choice turns on that one estimate, and a plain cost measured high by a run's first steps would otherwise
-keep it drafting for STALE_STEPS steps.
+again (see below), so a plain cost measured too high cannot keep it drafting where drafting loses. A choice to draft
+that would lose to plain decoding at its graph's replay time (the least a plain step can take) turns on the measured
+plain cost; such a choice forgets a plain cost older than REFRESH_STEPS steps that way too. While it drafts no plain
+step runs to correct that cost (every sampled request keeps the drafter's context then), and one measured high by a
+transient (a run's first steps, a slow spell of the host) would otherwise keep it drafting for STALE_STEPS steps.
+Where drafting leads even that floor, no plain step is spent on measuring.
 Drafting after plain steps also pays the flush of their stashed context rows, spread over the REPICK_EVERY steps a
 choice lasts. Plain decoding is measured at the batch bucket before drafting is weighed against it there: modelled
 with the host work of the drafting steps that ran first, or borrowed from another bucket's (a level of 16 rows before
@@ -50,8 +52,7 @@ HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a sta
 CYCLE_WINDOW = 16  # a kind of step's cost: the median of its last this many cycles ...
 MIN_CYCLES = 3  # ... once it has this many (before, the model: replay and the host's work per step) ...
 STALE_STEPS = 1024  # ... sampled within this many decode steps (of any kind): an older kind's cycles are forgotten
-CLEAR_GAIN = 1.3  # drafting ahead of plain decoding by less than this (in tokens per ms) is a choice that ...
-REFRESH_STEPS = 256  # ... measures plain decoding again once its cost is older than this many steps
+REFRESH_STEPS = 256  # a choice to draft that turns on the plain cost measures it again once it is this many steps old
 FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving average
 ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
 # estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
@@ -120,7 +121,7 @@ class KPolicy:
         the statistics keep coming (a probe costs a drafting step that does not pay and the context rows of every
         position since the last one, so while probes leave the choice at 0 their interval doubles, up to PROBE_MAX,
         and a choice of k > 0 resets it); a choice is reused for REPICK_EVERY steps of the same batch size, context
-        bucket and mode, one on a modelled cost only for the MIN_CYCLES + 1 steps that measure it (a capture's
+        bucket and mode, one on a modelled cost only for the steps that measure it (a capture's
         replay time and another bucket's host work can make a kind look cheaper than it runs). Whether drafting pays
         for the group (what resets the probes' interval, and so lets new sampled requests keep the context:
         context_for) is judged as if every row drafted: rows that keep none would otherwise hold it at plain decoding
@@ -144,9 +145,12 @@ class KPolicy:
             est = self.estimates(num_rows, longest, mode, acc, reach, drafting)
             k = self.pick(num_rows, longest, mode, est)
             key = self.runner.key_for(num_rows, k, longest + k + 1, mode)
-            # a choice on a modelled cost lasts until its kind is measured (then its cost is known), not REPICK_EVERY
+            # a choice on a modelled cost lasts until its kind is measured (then its cost is known), not REPICK_EVERY:
+            # MIN_CYCLES steps, one more whose start times the last, and under overlap one more after a switch of k
+            # (its first step's cycle holds the step before: step_started)
             measured = self.measured_cycles(key) is not None
-            hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1]
+            switch = self.overlap and k != self.last_k
+            hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1 + switch]
             self._made(num_rows, k, mode, "measured" if measured else "modelled")
             if k and est is not None:
                 self._weighed(k, est, self.runner.key_for(num_rows, 0, longest + 1, mode))
@@ -249,7 +253,9 @@ class KPolicy:
         if self.host_all and not est[0]["measured"]:
             return 0
         k = max(est, key=lambda k: (est[k][rate], -k))
-        if k and est[k][rate] < CLEAR_GAIN * est[0][rate] and self.forget_old_plain(num_rows, longest, mode):
+        # k's lead turns on the plain cost: it loses to plain steps that take their replay time (DRAFT_GAIN per ms)
+        turns_on_plain = est[k][rate] * est[0]["replay_ms"] < DRAFT_GAIN
+        if k and turns_on_plain and self.forget_old_plain(num_rows, longest, mode):
             return 0
         return k
 
