@@ -14,8 +14,8 @@ drafter whose k policy drafts K tokens on every step (with --no-forward none is 
 --drafts 0 decodes plainly on every step (what a GPU server does where drafting does not pay, as at T = 0.7), so
 their host time per step compares with AR's; --mixed-context (with --drafts 0) samples at T = 0.7 and leaves to the k
 policy which requests keep the drafter's context, as where its probes find plain decoding best for sampled rows (one
-in CONTEXT_EVERY x running): the plain steps then mix the AR step and the stashing one, as a T = 0.7 server's do;
---accept (with --no-forward) accepts every draft, so each step emits
+in CONTEXT_EVERY x running): the plain steps then mix the AR step and the stashing one, as a T = 0.7 server's do
+(--temperature 0.7 gives AR the same requests); --accept (with --no-forward) accepts every draft, so each step emits
 K + 1 tokens per row, as a drafting step that pays does. --overlap runs the engine's async scheduling as on
 a GPU: each step is queued before the one before it is read, its inputs chained from that step's output (with a
 fixed output, the host path of a server's step at one row). --graph-buckets keys the steps as CUDA graphs do (their
@@ -108,8 +108,9 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
     sink = PipeSink(theirs)
     runner = PipeRunner(engine, theirs, sink)
     loop = threading.Thread(target=runner.serve, daemon=True)
-    for i, p in enumerate(prompts):  # all queued in the pipe before the loop starts: the same batches as generate
-        ours.send(("add", f"r{i}", p, params))
+    for i, p in enumerate(prompts):  # each read from the pipe and admitted before the loop starts: the same batches
+        ours.send(("add", f"r{i}", p, params))  # as generate (all sent first, they would fill the pipe's buffer)
+        runner._handle(runner._next(block=True))
     loop.start()
     try:
         while not done.wait(1.0):
@@ -127,7 +128,8 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 
 def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafts: int | None = None,
         overlap: bool = False, server: bool = False, accept: bool = False, context: bool = True,
-        graph_buckets: bool = False, mixed: bool = False) -> tuple[float, float, int, float]:
+        graph_buckets: bool = False, mixed: bool = False, temperature: float | None = None
+        ) -> tuple[float, float, int, float]:
     """-> (host ms per decode step, the generate call's wall seconds, decode steps, the share of them whose inputs
     were staged anew). drafts: with a drafter whose policy drafts that many tokens every step (0: decodes plainly);
     server: through the engine process's loop (module doc); context=False: no request keeps the drafter's context;
@@ -158,7 +160,9 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     timed(engine.runner, "_prefill_fn", forwards)
     steps = engine.counters["decode_steps_per_k"]
     steps[:] = [0] * len(steps)
-    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=0.7 if mixed else 0.0)
+    if temperature is None:  # mixed: sampled requests, as where probes find plain decoding best for them
+        temperature = 0.7 if mixed else 0.0
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True, temperature=temperature)
     t0 = time.perf_counter()
     if server:
         busy = serve_all(engine, prompts, params)
@@ -200,6 +204,8 @@ def main(argv=None) -> int:
                    "(every step the AR engine's step inside the DSpark engine)")
     p.add_argument("--mixed-context", action="store_true", help="with --drafts 0: sampled requests, the k policy "
                    "choosing which keep the drafter's context (one in CONTEXT_EVERY x running; module doc)")
+    p.add_argument("--temperature", type=float, help="the requests' sampling temperature (default 0.7 with "
+                   "--mixed-context, else 0: greedy)")
     p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
     p.add_argument("--server", action="store_true", help="through the engine process's loop, driven over a pipe")
     p.add_argument("--graph-buckets", action="store_true", help="step keys of CUDA graphs' context buckets (powers of "
@@ -214,10 +220,14 @@ def main(argv=None) -> int:
         p.error("--accept: give it with --no-forward and --drafts K > 0")
     if a.mixed_context and (a.drafts != 0 or a.no_context):
         p.error("--mixed-context: give it with --drafts 0 and without --no-context")
+    if a.temperature is not None and not 0 <= a.temperature <= 2:
+        p.error(f"--temperature {a.temperature}: expected a number in [0, 2]")
+    if a.mixed_context and a.temperature == 0:
+        p.error("--mixed-context: the requests must sample (--temperature > 0)")
     if a.no_context and a.drafts != 0:
         p.error("--no-context: give it with --drafts 0 (a request without the drafter's context never drafts)")
     res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.drafts, a.overlap, a.server, a.accept,
-               not a.no_context, a.graph_buckets, a.mixed_context)
+               not a.no_context, a.graph_buckets, a.mixed_context, a.temperature)
            for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "

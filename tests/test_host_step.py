@@ -30,6 +30,14 @@ def test_accept_emits_every_draft():
         assert steps == 6 * 3 // 2 and host > 0, (kw, steps)
 
 
+def test_the_server_mode_takes_more_requests_than_the_pipe_buffers():
+    """256 prompts of up to 199 tokens are more than a pipe's buffer holds (64 KiB): each is admitted as it is sent,
+    so none waits on a pipe nobody reads yet, and all are decoded."""
+    host, wall, steps, _ = host_step.run(rows=16, num_prompts=256, new_tokens=3, seed=0, forward=False, overlap=True,
+                                         server=True)
+    assert steps == 256 * 2 // 16 and host > 0, steps
+
+
 def test_the_server_mode_raises_when_requests_fail(monkeypatch):
     warm = host_step.Engine.generate
 
@@ -66,9 +74,27 @@ def test_no_context_runs_the_ar_step_inside_the_dspark_engine(monkeypatch):
     keys.clear()  # --mixed-context: the policy's choice, one sampled request in CONTEXT_EVERY x running keeps it
     host_step.run(rows=2, num_prompts=24, new_tokens=4, seed=0, forward=False, drafts=0, overlap=True, mixed=True)
     assert keys == {(0, False), (0, True)}
-    for bad in (["--drafts", "1", "--no-context"], ["--drafts", "1", "--mixed-context"]):
+    for bad in (["--drafts", "1", "--no-context"], ["--drafts", "1", "--mixed-context"],
+                ["--drafts", "0", "--mixed-context", "--temperature", "0"], ["--temperature", "3"]):
         with pytest.raises(SystemExit):
             host_step.main([*bad, "--no-forward"])
+
+
+def test_temperature_samples_the_requests_of_any_mode(monkeypatch):
+    """--temperature: AR's requests sample as the DSpark engine's mixed-context ones do (the same requests for both);
+    greedy by default."""
+    seen = []
+    real = host_step.Engine.generate
+
+    def spy(self, prompts, params, *a, **kw):
+        seen.append(params.temperature)
+        return real(self, prompts, params, *a, **kw)
+
+    monkeypatch.setattr(host_step.Engine, "generate", spy)
+    host_step.run(rows=2, num_prompts=4, new_tokens=4, seed=0, forward=False, temperature=0.7)
+    host_step.run(rows=2, num_prompts=4, new_tokens=4, seed=0, forward=False)
+    host_step.run(rows=2, num_prompts=4, new_tokens=4, seed=0, forward=False, drafts=0, mixed=True)
+    assert seen[1::2] == [0.7, 0.0, 0.7], seen  # each run's timed call (the first of each pair warms up)
 
 
 def test_graph_buckets_stage_inputs_only_where_a_block_table_changes():
