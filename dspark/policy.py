@@ -121,11 +121,10 @@ class KPolicy:
         the statistics keep coming (a probe costs a drafting step that does not pay and the context rows of every
         position since the last one, so while probes leave the choice at 0 their interval doubles, up to PROBE_MAX,
         and a choice of k > 0 resets it); a choice is reused for REPICK_EVERY steps of the same batch size, context
-        bucket and mode, one on a modelled cost only for the steps that measure it (a capture's
-        replay time and another bucket's host work can make a kind look cheaper than it runs). Whether drafting pays
-        for the group (what resets the probes' interval, and so lets new sampled requests keep the context:
-        context_for) is judged as if every row drafted: rows that keep none would otherwise hold it at plain decoding
-        for good."""
+        bucket and mode, one on a modelled cost only for the steps that measure it (a capture's replay time and
+        another bucket's host work can make a kind look cheaper than it runs). Whether drafting pays for the group
+        (what resets the probes' interval, and so lets new sampled requests keep the context: context_for) is judged
+        as if every row drafted: rows that keep none would otherwise hold it at plain decoding for good."""
         if self.k == 0:
             return 0
         if self.pinned:
