@@ -152,7 +152,7 @@ class KPolicy:
             hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1 + switch]
             self._made(num_rows, k, mode, "measured" if measured else "modelled")
             if k and est is not None:
-                self._weighed(k, est, self.runner.key_for(num_rows, 0, longest + 1, mode))
+                self._weighed(k, est, self.plain_kind(num_rows, longest, mode))
             pays = k > 0 or (drafting < num_rows and self.pick(num_rows, longest, mode, est, "rate_all") > 0)
             if pays:  # drafting pays (again), for every row that keeps the context
                 self.probe_every[group] = PROBE_EVERY
@@ -178,9 +178,8 @@ class KPolicy:
         self.sampled_without = 0
         return True
 
-    def _weighed(self, k: int, est: dict[int, dict], plain: StepKey) -> None:
-        """Add a choice to draft k to k's sums of what it weighed (est: estimates; plain: plain decoding's key)."""
-        kind = (plain.rows, 0, plain.mode)
+    def _weighed(self, k: int, est: dict[int, dict], kind: tuple[int, int, str]) -> None:
+        """Add a choice to draft k to k's sums of what it weighed (est: estimates; kind: plain decoding's)."""
         cycles = self.cycle_by_kind.get(kind) or [est[0]["cost_ms"]]
         w = self.weighed.setdefault(k, dict.fromkeys(WEIGHED, 0.0))
         for what, v in (("n", 1), ("plain_ms", est[0]["cost_ms"]), ("ms", est[k]["cost_ms"]),
@@ -252,17 +251,21 @@ class KPolicy:
         if self.host_all and not est[0]["measured"]:
             return 0
         k = max(est, key=lambda k: (est[k][rate], -k))
-        # k's lead turns on the plain cost: it loses to plain steps that take their replay time (DRAFT_GAIN per ms)
-        turns_on_plain = est[k][rate] * est[0]["replay_ms"] < DRAFT_GAIN
-        if k and turns_on_plain and self.forget_old_plain(num_rows, longest, mode):
+        # k's lead turns on the plain cost where it loses to plain steps that take their replay time (DRAFT_GAIN / ms)
+        if k and est[k][rate] * est[0]["replay_ms"] < DRAFT_GAIN and self.forget_old_plain(num_rows, longest, mode):
             return 0
         return k
+
+    def plain_kind(self, num_rows: int, longest: int, mode: str) -> tuple[int, int, str]:
+        """Plain decoding's kind (batch bucket, 0, mode) for num_rows rows whose longest has `longest` positions
+        cached."""
+        key = self.runner.key_for(num_rows, 0, longest + 1, mode)
+        return key.rows, 0, key.mode
 
     def forget_old_plain(self, num_rows: int, longest: int, mode: str) -> bool:
         """Forget the plain cost at this batch bucket if it was sampled more than REFRESH_STEPS steps ago (module
         doc) -> whether it was."""
-        key = self.runner.key_for(num_rows, 0, longest + 1, mode)
-        return bool(self.forget_stale([(key.rows, 0, key.mode)], REFRESH_STEPS))
+        return bool(self.forget_stale([self.plain_kind(num_rows, longest, mode)], REFRESH_STEPS))
 
     def estimates(self, num_rows: int, longest: int, mode: str, acc: list[int] | None = None,
                   reach: list[int] | None = None, drafting: int | None = None) -> dict[int, dict] | None:
