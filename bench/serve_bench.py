@@ -52,7 +52,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -280,11 +279,15 @@ async def run_level(url: str, a, prompts: list[str], temperature: float, conc: i
         "wall_s": wall, "output_tokens": toks, "output_tok_s": toks / wall, "request_s": len(ok) / wall,
         "ttft_ms": pcts([r.ttft for r in ok]), "itl_ms": pcts([x for r in ok for x in r.itl]),
         "tpot_ms": pcts([(r.latency - r.ttft) / (r.completion_tokens - 1) for r in ok if r.completion_tokens > 1]),
+        # where a request's decode time beyond its steps goes: its first and last gap between events (the first
+        # decode step after its prefill, its last step and finish), and [DONE] after its last text
+        "itl_first_ms": pcts([r.itl[0] for r in ok if r.itl]), "itl_last_ms": pcts([r.itl[-1] for r in ok if r.itl]),
+        "tail_ms": pcts([r.latency - r.ttft - sum(r.itl) for r in ok]),
         "tokens_per_event": toks / max(sum(r.events for r in ok), 1), **server_figures(c0, c1),
         "client_procs": procs,
         "client_cpu_fraction": cpu_frac,  # the busiest client process's CPU time / the level's wall time
         "profile_files": files,
-        "per_request": [asdict(r) for r in reqs]}
+        "per_request": [r.record() for r in reqs]}
 
 
 # ---------------------------------------------------------------------------- report
@@ -339,6 +342,12 @@ def start_server(a, mode: str, port: int, extra: list[str], report: dict, limit:
     return proc
 
 
+def p50(lv: dict, name: str) -> float | None:
+    """A level's median of one of its client timings (ms, 3 decimals; None where it has none)."""
+    v = (lv.get(name) or {}).get("p50")
+    return None if v is None else round(v, 3)
+
+
 def log_level(where: str, lv: dict, log) -> None:
     step_ms = {k: tuple(None if v[x] is None else round(v[x], 3) for x in ("cycle_ms", "replay_ms", "device_ms"))
                for k, v in lv["step_ms_per_k"].items()}
@@ -350,7 +359,9 @@ def log_level(where: str, lv: dict, log) -> None:
         f"{ {k: round(v, 4) for k, v in lv.get('context_flushes', {}).items()} }, "
         f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay / device) "
         f"{step_ms}, engine thread ms per step {host}, server first-token ms "
-        f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}")
+        f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}, client ms "
+        f"p50 (first / median / last gap between events, [DONE] after the last) {p50(lv, 'itl_first_ms')} / "
+        f"{p50(lv, 'itl_ms')} / {p50(lv, 'itl_last_ms')}, {p50(lv, 'tail_ms')}")
     if lv.get("policy", {}).get("step_cost_ms"):
         log(f"[serve_bench] {where}: policy step cost ms (rows/k/mode) {lv['policy']['step_cost_ms']}, "
             f"acceptance {lv['policy']['acceptance']}, choices (rows/k/mode/basis) {lv['policy'].get('choices')}, "

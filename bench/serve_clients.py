@@ -39,6 +39,18 @@ class Req:
     latency: float = 0.0  # s, to [DONE]
     itl: list[float] = field(default_factory=list)  # s, gaps between text-carrying events
 
+    def record(self) -> dict:
+        """What the report keeps of it: its gaps as a summary (ms; None without two events), not the list (at
+        thousands of requests a level the lists made the report too large to copy back from a GPU machine), and
+        tail_ms, the time from its last text-carrying event to [DONE]."""
+        out = asdict(self)
+        gaps = sorted(out.pop("itl"))
+        out["itl_ms"] = None if not gaps else {
+            "n": len(gaps), "first": 1e3 * self.itl[0], "p50": 1e3 * gaps[len(gaps) // 2], "max": 1e3 * gaps[-1],
+            "last": 1e3 * self.itl[-1]}
+        out["tail_ms"] = 1e3 * (self.latency - self.ttft - sum(self.itl)) if self.ok else None
+        return out
+
 
 async def one(client: aiohttp.ClientSession, a, prompt: str, temperature: float, r: Req) -> None:
     """One streaming completion, timed per SSE event (the time its network chunk arrived)."""

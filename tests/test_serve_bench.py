@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.serve_clients import Req
 from bench.serve_metrics import weighed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +52,8 @@ def test_serve_bench_end_to_end(models, tmp_path):
     levels = {(lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]): lv for lv in rep["levels"]}
     assert len(levels) == len(rep["levels"]) == 2 * 2 * 2 * 2
     made = 0  # the DSpark server's k choices over its levels
-    assert any(x > 0 for lv in levels.values() for r in lv["per_request"] for x in r["itl"])  # events apart in time
+    # events apart in time
+    assert any(r["itl_ms"]["max"] > 0 for lv in levels.values() for r in lv["per_request"])
     for (mode, _, _temp, _), lv in levels.items():
         assert lv["errors"] == 0 and lv["completed"] == 2, lv["error_messages"]
         assert lv["client_procs"] == lv["concurrency"]  # --client-procs 2, at most one process per client
@@ -59,8 +61,13 @@ def test_serve_bench_end_to_end(models, tmp_path):
         assert lv["server_generation_tokens"] == 16  # the timed requests only: the warm-up is outside the deltas
         # events that reach the client in one read are 0 ms apart (a loaded CPU coalesces them): the median may be 0
         assert lv["ttft_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] >= 0 and lv["tpot_ms"]["p50"] > 0
+        assert lv["itl_first_ms"]["p50"] >= 0 and lv["itl_last_ms"]["p50"] >= 0 and lv["tail_ms"]["p50"] >= 0
         for r in lv["per_request"]:
-            assert r["completion_tokens"] == 8 and r["text"] and len(r["itl"]) == r["events"] - 1
+            assert r["completion_tokens"] == 8 and r["text"] and r["itl_ms"]["n"] == r["events"] - 1
+            gaps = r["itl_ms"]
+            assert 0 <= gaps["p50"] <= gaps["max"] and max(gaps["first"], gaps["last"]) <= gaps["max"]
+            # the stream's parts add up: first text, the gaps between events, then [DONE] after the last
+            assert r["tail_ms"] >= 0
             assert r["seed"] is None  # no --seed: unseeded, so sampled DSpark rows draft
         steps = {int(k): v for k, v in lv["steps_per_k"].items()}  # (JSON keys are strings)
         if mode == "dspark":
@@ -270,3 +277,16 @@ def test_clients_keep_sending_until_the_level_has_lasted_min_level_s(monkeypatch
             assert end - t0 >= min_s and need < len(sent) < len(reqs)  # ~2 clients x 30 requests in 0.3 s
         else:
             assert len(sent) == need
+
+
+def test_a_requests_record_summarises_its_gaps():
+    """The report keeps each request's gaps between events as first / median / max / last (ms) and the time from its
+    last text to [DONE], not the list."""
+    r = Req(0, 0, None, sent=True, ok=True, events=4, ttft=0.010, latency=0.020, itl=[0.001, 0.003, 0.002])
+    rec = r.record()
+    assert "itl" not in rec and rec["itl_ms"] == pytest.approx({"n": 3, "first": 1.0, "p50": 2.0, "max": 3.0,
+                                                               "last": 2.0})
+    assert rec["tail_ms"] == pytest.approx(4.0)
+    one_event = Req(1, 0, None, sent=True, ok=True, events=1, ttft=0.010, latency=0.011).record()
+    assert one_event["itl_ms"] is None and one_event["tail_ms"] == pytest.approx(1.0)
+    assert Req(2, 0, None, sent=True, error="timed out").record()["tail_ms"] is None
