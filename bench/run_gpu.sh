@@ -144,6 +144,16 @@ DRAFTER_DIR=${DRAFTER_DIR:-$(best_or_final runs/k3-mini-drafter)}
 
 [ -f .cache/corpus-mini.tgz ] && [ ! -d .cache/corpus-mini ] && tar -xzf .cache/corpus-mini.tgz -C .cache \
   && echo "corpus unpacked from .cache/corpus-mini.tgz"
+# the targets that train a mini target (detach's too) stop here, before any GPU time, where its corpus cannot be built
+case "$target:${1:-}" in
+  train-target:*|served:*|k3-mini:*|ablate-k3-mini:*|peer-qwen3-mini:*|tau-gap-k3-mini:*|regen-speed:*|\
+  detach:served|detach:ablate-k3-mini|detach:peer-qwen3-mini|detach:tau-gap-k3-mini)
+    if [ ! -d .cache/corpus-mini ] && [ ! -d /usr/share/go-1.19/src ] && [ ! -d /usr/lib/go-1.19/src ]; then
+      echo "run_gpu.sh $target: the mini targets' corpus needs go_src, which this machine lacks: carry" \
+        ".cache/corpus-mini.tgz (built where go_src is: bash bench/run_gpu.sh --help, Carried inputs)" >&2
+      exit 2
+    fi ;;
+esac
 SITE=.cache/gpu-site
 if ls .whl/*.whl >/dev/null 2>&1; then
   stamp=$(ls .whl/*.whl | md5sum | cut -c1-12)  # installed once per set of wheels
