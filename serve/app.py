@@ -202,7 +202,7 @@ def create_app(runner: EngineRunner | EngineClient, cfg: ServerConfig) -> FastAP
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(metrics_text(runner.snapshot, cfg.served_model_name),
+        return PlainTextResponse(metrics_text(await runner.fresh_snapshot(), cfg.served_model_name),
                                  media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def fit(ids: list[int], params: SamplingParams, explicit: bool, default_max_tokens: int | None) -> None:

@@ -8,8 +8,10 @@ in-process server's EngineRunner loop on its main thread, reading the pipe betwe
 
     server -> engine   ("add", rid, prompt_ids, params) | ("abort", rid) | ("profile", action) | ("stop",)
     engine -> server   ("ready", EngineInfo, Snapshot) | ("failed", (kind, message, traceback)) at start;
-                       ("added", rid, error) | ("events", [(rid, Event.wire())], Snapshot | None) (one message
-                       per step; a Snapshot runner.SNAPSHOT_S apart and when idle, the reader's before the events) |
+                       ("added", rid, error) | ("events", [(rid, Event.wire())], Snapshot | None, promised) (one
+                       message per step; a Snapshot runner.SNAPSHOT_S apart and when idle, after the events it
+                       follows: the reader takes it before the message's events; promised: a Snapshot follows
+                       these events, which /metrics waits for) |
                        ("profiled", files | error) |
                        ("dead", error) when the engine loop died
 
@@ -39,6 +41,8 @@ from dspark.device import resolve_device, resolve_dtype
 from dspark.engine import Engine
 from dspark.request import IncrementalText, Request, SamplingParams
 from serve.runner import (
+    SNAPSHOT_POLL_S,
+    SNAPSHOT_WAIT_S,
     AddCommand,
     EngineDead,
     EngineInfo,
@@ -90,15 +94,16 @@ def build_engine(target_dir: str | Path, drafter_dir: str | Path | None = None, 
 
 # ---------------------------------------------------------------------------- the engine process
 _CLOSE = ("close",)  # PipeSink's last message: not sent, it ends the sending thread
-_MERGED = ("events", "snapshot")  # what PipeSink sends as one "events" message when queued back to back
+_MERGED = ("events", "snapshot", "promise")  # what PipeSink sends as one "events" message when queued back to back
 
 
 class PipeSink:
     """The engine process's side of the pipe: a request's key is its id. Messages go out from a thread of its own,
     in order: the engine loop only queues them (pickling a step's events and the pipe's write, which wakes the
-    server's reader, cost it tens of microseconds per step otherwise); the events and snapshots queued meanwhile leave
-    as one message, the newest snapshot in it (a finished request's snapshot then costs no write and no wake-up of its
-    own; the reader takes it before the events, so a client that saw its last token reads /metrics that count it)."""
+    server's reader, cost it tens of microseconds per step otherwise); the events queued meanwhile leave as one
+    message, with the newest snapshot queued before them (the reader takes it first) and whether a snapshot was
+    promised. A snapshot queued after events leaves in a message of its own: its pickling (a drafter's policy view
+    makes it the larger part of a finished request's message) never delays the events it follows."""
 
     detokenizes = True  # the server's process decodes the text (serve.runner.LoopSink)
 
@@ -117,6 +122,10 @@ class PipeSink:
     def publish(self, snap: Snapshot) -> None:
         self.send(("snapshot", snap))
 
+    def promise(self) -> None:
+        """A snapshot follows the events queued next (the server's /metrics waits for it)."""
+        self.send(("promise",))
+
     def send(self, msg) -> None:
         self._queue.put(msg)
 
@@ -131,20 +140,22 @@ class PipeSink:
             msg, taken = taken or self._queue.get(), None
             if msg is _CLOSE:
                 return
-            if msg[0] in _MERGED:  # with the events and snapshots queued behind it, as one message
-                items, snap = [], None
+            if msg[0] in _MERGED:  # with what is queued behind it, as one message, up to a snapshot after events
+                items, snap, promised = [], None, False
                 while True:
                     if msg[0] == "events":
                         items += [(rid, ev.wire()) for rid, ev in msg[1]]
+                    elif msg[0] == "promise":
+                        promised = True
                     else:
                         snap = msg[1]
                     if self._queue.empty():
                         break
                     msg = self._queue.get()
-                    if msg is _CLOSE or msg[0] not in _MERGED:
+                    if msg is _CLOSE or msg[0] not in _MERGED or (msg[0] == "snapshot" and items):
                         taken = msg
                         break
-                msg = ("events", items, snap)
+                msg = ("events", items, snap, promised)
             try:
                 self.conn.send(msg)
             except (OSError, ValueError):  # the server's process is gone
@@ -211,7 +222,7 @@ def engine_main(conn, load: dict, profile_dir: str | None) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     gc.collect()
     gc.freeze()  # what lives now lives as long as this process (serve.app.freeze_heap says why)
-    runner.publish = sink.publish
+    runner.publish, runner.promise = sink.publish, sink.promise
     sink.send(("ready", runner.info, runner.snapshot))
     try:
         runner.serve()
@@ -267,6 +278,7 @@ class EngineClient:
             raise RuntimeError(f"the engine process failed to start:\n{trace}")
         self.info: EngineInfo = msg[1]
         self.snapshot: Snapshot = msg[2]
+        self._promised = False  # a snapshot is owed after the events delivered last (fresh_snapshot waits for it)
         self._reader = threading.Thread(target=self._read, name="dspark-engine-pipe", daemon=True)
         self._reader.start()
 
@@ -326,6 +338,14 @@ class EngineClient:
             except (OSError, ValueError):
                 pass
 
+    async def fresh_snapshot(self) -> Snapshot:
+        """The snapshot /metrics serves: once the one promised after the last events has come (a client that saw
+        its last token reads metrics that count it), at most SNAPSHOT_WAIT_S later."""
+        end = time.monotonic() + SNAPSHOT_WAIT_S
+        while self._promised and self.alive and time.monotonic() < end:
+            await asyncio.sleep(SNAPSHOT_POLL_S)
+        return self.snapshot
+
     async def profile(self, action: str) -> list[str]:
         if not self.profiler:
             raise RuntimeError("profiling is off: start the server with --profile-dir (or VLLM_TORCH_PROFILER_DIR)")
@@ -343,7 +363,9 @@ class EngineClient:
                 msg = self._conn.recv()
                 if msg[0] == "events":
                     if msg[2] is not None:
-                        self.snapshot = msg[2]
+                        self.snapshot, self._promised = msg[2], False
+                    if msg[3]:  # before the events, so that their client's /metrics waits for the snapshot
+                        self._promised = True
                     if msg[1]:
                         self._deliver([(rid, Event(*ev)) for rid, ev in msg[1]])
                 elif msg[0] == "added":

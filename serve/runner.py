@@ -28,6 +28,8 @@ from serve.profile import EngineProfile
 log = logging.getLogger("serve.runner")
 
 SNAPSHOT_S = 0.05  # /metrics lags a busy engine by at most this (an idle one's snapshot is current)
+SNAPSHOT_WAIT_S = 1.0  # /metrics waits at most this for a snapshot promised after a request's last event ...
+SNAPSHOT_POLL_S = 2e-4  # ... looking this often (it comes a few hundred microseconds after the event)
 
 
 @dataclass
@@ -162,6 +164,8 @@ class EngineRunner:
         self.loop_s = 0.0  # seconds of the thread's iterations: steps and delivery (not its idle waits)
         self.snapshot = self._snap()
         self.publish = None  # called with each new snapshot (the engine process sends it on)
+        self.promise = None  # called before the events a snapshot follows (the engine process sends that on too)
+        self._promised = self._kept = 0  # snapshots promised after a request's last event, and of those published
         self._sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._out: dict[LoopSink, list[tuple[object, Event]]] = {}  # events to deliver, by sink
         self._finished = False  # a stream ended since the last delivery
@@ -203,6 +207,14 @@ class EngineRunner:
     def abort(self, request_id: str) -> None:
         self._cmds.put(("abort", request_id))
 
+    async def fresh_snapshot(self) -> Snapshot:
+        """The snapshot /metrics serves: once the one promised after the last request's last event is published
+        (a client that saw its last token reads metrics that count it), at most SNAPSHOT_WAIT_S later."""
+        end = time.monotonic() + SNAPSHOT_WAIT_S
+        while self._kept < self._promised and self.alive and time.monotonic() < end:
+            await asyncio.sleep(SNAPSHOT_POLL_S)
+        return self.snapshot
+
     async def profile(self, action: str) -> list[str]:
         """Start ("start") or stop ("stop": -> the paths written) the engine thread's profile window; RuntimeError
         when there is no profile dir or the window is already in that state."""
@@ -237,15 +249,18 @@ class EngineRunner:
                 if self.engine.has_work():
                     self._step()  # with the engine's overlap its next step is queued: the delivery overlaps it
                 self.loop_s += time.perf_counter() - t0
-                # a snapshot due goes before the events when a request finished (a client that saw its last token
-                # reads /metrics that count it), else after them (a first token does not wait for it)
+                # a snapshot due goes after the events (no token waits for it: with a drafter's policy view it
+                # takes a few hundred microseconds); when a request finished, it is promised first, and /metrics
+                # waits for it (a client that saw its last token reads metrics that count it: fresh_snapshot)
                 due = not self.engine.has_work() or time.time() - self.snapshot.time >= SNAPSHOT_S
                 if due and self._finished:
-                    self._publish_snapshot()
+                    self._promised += 1
+                    if self.promise is not None:
+                        self.promise()
                 t0 = time.perf_counter()
                 self._flush()
                 self.loop_s += time.perf_counter() - t0
-                if due and not self._finished:
+                if due:
                     self._publish_snapshot()
                 self._finished = False
         except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop
@@ -352,6 +367,7 @@ class EngineRunner:
 
     def _publish_snapshot(self) -> None:
         self.snapshot = self._snap()
+        self._kept = self._promised
         if self.publish is not None:
             self.publish(self.snapshot)
 

@@ -81,6 +81,9 @@ def test_engine_process_serves_what_the_engine_generates(server, models):
     payloads = [body(p, stream=i % 2 == 0) for i, p in enumerate(PROMPTS)]
     texts = asyncio.run(complete_all(server.url, payloads))
     assert texts == [o.text for o in ref]
+    # read at once: the snapshot promised after the last request's last event counts every token
+    assert metrics(server.url)["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] \
+        == TOKENS * len(PROMPTS)
     after = wait_idle(server.url)  # the idle engine's last snapshot is current
     assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] == TOKENS * len(PROMPTS)
     assert after["vllm:spec_decode_num_draft_tokens_total"] > before["vllm:spec_decode_num_draft_tokens_total"]
@@ -189,15 +192,16 @@ def test_events_cross_the_pipe_as_tuples_with_every_field():
     sink = PipeSink(ours)
     sink.deliver([("r0", ev)])
     sink.close()
-    kind, items, snap = theirs.recv()
-    assert kind == "events" and type(items[0][1]) is tuple and snap is None
+    kind, items, snap, promised = theirs.recv()
+    assert kind == "events" and type(items[0][1]) is tuple and snap is None and promised is False
     assert items[0][0] == "r0" and Event(*items[0][1]) == ev
 
 
 def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
-    """PipeSink: what the engine thread queues arrives in order; events and snapshots queued back to back leave as
-    one message (the items concatenated, nothing lost, the newest snapshot, which the reader takes before the
-    events: no event is delivered before a snapshot queued ahead of it); close() sends what is still queued."""
+    """PipeSink: what the engine thread queues arrives in order; events queued back to back leave as one message
+    (the items concatenated, nothing lost), with the newest snapshot queued ahead of them, which the reader takes
+    first (no event is delivered before a snapshot queued ahead of it), and a promise of a snapshot among them; a
+    snapshot queued after events leaves after them (it never delays them); close() sends what is still queued."""
     ours, theirs = mp.Pipe()
     gate = threading.Event()
 
@@ -208,19 +212,26 @@ def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
 
     sink = PipeSink(Gated())
     for i in range(50):
+        if i % 10 == 9:
+            sink.promise()  # this step finished a request: a snapshot follows its events
         sink.deliver([(f"r{i}", Event([i], str(i)))])
         if i % 10 == 9:
             sink.publish(Snapshot({"step": i}))
     gate.set()
     sink.close()
-    msgs, seen, snap = 0, [], -1  # seen: (event, the snapshot the reader holds as it delivers it)
+    msgs, seen, snap, promises = 0, [], -1, []  # seen: (event, the snapshot the reader holds as it delivers it)
     while theirs.poll(1.0):
-        kind, items, s = theirs.recv()  # events cross as Event.wire() tuples
+        kind, items, s, promised = theirs.recv()  # events cross as Event.wire() tuples
         msgs += 1
         assert kind == "events"
         snap = s.counters["step"] if s is not None else snap
         seen += [(rid, Event(*w).token_ids[0], snap) for rid, w in items]
+        if promised:
+            promises.append(seen[-1][1])  # the last event of the message that carries the promise
+        # a snapshot comes in the message of the events queued after it, never of those queued before it
+        assert s is None or not items or s.counters["step"] < Event(*items[0][1]).token_ids[0]
     assert 1 <= msgs < 50  # merged
+    assert promises == [9, 19, 29, 39, 49]  # each with the events it was queued before
     assert [(rid, i) for rid, i, _ in seen] == [(f"r{i}", i) for i in range(50)]
     assert all(s >= (i // 10) * 10 - 1 for _, i, s in seen)  # never behind a snapshot queued before the event
     assert snap == 49  # the last snapshot arrives

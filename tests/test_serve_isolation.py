@@ -337,12 +337,14 @@ def test_profile_routes_are_off_without_a_profile_dir(server):
         assert httpx.post(server.url + route).status_code == 404
 
 
-def test_a_due_snapshot_follows_a_first_token_and_precedes_a_last_one():
-    """The engine thread publishes a due /metrics snapshot after a step's events when no request finished (a first
-    token does not wait for the snapshot), and before them when one did (a client that saw its last token reads
-    metrics that count it)."""
+def test_a_due_snapshot_follows_the_events_and_metrics_wait_for_one_promised_after_a_last_token():
+    """The engine thread publishes a due /metrics snapshot after a step's events, so that no token waits for it; when
+    a request finished, it promises the snapshot before the events, and fresh_snapshot (what /metrics serves) waits
+    for it: a client that saw its last token reads metrics that count it."""
     order: list[tuple] = []
     done = threading.Event()
+    runner = EngineRunner(Engine(make_target("qwen3", device="cpu")))
+    publish = threading.Event()  # held: the snapshot after the last event waits until the client has read it
 
     class Sink:  # records each delivery beside the snapshots, in the engine thread's order
         detokenizes = False
@@ -355,18 +357,32 @@ def test_a_due_snapshot_follows_a_first_token_and_precedes_a_last_one():
                 order.append(("event", ev.finish_reason))
                 if ev.finish_reason is not None:
                     done.set()
+                    publish.wait(10)
 
-    runner = EngineRunner(Engine(make_target("qwen3", device="cpu")))
-    runner.publish = lambda snap: order.append(("snapshot", None))
+    def published(snap):
+        order.append(("snapshot", snap.counters["generation_tokens"]))
+
+    runner.publish = published
     runner.snapshot.time = 0.0  # a snapshot is due at the first step
     runner.start()
     try:
         runner.enqueue([3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True), "r", Sink()).result(10)
         assert done.wait(30)
+        loop = asyncio.new_event_loop()
+        try:
+            fresh = loop.create_task(runner.fresh_snapshot())
+            loop.run_until_complete(asyncio.sleep(0.05))
+            assert not fresh.done()  # the promised snapshot is not yet published: /metrics waits
+            publish.set()
+            snap = loop.run_until_complete(asyncio.wait_for(fresh, 10))
+        finally:
+            loop.close()
     finally:
+        publish.set()
         runner.stop()
+    assert snap.counters["generation_tokens"] == 3  # it counts the request whose last token was delivered
     events = [i for i, x in enumerate(order) if x[0] == "event"]
     first, last = events[0], events[-1]
-    assert order[first] == ("event", None) and ("snapshot", None) in order[first + 1:last]
-    assert order[last] == ("event", "length") and order[last - 1] == ("snapshot", None)
-    assert ("snapshot", None) not in order[:first]  # the first token went out before the due snapshot
+    assert order[first] == ("event", None) and any(x[0] == "snapshot" for x in order[first + 1:last])
+    assert order[last] == ("event", "length") and order[last + 1] == ("snapshot", 3)
+    assert all(x[0] != "snapshot" for x in order[:first])  # the first token went out before the due snapshot
