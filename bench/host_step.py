@@ -28,6 +28,7 @@ runner's forwards.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing as mp
 import statistics
 import sys
@@ -128,13 +129,14 @@ def serve_all(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 
 def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool = True, drafts: int | None = None,
         overlap: bool = False, server: bool = False, accept: bool = False, context: bool = True,
-        graph_buckets: bool = False, mixed: bool = False, temperature: float | None = None
+        graph_buckets: bool = False, mixed: bool = False, temperature: float | None = None, switch_every: int = 0
         ) -> tuple[float, float, int, float]:
     """-> (host ms per decode step, the generate call's wall seconds, decode steps, the share of them whose inputs
     were staged anew). drafts: with a drafter whose policy drafts that many tokens every step (0: decodes plainly);
     server: through the engine process's loop (module doc); context=False: no request keeps the drafter's context;
     mixed: sampled requests, the policy's choice of which keep it (module doc); graph_buckets: step keys of the
-    context buckets CUDA graphs use (powers of 2; nothing is captured)."""
+    context buckets CUDA graphs use (powers of 2; nothing is captured); switch_every: k alternates between drafts
+    and 0 every this many decode steps (each change of k a step of another kind, its inputs staged anew)."""
     torch.manual_seed(seed)
     cfg = qwen3_config(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
                        intermediate_size=128, max_position_embeddings=512)
@@ -145,7 +147,9 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     engine = Engine(target, tiny_drafter(target) if drafts is not None else None, max_batch_size=rows,
                     max_model_len=512, prefill_chunk=512, overlap=overlap)
     if drafts is not None:
-        engine.policy.choose = lambda *a, **k: drafts
+        picks = itertools.count()
+        engine.policy.choose = lambda *a, **k: drafts if not switch_every or next(picks) // switch_every % 2 == 0 \
+            else 0
         if mixed:  # as after probes that found plain decoding best for sampled rows
             engine.policy.probe_every["sampled"] = 2 * PROBE_EVERY
         else:
@@ -158,6 +162,8 @@ def run(rows: int, num_prompts: int, new_tokens: int, seed: int, forward: bool =
     forwards, kept = [0.0], engine.runner.inputs_kept
     timed(engine.runner, "_run", forwards)
     timed(engine.runner, "_prefill_fn", forwards)
+    if engine.runner.drafts is not None:  # a context flush's forward (eager here; a GPU replays its graph)
+        timed(engine.runner.drafts, "flush_context", forwards)
     steps = engine.counters["decode_steps_per_k"]
     steps[:] = [0] * len(steps)
     if temperature is None:  # mixed: sampled requests, as where probes find plain decoding best for them
@@ -208,6 +214,8 @@ def main(argv=None) -> int:
                    "--mixed-context, else 0: greedy)")
     p.add_argument("--overlap", action="store_true", help="async scheduling (each step queued before the last is read)")
     p.add_argument("--server", action="store_true", help="through the engine process's loop, driven over a pipe")
+    p.add_argument("--switch-every", type=int, default=0, help="with --drafts K > 0: k alternates between K and 0 "
+                   "every this many decode steps (the host's cost of a change of k)")
     p.add_argument("--graph-buckets", action="store_true", help="step keys of CUDA graphs' context buckets (powers of "
                    "2), nothing captured: the steps that stage their inputs anew are then a GPU's")
     a = p.parse_args(argv)
@@ -224,10 +232,12 @@ def main(argv=None) -> int:
         p.error(f"--temperature {a.temperature}: expected a number in [0, 2]")
     if a.mixed_context and a.temperature == 0:
         p.error("--mixed-context: the requests must sample (--temperature > 0)")
+    if a.switch_every < 0 or (a.switch_every and not a.drafts):
+        p.error("--switch-every: give a number of steps >= 1 with --drafts K > 0")
     if a.no_context and a.drafts != 0:
         p.error("--no-context: give it with --drafts 0 (a request without the drafter's context never drafts)")
     res = [run(a.rows, a.prompts, a.new_tokens, seed, not a.no_forward, a.drafts, a.overlap, a.server, a.accept,
-               not a.no_context, a.graph_buckets, a.mixed_context, a.temperature)
+               not a.no_context, a.graph_buckets, a.mixed_context, a.temperature, a.switch_every)
            for seed in range(a.repeats)]
     host, wall = statistics.median(r[0] for r in res), statistics.median(r[1] for r in res)
     print(f"{a.prompts} prompts, {a.rows} rows, {res[0][2]} decode steps per run, {a.repeats} runs: "

@@ -352,13 +352,16 @@ def log_level(where: str, lv: dict, log) -> None:
     step_ms = {k: tuple(None if v[x] is None else round(v[x], 3) for x in ("cycle_ms", "replay_ms", "device_ms"))
                for k, v in lv["step_ms_per_k"].items()}
     host = {k: None if v is None else round(v, 3) for k, v in lv["host_ms_per_step"].items()}
+    switches = {k: (int(v["switches"]), round(v["switch_ms"], 3)) for k, v in lv["step_ms_per_k"].items()
+                if v.get("switches")}
     log(f"[serve_bench] {where} ({lv['level_s']:.1f} s in all): {lv['output_tok_s']:.1f} tok/s, "
         f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
         f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})} "
         f"({int(lv.get('overlapped_steps', 0))} overlapped), context flushes "
         f"{ {k: round(v, 4) for k, v in lv.get('context_flushes', {}).items()} }, "
         f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay / device) "
-        f"{step_ms}, engine thread ms per step {host}, server first-token ms "
+        f"{step_ms}, switches to k (n, ms start to start) {switches}, engine thread ms per step {host}, "
+        f"server first-token ms "
         f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}, client ms "
         f"p50 (first / median / last gap between events, [DONE] after the last) {p50(lv, 'itl_first_ms')} / "
         f"{p50(lv, 'itl_ms')} / {p50(lv, 'itl_last_ms')}, {p50(lv, 'tail_ms')}")

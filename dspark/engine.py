@@ -526,7 +526,8 @@ class Engine:
         return {**{k: (list(v) if isinstance(v, list) else v) for k, v in self.counters.items()},
                 "read_wait_s": self.runner.wait_s, "launch_wait_s": self.runner.launch_wait_s,
                 "host_ms": p.host_ms, "step_cycles_per_k": list(p.cycles), "step_cycle_ms_per_k": list(p.cycle_ms),
-                "step_replay_ms_per_k": list(p.replay_ms), "policy": p.view() if self.drafts is not None else None}
+                "step_replay_ms_per_k": list(p.replay_ms), "step_switches_per_k": list(p.switches),
+                "step_switch_ms_per_k": list(p.switch_ms), "policy": p.view() if self.drafts is not None else None}
 
 
 __all__ = ["Engine", "SamplingParams", "OutOfBlocks"]

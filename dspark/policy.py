@@ -112,6 +112,9 @@ class KPolicy:
         # per k, over back-to-back graph steps: the steps, their whole time from one step's start to the next (ms)
         # and their replay time (ms): what a step of k drafts costs, against what the choice above assumes
         self.cycles, self.cycle_ms, self.replay_ms = [0] * (self.k + 1), [0.0] * (self.k + 1), [0.0] * (self.k + 1)
+        # per k, the steps that began a run of their kind after another (under overlap; the cycles above leave them
+        # out): how many and their whole time (ms), what a change of kind costs beyond the choice's figures
+        self.switches, self.switch_ms = [0] * (self.k + 1), [0.0] * (self.k + 1)
 
     # ------------------------------------------------------------------ the choice
     def choose(self, num_rows: int, longest: int, mode: str, drafting: int | None = None) -> int:
@@ -348,14 +351,17 @@ class KPolicy:
             cycle = (now - last[0]) * 1e3
             if cycle < HOST_PAUSE_MS:
                 self.host_all.append(max(0.0, cycle - (waited_ms - last[1])))
+                k = last[2].k
                 if self.before == kind or not self.overlap:
                     self.cycle_by_kind.setdefault(kind, deque(maxlen=CYCLE_WINDOW)).append(cycle)
                     self.sampled_at[kind] = self.steps
                     self.replay_by_kind[kind] = last[3]
-                    k = last[2].k
                     self.cycles[k] += 1
                     self.cycle_ms[k] += cycle
                     self.replay_ms[k] += last[3]
+                elif self.before is not None:  # the first of its kind after another: a switch's cost, apart
+                    self.switches[k] += 1
+                    self.switch_ms[k] += cycle
         self.before = kind
         self.last_step = (now, waited_ms, None, None)
         self.steps += 1

@@ -58,7 +58,12 @@ def metrics_text(s: Snapshot, model: str) -> str:
             ("step_cycle_ms_per_k", "dspark:step_cycle_ms_total", "counter",
              "Their time from one step's start to the next (ms), by k."),
             ("step_replay_ms_per_k", "dspark:step_replay_ms_total", "counter",
-             "Their graphs' replay time as measured at capture (ms), by k.")]:
+             "Their graphs' replay time as measured at capture (ms), by k."),
+            ("step_switches_per_k", "dspark:step_switches_total", "counter",
+             "Graph decode steps that began a run of their kind after a step of another (left out of the cycles "
+             "above), by k."),
+            ("step_switch_ms_per_k", "dspark:step_switch_ms_total", "counter",
+             "Their time from one step's start to the next (ms), by k.")]:
         metric(name, kind, help_, [(f'{lab},k="{k}"', v) for k, v in enumerate(c.get(key, []))])
     policy = c.get("policy")
     if policy is not None:  # a server with a drafter: what its k policy weighs now

@@ -623,3 +623,33 @@ def test_k_policy_charges_a_switch_to_drafting_not_to_the_plain_step_before_it(t
         else:
             assert statistics.median(plain) == pytest.approx(3.0)
             assert p.best(1, 100, "sampled", acc, reach) == 4  # 1.6 / 0.9 against 1.1 / 3.0 tokens per ms
+
+
+def test_k_policy_counts_a_switch_of_kind_apart_from_the_kinds_cycles(targets, monkeypatch):
+    """Under overlap the first step of a run of its kind after another holds the read of the step before it: its
+    cycle stays out of its kind's cycles (step_started) and counts, by its k, as a switch (what a change of k costs
+    beyond the choice's figures, on /metrics); a step after a prefill (the chain broken) counts as neither."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=True)
+    p, key = engine.policy, engine.runner.key_for
+    now = [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+
+    def step(k: int, cycle_ms: float) -> None:
+        p.step_started(0.0)
+        p.step_replayed(0.1, key(1, k, 100, "sample"))
+        now[0] += cycle_ms / 1e3
+
+    for k, ms in [(0, 0.14), (0, 0.14), (0, 0.14), (4, 0.5), (4, 0.27), (4, 0.27), (0, 0.3), (0, 0.14)]:
+        step(k, ms)
+    p.step_chain_broken()  # a prefill: the next step's gap is not a cycle
+    step(4, 0.9)
+    step(4, 0.27)
+    p.step_started(0.0)  # the last step's start times the one before it
+    assert p.switches[4] == 1 and p.switch_ms[4] == pytest.approx(0.5)  # the 0.9 ms after the prefill is neither
+    assert p.switches[0] == 1 and p.switch_ms[0] == pytest.approx(0.3)
+    assert p.cycles[4] == 3 and p.cycle_ms[4] == pytest.approx(0.27 * 3)
+    # plain: the second and third steps (the first follows none of its kind; the prefill cut the last one's cycle)
+    assert p.cycles[0] == 2 and p.cycle_ms[0] == pytest.approx(0.14 * 2)
+    m = engine.metrics()
+    assert m["step_switches_per_k"][4] == 1 and m["step_switch_ms_per_k"][0] == pytest.approx(0.3)
