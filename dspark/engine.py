@@ -358,15 +358,18 @@ class Engine:
         live = [(r, o) for r, o in zip(flight.reqs, outs) if r.status is not Status.FINISHED]
         self.cache.advance([r.id for r, _ in live], [o[0] + 1 for _, o in live])
         emitted, committed = [], 0
+        per_step = self.drafts is not None  # the rows' per-step draft counts (a plain step verifies none: no stats)
+        drafted = per_step and flight.k > 0
         for r, o in live:
             a, n = o[0], o[1]
             committed += a + 1
             r.num_computed += a + 1
-            r.num_context = r.num_computed if flight.k > 0 else r.num_context
             r.num_steps += 1
-            if self.drafts is not None:
+            if per_step:
                 r.accepted_per_step.append(a)
                 r.num_drafts_per_step.append(n)
+            if drafted:
+                r.num_context = r.num_computed
                 self._count(n, a, "greedy" if r.params.temperature == 0 else "sampled")
             emitted.append((r, self.scheduler.emit(r, o[2: a + 3])))
         self.counters["tokens_per_k"][flight.k] += committed

@@ -1,5 +1,6 @@
 """bench/host_step.py: the engine's host time per decode step, through generate (with and without async scheduling)
 and through the engine process's loop driven over a pipe; every mode decodes every request to its end."""
+import itertools
 import sys
 from pathlib import Path
 
@@ -104,3 +105,32 @@ def test_graph_buckets_stage_inputs_only_where_a_block_table_changes():
     kw = dict(rows=1, num_prompts=4, new_tokens=120, seed=0, forward=False, drafts=3, accept=True, overlap=True)
     eager, graphs = host_step.run(**kw)[3], host_step.run(**kw, graph_buckets=True)[3]
     assert 0 < graphs < eager / 2, (graphs, eager)
+
+
+def test_switch_every_alternates_k_and_each_change_stages_its_inputs(monkeypatch):
+    """--switch-every N (with --drafts K > 0): k alternates between K and 0 every N decode steps; each change of k is
+    a step of another kind, whose inputs are staged anew (and a change to K flushes the stashed context first)."""
+    ks, real = [], host_step.fixed_step
+
+    def spy(outs, accept=False):
+        step = real(outs, accept)
+
+        def recorded(st):
+            ks.append(st.key.k)
+            return step(st)
+        return recorded
+
+    monkeypatch.setattr(host_step, "fixed_step", spy)
+    kw = dict(rows=1, num_prompts=2, new_tokens=40, seed=0, forward=False, drafts=3, overlap=True, graph_buckets=True)
+    steady = host_step.run(**kw)[3]
+    ks.clear()
+    switching = host_step.run(**kw, switch_every=4)[3]
+    changes = sum(a != b for a, b in zip(ks, ks[1:]))
+    assert set(ks) == {0, 3} and changes >= 8
+    runs = [len(list(g)) for _, g in itertools.groupby(ks)]
+    assert set(runs[1:-1]) == {4}  # runs of 4 steps of one k (the first may continue the warm-up's)
+    assert switching > steady  # each change stages its step's inputs anew
+    for bad in (["--switch-every", "4"], ["--drafts", "0", "--switch-every", "4"], ["--drafts", "2", "--switch-every",
+                                                                                   "-1"]):
+        with pytest.raises(SystemExit):
+            host_step.main([*bad, "--no-forward"])
