@@ -69,7 +69,7 @@ def metrics_text(s: Snapshot, model: str) -> str:
     if policy is not None:  # a server with a drafter: what its k policy weighs now
         metric("dspark:policy_step_cost_ms", "gauge", "The k policy's cost of a kind of decode step: the median of its "
                "last back-to-back cycles (ms), by batch bucket, drafts per row and sampling mode.",
-               [(f'{lab},rows="{e["rows"]}",k="{e["k"]}",mode="{e["mode"]}"', e["ms"]) for e in policy["step_cost_ms"]])
+               [(f'{lab},rows="{r}",k="{k}",mode="{m}"', ms) for r, k, m, ms in policy["step_cost_ms"]])
         metric("dspark:policy_acceptance", "gauge", "The k policy's acceptance estimate per draft position (given "
                "all before it accepted; recent row-steps), greedy and sampled rows apart.",
                [(f'{lab},group="{g}",position="{j}"', a) for g, al in policy["acceptance"].items()
@@ -79,8 +79,7 @@ def metrics_text(s: Snapshot, model: str) -> str:
         metric("dspark:policy_choices_total", "counter", f"The k policy's choices (each reused for up to "
                f"{REPICK_EVERY} steps), by batch size, drafts per row, sampling mode and basis: the chosen kind's "
                "cost measured or modelled, or a probe of the whole block for the acceptance statistics.",
-               [(f'{lab},rows="{e["rows"]}",k="{e["k"]}",mode="{e["mode"]}",basis="{e["basis"]}"', e["n"])
-                for e in policy["choices"]])
+               [(f'{lab},rows="{r}",k="{k}",mode="{m}",basis="{b}"', n) for r, k, m, b, n in policy["choices"]])
         metric("dspark:policy_draft_weighed_total", "counter", "Over the k policy's choices to draft (probes left "
                "out), by k: how many (what=n), and the sums of what each weighed: plain decoding's cost (plain_ms) and "
                "the chosen k's (ms), the chosen k's expected tokens per row (expected); and of the plain cost's basis: "

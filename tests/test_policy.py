@@ -167,9 +167,9 @@ def test_k_policy_keeps_a_choice_on_a_modelled_cost_only_until_it_is_measured(ta
     p.cycle_by_kind[1, 4, "sample"] = deque([0.9] * (MIN_CYCLES - 1))  # too few cycles to be a measured cost
     p.memo.clear()
     assert picks(4 * REPICK_EVERY) == 4  # measured: every REPICK_EVERY steps
-    assert p.view()["step_cost_ms"] == [{"rows": 1, "k": 2, "mode": "sample", "ms": 0.5}]
+    assert p.view()["step_cost_ms"] == [(1, 2, "sample", 0.5)]
     assert p.choices_made == {(1, 2, "sample", "modelled"): 4, (1, 2, "sample", "measured"): 4}
-    assert {"rows": 1, "k": 2, "mode": "sample", "basis": "measured", "n": 4} in p.view()["choices"]
+    assert (1, 2, "sample", "measured", 4) in p.view()["choices"]
 
 
 def test_k_policy_counts_one_token_for_each_row_that_keeps_no_drafter_context(targets, prompts):
