@@ -91,8 +91,8 @@ def weighed(w0: dict[int, dict], w1: dict[int, dict]) -> dict[int, dict[str, flo
 
 def step_ms_per_k(c0: dict, c1: dict) -> dict[int, dict[str, float]]:
     """Per k the server chose in the level: its back-to-back graph steps' mean time from one start to the next and
-    mean replay (ms), what the k policy weighs against the drafts' acceptance; and its switches (module doc of
-    dspark.policy: the first step of a run of k after another kind, left out of those cycles)."""
+    mean replay (ms), what the k policy weighs against the drafts' acceptance; and its switches (the first step of
+    a run of k after another kind, left out of those cycles: dspark.policy.KPolicy.step_started)."""
     n, cycle, replay = (per_k_delta(c0, c1, key) for key in ("cycles_per_k", "cycle_ms_per_k", "replay_ms_per_k"))
     timed, device = (per_k_delta(c0, c1, key) for key in ("device_steps_per_k", "device_ms_per_k"))
     switches, switch_ms = (per_k_delta(c0, c1, key) for key in ("switches_per_k", "switch_ms_per_k"))

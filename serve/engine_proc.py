@@ -41,8 +41,6 @@ from dspark.device import resolve_device, resolve_dtype
 from dspark.engine import Engine
 from dspark.request import IncrementalText, Request, SamplingParams
 from serve.runner import (
-    SNAPSHOT_POLL_S,
-    SNAPSHOT_WAIT_S,
     AddCommand,
     EngineDead,
     EngineInfo,
@@ -52,6 +50,7 @@ from serve.runner import (
     ProfileCommand,
     Snapshot,
     TextDelta,
+    kept_snapshot,
 )
 
 log = logging.getLogger("serve.engine_proc")
@@ -278,7 +277,7 @@ class EngineClient:
             raise RuntimeError(f"the engine process failed to start:\n{trace}")
         self.info: EngineInfo = msg[1]
         self.snapshot: Snapshot = msg[2]
-        self._promised = False  # a snapshot is owed after the events delivered last (fresh_snapshot waits for it)
+        self._promised = self._kept = 0  # snapshots promised with events, and of those arrived (kept_snapshot)
         self._reader = threading.Thread(target=self._read, name="dspark-engine-pipe", daemon=True)
         self._reader.start()
 
@@ -339,12 +338,8 @@ class EngineClient:
                 pass
 
     async def fresh_snapshot(self) -> Snapshot:
-        """The snapshot /metrics serves: once the one promised after the last events has come (a client that saw
-        its last token reads metrics that count it), at most SNAPSHOT_WAIT_S later."""
-        end = time.monotonic() + SNAPSHOT_WAIT_S
-        while self._promised and self.alive and time.monotonic() < end:
-            await asyncio.sleep(SNAPSHOT_POLL_S)
-        return self.snapshot
+        """The snapshot /metrics serves (kept_snapshot)."""
+        return await kept_snapshot(self)
 
     async def profile(self, action: str) -> list[str]:
         if not self.profiler:
@@ -362,10 +357,10 @@ class EngineClient:
             while True:
                 msg = self._conn.recv()
                 if msg[0] == "events":
-                    if msg[2] is not None:
-                        self.snapshot, self._promised = msg[2], False
+                    if msg[2] is not None:  # made after every promise the reader has seen
+                        self.snapshot, self._kept = msg[2], self._promised
                     if msg[3]:  # before the events, so that their client's /metrics waits for the snapshot
-                        self._promised = True
+                        self._promised += 1
                     if msg[1]:
                         self._deliver([(rid, Event(*ev)) for rid, ev in msg[1]])
                 elif msg[0] == "added":

@@ -145,6 +145,16 @@ def _deliver(items: list[tuple[asyncio.Queue, Event]]) -> None:
         q.put_nowait(ev)
 
 
+async def kept_snapshot(holder) -> Snapshot:
+    """holder's snapshot (an EngineRunner's or an EngineClient's) once every snapshot promised after a request's last
+    event is there (_kept reaches _promised: a client that saw its last token reads metrics that count it), at most
+    SNAPSHOT_WAIT_S later."""
+    end = time.monotonic() + SNAPSHOT_WAIT_S
+    while holder._kept < holder._promised and holder.alive and time.monotonic() < end:
+        await asyncio.sleep(SNAPSHOT_POLL_S)
+    return holder.snapshot
+
+
 class EngineDead(RuntimeError):
     """The engine thread is not running (it died, or the server is stopping)."""
 
@@ -208,12 +218,8 @@ class EngineRunner:
         self._cmds.put(("abort", request_id))
 
     async def fresh_snapshot(self) -> Snapshot:
-        """The snapshot /metrics serves: once the one promised after the last request's last event is published
-        (a client that saw its last token reads metrics that count it), at most SNAPSHOT_WAIT_S later."""
-        end = time.monotonic() + SNAPSHOT_WAIT_S
-        while self._kept < self._promised and self.alive and time.monotonic() < end:
-            await asyncio.sleep(SNAPSHOT_POLL_S)
-        return self.snapshot
+        """The snapshot /metrics serves (kept_snapshot)."""
+        return await kept_snapshot(self)
 
     async def profile(self, action: str) -> list[str]:
         """Start ("start") or stop ("stop": -> the paths written) the engine thread's profile window; RuntimeError
