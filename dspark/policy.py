@@ -34,10 +34,7 @@ The policy picks the k with the most expected tokens per millisecond, so specula
 does not pay (and while probes keep finding that for sampled rows, most sampled requests keep no drafter context:
 their plain steps are then AR's, without the stash; context_for); drafting must beat plain decoding by DRAFT_GAIN (a
 prompt's drafter context is still outside these costs, and a marginal estimate is as likely to lose as to win). On
-CPU (no graphs, no step times) it drafts the whole block. A fresh choice keeps the k of the step before unless
-another k expects SWITCH_GAIN times its tokens per ms: a change of k costs what the figures leave out (the new graph's
-inputs staged anew, a first step whose cycle holds the read of the one before), and kinds within a few per cent of
-each other would otherwise take turns with the noise of their cycles' medians.
+CPU (no graphs, no step times) it drafts the whole block.
 DSPARK_POLICY="NAME=VALUE,..." replaces this module's constants (an A/B through the server); an unknown name or a
 value that is not a number is a ValueError naming it.
 """
@@ -69,7 +66,6 @@ DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects t
 # where drafting pays again
 CONTEXT_EVERY = 8
 GROUPS = ("greedy", "sampled")
-SWITCH_GAIN = 1.05  # a fresh choice leaves the k of the step before only for this many times its tokens per ms
 # what a choice to draft weighed (KPolicy.weighed): how many, plain decoding's cost and the chosen k's (ms), k's
 # expected tokens per row; the plain cost's cycles (a modelled one counts as one of its value), their least (ms), their
 # age (decode steps since the last)
@@ -132,8 +128,6 @@ class KPolicy:
         self.replay_by_kind: dict[tuple[int, int, str], float] = {}  # each timed kind's replay at capture (ms)
         self.flush_ms: float | None = None  # a context flush's host time (ms), moving average
         self.last_k = 0  # the k of the last choice (a k > 0 after plain steps flushes their context first)
-        self.ran_k: int | None = None  # the k of the step launched last on a choice (None: a probe's, or none yet)
-        self.probing = False  # the step being chosen is a probe
         # the step in progress: (perf_counter at its start, the host's total wait for the device then (ms), its key,
         # its replay ms); key None until it is launched as a graph step
         self.last_step: tuple[float, float, StepKey | None, float | None] | None = None
@@ -166,7 +160,7 @@ class KPolicy:
         if reach[0] < 8 or self.plain_steps[group] >= self.probe_every[group]:
             self.probed[group] = reach[0] >= 8
             self.plain_steps[group] = 0
-            self.last_k, self.probing = self.k, True
+            self.last_k = self.k
             self._made(num_rows, self.k, mode, "probe")
             return self.k
         drafting = num_rows if drafting is None else drafting
@@ -283,10 +277,6 @@ class KPolicy:
         if self.host_all and not est[0]["measured"]:
             return 0
         k = max(est, key=lambda k: (est[k][rate], -k))
-        held = self.ran_k
-        if held is not None and held != k and held in est and est[held]["measured"] \
-                and est[k][rate] < SWITCH_GAIN * est[held][rate]:
-            k = held  # the step before's k, within SWITCH_GAIN of the best (module doc)
         # k's lead turns on the plain cost where it loses to plain steps that take their replay time (DRAFT_GAIN / ms)
         if k and est[k][rate] * est[0]["replay_ms"] < DRAFT_GAIN and self.forget_old_plain(num_rows, longest, mode):
             return 0
@@ -414,7 +404,6 @@ class KPolicy:
         from)."""
         if self.last_step is not None:
             self.last_step = (*self.last_step[:2], key, ms)
-        self.ran_k, self.probing = None if self.probing else key.k, False
 
     def flushed(self, ms: float) -> None:
         """A context flush took ms of host time (drafting after plain steps pays it)."""

@@ -102,13 +102,17 @@ class PipeSink:
     server's reader, cost it tens of microseconds per step otherwise); the events queued meanwhile leave as one
     message, with the newest snapshot queued before them (the reader takes it first) and whether a snapshot was
     promised. A snapshot queued after events leaves in a message of its own: its pickling (a drafter's policy view
-    makes it the larger part of a finished request's message) never delays the events it follows."""
+    makes it the larger part of a finished request's message) never delays the events it follows. wait_sent lets the
+    engine loop hold back Python work (an idle engine's snapshot) until this thread has written what it queued: this
+    thread needs the GIL to pickle, and the loop's pure-Python work would hold it for up to the switch interval."""
 
     detokenizes = True  # the server's process decodes the text (serve.runner.LoopSink)
 
     def __init__(self, conn):
         self.conn = conn
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._sent = threading.Event()  # set when what was queued has been written (wait_sent)
+        self._sent.set()
         self._thread = threading.Thread(target=self._send_all, name="dspark-pipe-send", daemon=True)
         self._thread.start()
 
@@ -126,7 +130,13 @@ class PipeSink:
         self.send(("promise",))
 
     def send(self, msg) -> None:
+        self._sent.clear()
         self._queue.put(msg)
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Wait, at most timeout s, until the messages queued so far have been written to the pipe -> whether they
+        have (it may return as a message queued meanwhile is still being written)."""
+        return self._sent.wait(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, then stop the sending thread."""
@@ -158,7 +168,10 @@ class PipeSink:
             try:
                 self.conn.send(msg)
             except (OSError, ValueError):  # the server's process is gone
+                self._sent.set()
                 return
+            if taken is None and self._queue.empty():
+                self._sent.set()
 
 
 def _answer(sink: PipeSink, kind: str, rid: str | None):
@@ -221,7 +234,7 @@ def engine_main(conn, load: dict, profile_dir: str | None) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     gc.collect()
     gc.freeze()  # what lives now lives as long as this process (serve.app.freeze_heap says why)
-    runner.publish, runner.promise = sink.publish, sink.promise
+    runner.publish, runner.promise, runner.sent = sink.publish, sink.promise, sink.wait_sent
     sink.send(("ready", runner.info, runner.snapshot))
     try:
         runner.serve()

@@ -30,6 +30,7 @@ log = logging.getLogger("serve.runner")
 SNAPSHOT_S = 0.05  # /metrics lags a busy engine by at most this (an idle one's snapshot is current)
 SNAPSHOT_WAIT_S = 1.0  # /metrics waits at most this for a snapshot promised after a request's last event ...
 SNAPSHOT_POLL_S = 2e-4  # ... looking this often (it comes a few hundred microseconds after the event)
+SENT_WAIT_S = 2e-3  # an idle engine's snapshot waits at most this for the events before it to leave (EngineRunner.sent)
 
 
 @dataclass
@@ -175,6 +176,9 @@ class EngineRunner:
         self.snapshot = self._snap()
         self.publish = None  # called with each new snapshot (the engine process sends it on)
         self.promise = None  # called before the events a snapshot follows (the engine process sends that on too)
+        # called (with a timeout) before an idle engine's snapshot is built: the engine process's sending thread has
+        # written the events before it (building the snapshot holds the GIL that thread needs to pickle them)
+        self.sent = None
         self._promised = self._kept = 0  # snapshots promised after a request's last event, and of those published
         self._sinks: dict[asyncio.AbstractEventLoop, LoopSink] = {}
         self._out: dict[LoopSink, list[tuple[object, Event]]] = {}  # events to deliver, by sink
@@ -267,6 +271,8 @@ class EngineRunner:
                 self._flush()
                 self.loop_s += time.perf_counter() - t0
                 if due:
+                    if self.sent is not None and not self.engine.has_work():
+                        self.sent(SENT_WAIT_S)  # the last events out first: nothing else to do meanwhile
                     self._publish_snapshot()
                 self._finished = False
         except BaseException as e:  # noqa: BLE001 - report, fail every open stream, and stop

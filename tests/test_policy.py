@@ -18,7 +18,6 @@ from dspark.policy import (
     REFRESH_STEPS,
     REPICK_EVERY,
     STALE_STEPS,
-    SWITCH_GAIN,
     overrides,
 )
 from dspark.request import SamplingParams
@@ -658,42 +657,18 @@ def test_k_policy_counts_a_switch_of_kind_apart_from_the_kinds_cycles(targets, m
     assert m["step_switches_per_k"][4] == 1 and m["step_switch_ms_per_k"][0] == pytest.approx(0.3)
 
 
-def test_k_policy_keeps_the_k_of_the_step_before_unless_another_leads_by_switch_gain(targets):
-    """A fresh choice keeps the k the last step ran on a choice while the best k expects less than SWITCH_GAIN times
-    its tokens per ms (a change of k costs what the figures leave out), and leaves it beyond; a k whose kind is not
-    measured is not held, nor a probe's whole block."""
-    target = targets["qwen3"]
-    engine = Engine(target, make_drafter(target), overlap=True)
-    p, key = engine.policy, engine.runner.key_for
-
-    def est(rates: dict[int, float], measured: bool = True) -> dict[int, dict]:
-        return {k: {"rate": r, "measured": measured or k == 0, "replay_ms": 0.2} for k, r in rates.items()}
-
-    close, far = est({0: 5.0, 2: 10.0, 4: 10.0 * SWITCH_GAIN - 0.1}), est({0: 5.0, 2: 10.0, 4: 10.0 * SWITCH_GAIN + 0.1})
-    assert p.pick(1, 100, "sampled", close) == 4  # no step ran yet: the best
-    p.step_replayed(None, key(1, 2, 100, "sampled"))  # a step of 2 drafts, on a choice
-    assert p.pick(1, 100, "sampled", close) == 2 and p.pick(1, 100, "sampled", far) == 4
-    assert p.pick(1, 100, "sampled", est({0: 5.0, 2: 10.0, 4: 10.2}, measured=False)) == 4
-    p.step_replayed(None, key(1, 4, 100, "sampled"))
-    below = est({0: 5.0, 2: 10.0, 4: 9.8})
-    assert p.pick(1, 100, "sampled", below) == 4  # held
-    assert p.choose(1, 100, "sampled") == 4 and p.probing  # a probe (no acceptance counted yet): the whole block
-    p.step_replayed(None, key(1, 4, 100, "sampled"))
-    assert p.ran_k is None and p.pick(1, 100, "sampled", below) == 2
-
-
 def test_policy_constants_are_replaced_from_dspark_policy_and_a_bad_name_is_named():
     """DSPARK_POLICY="NAME=VALUE,..." sets the module's constants at import (an A/B through the server); a name
     that is not one of them, or a value not of its type, is a ValueError naming it."""
     import subprocess
     import sys
 
-    code = "import dspark.policy as p; print(p.SWITCH_GAIN, p.REPICK_EVERY)"
-    env = {**os.environ, "DSPARK_POLICY": "SWITCH_GAIN=1.0, REPICK_EVERY=32"}
+    code = "import dspark.policy as p; print(p.DRAFT_GAIN, p.REPICK_EVERY)"
+    env = {**os.environ, "DSPARK_POLICY": "DRAFT_GAIN=1.25, REPICK_EVERY=32"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["1.0", "32"]
+    assert out.split() == ["1.25", "32"]
     assert overrides("") == {} and overrides("DRAFT_GAIN=1.2") == {"DRAFT_GAIN": 1.2}
-    for spec, named in [("SWITCH_GAN=1", "'SWITCH_GAN'"), ("REPICK_EVERY=1.5", "REPICK_EVERY='1.5'"),
+    for spec, named in [("DRAFT_GAN=1", "'DRAFT_GAN'"), ("REPICK_EVERY=1.5", "REPICK_EVERY='1.5'"),
                         ("GROUPS=1", "'GROUPS'"), ("time=1", "'time'")]:
         with pytest.raises(ValueError, match=named):
             overrides(spec)

@@ -235,3 +235,24 @@ def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
     assert [(rid, i) for rid, i, _ in seen] == [(f"r{i}", i) for i in range(50)]
     assert all(s >= (i // 10) * 10 - 1 for _, i, s in seen)  # never behind a snapshot queued before the event
     assert snap == 49  # the last snapshot arrives
+
+
+def test_pipe_sink_wait_sent_returns_once_what_was_queued_is_written():
+    """wait_sent (what an idle engine's snapshot waits for) times out while the pipe's write is held, and returns
+    True once the queued events have crossed."""
+    ours, theirs = mp.Pipe()
+    gate = threading.Event()
+
+    class Gated:
+        def send(self, msg):
+            gate.wait(10)
+            ours.send(msg)
+
+    sink = PipeSink(Gated())
+    assert sink.wait_sent(0.01)  # nothing queued
+    sink.deliver([("r0", Event([1], ""))])
+    assert not sink.wait_sent(0.05)
+    gate.set()
+    assert sink.wait_sent(5) and theirs.poll(0)
+    assert theirs.recv()[1][0][0] == "r0"
+    sink.close()

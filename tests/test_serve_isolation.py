@@ -21,6 +21,7 @@ from dspark.engine import Engine
 from dspark.request import SamplingParams
 from serve import EngineRunner, ServerThread, load_server, shutdown
 from serve import app as serve_app
+from serve.runner import SENT_WAIT_S
 from tests.targets import make_target
 from tests.test_serve import MAX_LEN
 
@@ -340,7 +341,9 @@ def test_profile_routes_are_off_without_a_profile_dir(server):
 def test_a_due_snapshot_follows_the_events_and_metrics_wait_for_one_promised_after_a_last_token():
     """The engine thread publishes a due /metrics snapshot after a step's events, so that no token waits for it; when
     a request finished, it promises the snapshot before the events, and fresh_snapshot (what /metrics serves) waits
-    for it: a client that saw its last token reads metrics that count it."""
+    for it: a client that saw its last token reads metrics that count it. An idle engine's snapshot is built once
+    the events before it have left (`sent`: in the engine process its sending thread needs the GIL to pickle them).
+    """
     order: list[tuple] = []
     done = threading.Event()
     runner = EngineRunner(Engine(make_target("qwen3", device="cpu")))
@@ -363,6 +366,7 @@ def test_a_due_snapshot_follows_the_events_and_metrics_wait_for_one_promised_aft
         order.append(("snapshot", snap.counters["generation_tokens"]))
 
     runner.publish = published
+    runner.sent = lambda timeout: order.append(("sent", timeout))  # the engine process's PipeSink.wait_sent
     runner.snapshot.time = 0.0  # a snapshot is due at the first step
     runner.start()
     try:
@@ -384,5 +388,7 @@ def test_a_due_snapshot_follows_the_events_and_metrics_wait_for_one_promised_aft
     events = [i for i, x in enumerate(order) if x[0] == "event"]
     first, last = events[0], events[-1]
     assert order[first] == ("event", None) and any(x[0] == "snapshot" for x in order[first + 1:last])
-    assert order[last] == ("event", "length") and order[last + 1] == ("snapshot", 3)
+    # the engine idle, its snapshot waits for the events to leave the engine process; a busy one's does not
+    assert order[last] == ("event", "length") and order[last + 1:] == [("sent", SENT_WAIT_S), ("snapshot", 3)]
+    assert ("sent", SENT_WAIT_S) not in order[:last]
     assert all(x[0] != "snapshot" for x in order[:first])  # the first token went out before the due snapshot
