@@ -2,6 +2,8 @@
 costs; which sampled requests keep the drafter's context. On CPU the step times are set by the tests (no graphs)."""
 import os
 import statistics
+import subprocess
+import sys
 from collections import deque
 
 import pytest
@@ -660,9 +662,6 @@ def test_k_policy_counts_a_switch_of_kind_apart_from_the_kinds_cycles(targets, m
 def test_policy_constants_are_replaced_from_dspark_policy_and_a_bad_name_is_named():
     """DSPARK_POLICY="NAME=VALUE,..." sets the module's constants at import (an A/B through the server); a name
     that is not one of them, or a value not of its type, is a ValueError naming it."""
-    import subprocess
-    import sys
-
     code = "import dspark.policy as p; print(p.DRAFT_GAIN, p.REPICK_EVERY)"
     env = {**os.environ, "DSPARK_POLICY": "DRAFT_GAIN=1.25, REPICK_EVERY=32"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

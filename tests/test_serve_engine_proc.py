@@ -8,6 +8,7 @@ import json
 import multiprocessing as mp
 import threading
 import time
+from multiprocessing.connection import Connection
 
 import httpx
 import pytest
@@ -197,20 +198,25 @@ def test_events_cross_the_pipe_as_tuples_with_every_field():
     assert items[0][0] == "r0" and Event(*items[0][1]) == ev
 
 
+def gated_sink() -> tuple[threading.Event, Connection, PipeSink]:
+    """A PipeSink over a real pipe whose writes wait for the gate -> (gate, the pipe's other end, the sink)."""
+    ours, theirs = mp.Pipe()
+    gate = threading.Event()
+
+    class Gated:
+        def send(self, msg):
+            gate.wait(10)
+            ours.send(msg)
+
+    return gate, theirs, PipeSink(Gated())
+
+
 def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
     """PipeSink: what the engine thread queues arrives in order; events queued back to back leave as one message
     (the items concatenated, nothing lost), with the newest snapshot queued ahead of them, which the reader takes
     first (no event is delivered before a snapshot queued ahead of it), and a promise of a snapshot among them; a
     snapshot queued after events leaves after them (it never delays them); close() sends what is still queued."""
-    ours, theirs = mp.Pipe()
-    gate = threading.Event()
-
-    class Gated:  # the real pipe, its first send held until the whole burst is queued
-        def send(self, msg):
-            gate.wait(10)
-            ours.send(msg)
-
-    sink = PipeSink(Gated())
+    gate, theirs, sink = gated_sink()  # the real pipe, its first send held until the whole burst is queued
     for i in range(50):
         if i % 10 == 9:
             sink.promise()  # this step finished a request: a snapshot follows its events
@@ -240,15 +246,7 @@ def test_pipe_sink_sends_in_order_from_its_thread_and_merges_queued_events():
 def test_pipe_sink_wait_sent_returns_once_what_was_queued_is_written():
     """wait_sent (what an idle engine's snapshot waits for) times out while the pipe's write is held, and returns
     True once the queued events have crossed."""
-    ours, theirs = mp.Pipe()
-    gate = threading.Event()
-
-    class Gated:
-        def send(self, msg):
-            gate.wait(10)
-            ours.send(msg)
-
-    sink = PipeSink(Gated())
+    gate, theirs, sink = gated_sink()
     assert sink.wait_sent(0.01)  # nothing queued
     sink.deliver([("r0", Event([1], ""))])
     assert not sink.wait_sent(0.05)
