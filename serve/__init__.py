@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from serve.app import ServerConfig, create_app, freeze_heap, shutdown
-from serve.engine_proc import EngineClient, build_engine, check_max_model_len
+from serve.engine_client import EngineClient
+from serve.engine_proc import build_engine, check_max_model_len
 from serve.runner import EngineRunner
 
 
@@ -25,7 +26,7 @@ def load_server(target_dir: str | Path, drafter_dir: str | Path | None = None, *
                 max_prompt_bytes: int | None = None, enforce_eager: bool = False, compile: bool = False,
                 async_scheduling: bool | None = None, profile_dir: str | None = None, engine_process: bool = False):
     """Load the models, start the engine and return the FastAPI app (app.state.runner: the engine thread, or with
-    engine_process the handle on the engine's own process, serve/engine_proc.py). profile_dir: POST /start_profile
+    engine_process the handle on the engine's own process, serve/engine_client.py). profile_dir: POST /start_profile
     and /stop_profile write the engine thread's profile there (serve/profile.py)."""
     check_max_model_len(max_model_len, target_positions(target_dir))
     load = dict(target_dir=str(target_dir), drafter_dir=None if drafter_dir is None else str(drafter_dir),

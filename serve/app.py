@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dspark.request import SamplingParams
-from serve.engine_proc import EngineClient
+from serve.engine_client import EngineClient
 from serve.metrics import metrics_text
 from serve.protocol import (
     PROMPT_BYTES_PER_TOKEN,

@@ -1,6 +1,6 @@
-"""The engine in a process of its own (serve/engine_proc.py, `python -m serve --engine-process`): the same answers as
-the engine in-process, metrics and profiles across the pipe, aborts, a failed start and a dead engine process. Real
-tiny models, a spawned engine process on the CPU, uvicorn on 127.0.0.1."""
+"""The engine in a process of its own (serve/engine_proc.py and serve/engine_client.py, `python -m serve
+--engine-process`): the same answers as the engine in-process, metrics and profiles across the pipe, aborts, a failed
+start and a dead engine process. Real tiny models, a spawned engine process on the CPU, uvicorn on 127.0.0.1."""
 from __future__ import annotations
 
 import asyncio
