@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT))
 from bench.serve_clients import ClientError, Req, clients, http_client, in_processes, one  # noqa: E402
 from bench.serve_metrics import BenchError, counters, server_figures  # noqa: E402
 from bench.serve_report import MODES, rows, table  # noqa: E402
+from dspark.policy import EARLY_STEPS  # noqa: E402
 from eval.__main__ import encode, versions  # noqa: E402
 from eval.tasks import TASKS, build_task, select  # noqa: E402
 from serve import free_port, target_positions  # noqa: E402
@@ -354,13 +355,15 @@ def log_level(where: str, lv: dict, log) -> None:
     host = {k: None if v is None else round(v, 3) for k, v in lv["host_ms_per_step"].items()}
     switches = {k: (int(v["switches"]), round(v["switch_ms"], 3)) for k, v in lv["step_ms_per_k"].items()
                 if v.get("switches")}
+    early = {k: (int(v["early"]), round(v["early_ms"], 3)) for k, v in lv["step_ms_per_k"].items() if v.get("early")}
     log(f"[serve_bench] {where} ({lv['level_s']:.1f} s in all): {lv['output_tok_s']:.1f} tok/s, "
         f"tau {lv['tau'] if lv['tau'] is None else round(lv['tau'], 2)}, errors {lv['errors']}, "
         f"steps per k {({k: int(v) for k, v in lv['steps_per_k'].items() if v})} "
         f"({int(lv.get('overlapped_steps', 0))} overlapped), context flushes "
         f"{ {k: round(v, 4) for k, v in lv.get('context_flushes', {}).items()} }, "
         f"host ms per step {lv.get('step_host_ms')}, ms per step by k (whole / replay / device) "
-        f"{step_ms}, switches to k (n, ms start to start) {switches}, engine thread ms per step {host}, "
+        f"{step_ms}, switches to k (n, ms start to start) {switches}, of the whole the first {EARLY_STEPS} of each "
+        f"run (n, ms) {early}, engine thread ms per step {host}, "
         f"server first-token ms "
         f"{({k: v if v is None else round(v, 2) for k, v in lv['server_first_token_ms'].items()})}, client ms "
         f"p50 (first / median / last gap between events, [DONE] after the last) {p50(lv, 'itl_first_ms')} / "

@@ -20,7 +20,8 @@ FIRST_TOKEN = {"ttft": "vllm:time_to_first_token_seconds", "queue": "vllm:reques
 PER_K = {"dspark:decode_steps_total": "steps_per_k", "dspark:step_cycles_total": "cycles_per_k",
          "dspark:step_cycle_ms_total": "cycle_ms_per_k", "dspark:step_replay_ms_total": "replay_ms_per_k",
          "dspark:step_device_timed_total": "device_steps_per_k", "dspark:step_device_ms_total": "device_ms_per_k",
-         "dspark:step_switches_total": "switches_per_k", "dspark:step_switch_ms_total": "switch_ms_per_k"}
+         "dspark:step_switches_total": "switches_per_k", "dspark:step_switch_ms_total": "switch_ms_per_k",
+         "dspark:step_early_cycles_total": "early_per_k", "dspark:step_early_cycle_ms_total": "early_ms_per_k"}
 # the engine thread's time (s): busy, inside step(), waiting for results, waiting to refill a step's inputs
 HOST = {"loop": "dspark:engine_loop_seconds_total", "step": "dspark:engine_step_seconds_total",
         "read_wait": "dspark:step_read_wait_seconds_total", "launch_wait": "dspark:step_launch_wait_seconds_total"}
@@ -92,14 +93,17 @@ def weighed(w0: dict[int, dict], w1: dict[int, dict]) -> dict[int, dict[str, flo
 def step_ms_per_k(c0: dict, c1: dict) -> dict[int, dict[str, float]]:
     """Per k the server chose in the level: its back-to-back graph steps' mean time from one start to the next and
     mean replay (ms), what the k policy weighs against the drafts' acceptance; and its switches (the first step of
-    a run of k after another kind, left out of those cycles: dspark.policy.KPolicy.step_started)."""
+    a run of k after another kind, left out of those cycles: dspark.policy.KPolicy.step_started); and of the timed
+    steps the first of each run apart (early: how many and their mean time start to start)."""
     n, cycle, replay = (per_k_delta(c0, c1, key) for key in ("cycles_per_k", "cycle_ms_per_k", "replay_ms_per_k"))
     timed, device = (per_k_delta(c0, c1, key) for key in ("device_steps_per_k", "device_ms_per_k"))
     switches, switch_ms = (per_k_delta(c0, c1, key) for key in ("switches_per_k", "switch_ms_per_k"))
+    early, early_ms = (per_k_delta(c0, c1, key) for key in ("early_per_k", "early_ms_per_k"))
     return {k: {"steps": c, "cycle_ms": cycle[k] / c, "replay_ms": replay[k] / c,
                 "device_ms": device[k] / timed[k] if timed.get(k) else None,
                 # the steps of k that began a run of it after another kind, and their mean time start to start
-                "switches": switches.get(k, 0.0), "switch_ms": switch_ms[k] / switches[k] if switches.get(k) else None}
+                "switches": switches.get(k, 0.0), "switch_ms": switch_ms[k] / switches[k] if switches.get(k) else None,
+                "early": early.get(k, 0.0), "early_ms": early_ms[k] / early[k] if early.get(k) else None}
             for k, c in n.items() if c > 0}
 
 

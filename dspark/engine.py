@@ -524,13 +524,15 @@ class Engine:
         """The counters, the host's waits for the device (in reads, before refilling a step's inputs; seconds),
         host_ms (the host's own work per decode step, its waits left out: what the k policy weighs against the
         replay times), per k the back-to-back graph steps the policy timed: how many, their whole time and their
-        replay time (ms), and what the policy weighs now (KPolicy.view)."""
+        replay time (ms), of those the first timed steps of each run apart (early), and what the policy weighs now
+        (KPolicy.view)."""
         p = self.policy
         return {**{k: (list(v) if isinstance(v, list) else v) for k, v in self.counters.items()},
                 "read_wait_s": self.runner.wait_s, "launch_wait_s": self.runner.launch_wait_s,
                 "host_ms": p.host_ms, "step_cycles_per_k": list(p.cycles), "step_cycle_ms_per_k": list(p.cycle_ms),
                 "step_replay_ms_per_k": list(p.replay_ms), "step_switches_per_k": list(p.switches),
-                "step_switch_ms_per_k": list(p.switch_ms), "policy": p.view() if self.drafts is not None else None}
+                "step_switch_ms_per_k": list(p.switch_ms), "step_early_cycles_per_k": list(p.early_cycles),
+                "step_early_cycle_ms_per_k": list(p.early_ms), "policy": p.view() if self.drafts is not None else None}
 
 
 __all__ = ["Engine", "SamplingParams", "OutOfBlocks"]

@@ -54,6 +54,8 @@ REPICK_EVERY = 16  # steps a k choice is reused for the same batch size, context
 HOST_PAUSE_MS = 100.0  # a longer gap between two decode steps is a pause (a stalled client loop), not step cost
 CYCLE_WINDOW = 16  # a kind of step's cost: the median of its last this many cycles ...
 MIN_CYCLES = 3  # ... once it has this many (before, the model: replay and the host's work per step) ...
+EARLY_STEPS = 4  # a run's first this many timed steps also count apart (early_cycles): a kind measured in short runs,
+# as plain decoding is between drafting steps, against its long runs
 STALE_STEPS = 1024  # ... sampled within this many decode steps (of any kind): an older kind's cycles are forgotten
 REFRESH_STEPS = 256  # a choice to draft that turns on the plain cost measures it again once it is this many steps old
 FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving average
@@ -138,6 +140,9 @@ class KPolicy:
         # per k, the steps that began a run of their kind after another (under overlap; the cycles above leave them
         # out): how many and their whole time (ms), what a change of kind costs beyond the choice's figures
         self.switches, self.switch_ms = [0] * (self.k + 1), [0.0] * (self.k + 1)
+        # per k, of the cycles above those of the first EARLY_STEPS timed steps of a run: how many and their time (ms)
+        self.early_cycles, self.early_ms = [0] * (self.k + 1), [0.0] * (self.k + 1)
+        self.run = 0  # the step in progress's place in its run of one kind (1: the first)
 
     # ------------------------------------------------------------------ the choice
     def choose(self, num_rows: int, longest: int, mode: str, drafting: int | None = None) -> int:
@@ -369,6 +374,7 @@ class KPolicy:
         and plain decoding priced from the rare stashing steps alone would read dear (module doc)."""
         now, last = time.perf_counter(), self.last_step
         kind = None if last is None or last[2] is None else (last[2].rows, last[2].k, last[2].mode)
+        self.run = self.run + 1 if kind is not None and kind == self.before else 1  # the last step's place in its run
         if last is not None and last[3] is not None and (chained or not self.overlap):
             cycle = (now - last[0]) * 1e3
             if cycle < HOST_PAUSE_MS:
@@ -381,6 +387,9 @@ class KPolicy:
                     self.cycles[k] += 1
                     self.cycle_ms[k] += cycle
                     self.replay_ms[k] += last[3]
+                    if self.run <= EARLY_STEPS + self.overlap:  # (under overlap a run's first step is a switch)
+                        self.early_cycles[k] += 1
+                        self.early_ms[k] += cycle
                 elif self.before is not None:  # the first of its kind after another: a switch's cost, apart
                     self.switches[k] += 1
                     self.switch_ms[k] += cycle

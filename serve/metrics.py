@@ -2,7 +2,7 @@
 requests) beside ours (dspark:, per k the steps and their times, the engine thread's time, the k policy's view)."""
 from __future__ import annotations
 
-from dspark.policy import REPICK_EVERY
+from dspark.policy import EARLY_STEPS, REPICK_EVERY
 from serve.runner import Snapshot
 
 
@@ -63,6 +63,11 @@ def metrics_text(s: Snapshot, model: str) -> str:
              "Graph decode steps that began a run of their kind after a step of another (left out of the cycles "
              "above), by k."),
             ("step_switch_ms_per_k", "dspark:step_switch_ms_total", "counter",
+             "Their time from one step's start to the next (ms), by k."),
+            ("step_early_cycles_per_k", "dspark:step_early_cycles_total", "counter",
+             f"Of the back-to-back steps timed, those among the first {EARLY_STEPS} timed steps of a run of their kind, "
+             "by k."),
+            ("step_early_cycle_ms_per_k", "dspark:step_early_cycle_ms_total", "counter",
              "Their time from one step's start to the next (ms), by k.")]:
         metric(name, kind, help_, [(f'{lab},k="{k}"', v) for k, v in enumerate(c.get(key, []))])
     policy = c.get("policy")

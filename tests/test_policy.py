@@ -14,6 +14,7 @@ from dspark.policy import (
     ACCEPT_WINDOW,
     CONTEXT_EVERY,
     DRAFT_GAIN,
+    EARLY_STEPS,
     MIN_CYCLES,
     PROBE_EVERY,
     PROBE_MAX,
@@ -658,6 +659,29 @@ def test_k_policy_counts_a_switch_of_kind_apart_from_the_kinds_cycles(targets, m
     m = engine.metrics()
     assert m["step_switches_per_k"][4] == 1 and m["step_switch_ms_per_k"][0] == pytest.approx(0.3)
 
+
+
+def test_k_policy_counts_the_first_timed_steps_of_a_run_apart(targets, monkeypatch):
+    """Of a kind's timed cycles, those of the first EARLY_STEPS timed steps of each run of it also count apart
+    (early): whether a kind measured in short runs, as plain decoding is between drafting steps, reads dearer than in
+    long ones. Under overlap a run's first step is a switch, not timed; without overlap it is the first timed."""
+    target = targets["qwen3"]
+    for overlap in (True, False):
+        engine = Engine(target, make_drafter(target), overlap=overlap)
+        p, key = engine.policy, engine.runner.key_for
+        now = [0.0]
+        monkeypatch.setattr("dspark.policy.time.perf_counter", lambda now=now: now[0])
+        for k, ms in [(4, 0.3)] + [(0, 0.2)] * 5 + [(0, 0.1)] * 3:  # a drafting step, then a run of 8 plain ones
+            p.step_started(0.0)
+            p.step_replayed(0.1, key(1, k, 100, "sample"))
+            now[0] += ms / 1e3
+        p.step_started(0.0)
+        timed = 7 if overlap else 8  # the plain steps timed; their first 4 took 0.2 ms each
+        assert p.cycles[0] == timed and p.cycle_ms[0] == pytest.approx(0.2 * (timed - 3) + 0.3)
+        assert EARLY_STEPS == 4 and p.early_cycles[0] == 4 and p.early_ms[0] == pytest.approx(0.8)
+        assert p.early_cycles[4] == p.cycles[4] == (0 if overlap else 1)
+        m = engine.metrics()
+        assert m["step_early_cycles_per_k"][0] == 4 and m["step_early_cycle_ms_per_k"][0] == pytest.approx(0.8)
 
 def test_policy_constants_are_replaced_from_dspark_policy_and_a_bad_name_is_named():
     """DSPARK_POLICY="NAME=VALUE,..." sets the module's constants at import (an A/B through the server); a name

@@ -219,6 +219,9 @@ def test_metrics_agree_with_requests(server, client):
     cycles = [d[f"dspark:step_cycles_total[{k}]"] for k in range(eng.k + 1)]
     assert sum(cycles) <= sum(steps) and (sum(cycles) > 0) == eng.runner.graphs
     assert all((d[f"dspark:step_cycle_ms_total[{k}]"] > 0) == (n > 0) for k, n in enumerate(cycles))
+    # of those the first timed steps of each run of a kind (the engine's own counts)
+    early = [d[f"dspark:step_early_cycles_total[{k}]"] for k in range(eng.k + 1)]
+    assert early == eng.policy.early_cycles and all(e <= n for e, n in zip(early, cycles))
     # graph steps timed on the device: every TIME_EVERY-th launch (none on CPU); the engine thread's time holds its
     # step()'s, which holds its waits for the device
     timed = [d[f"dspark:step_device_timed_total[{k}]"] for k in range(eng.k + 1)]

@@ -293,18 +293,21 @@ def test_a_requests_record_summarises_its_gaps():
 
 
 def test_a_levels_switches_of_k_are_the_counters_differences():
-    """Per k the level's timed steps and its switches (the first step of a run of k after another kind): counts and
-    mean ms from /metrics' counters before and after the level; a k with no timed step is left out."""
+    """Per k the level's timed steps, its switches (the first step of a run of k after another kind) and its early
+    cycles (the first timed steps of each run): counts and mean ms from /metrics' counters before and after the
+    level; a k with no timed step is left out."""
     zero = {"cycles_per_k": {}, "cycle_ms_per_k": {}, "replay_ms_per_k": {}, "device_steps_per_k": {},
-            "device_ms_per_k": {}, "switches_per_k": {}, "switch_ms_per_k": {}}
+            "device_ms_per_k": {}, "switches_per_k": {}, "switch_ms_per_k": {}, "early_per_k": {},
+            "early_ms_per_k": {}}
     c0 = {**zero, "cycles_per_k": {0: 10.0, 4: 2.0}, "cycle_ms_per_k": {0: 1.5, 4: 0.6},
           "replay_ms_per_k": {0: 1.0, 4: 0.5}, "switches_per_k": {4: 1.0}, "switch_ms_per_k": {4: 0.4}}
     c1 = {**zero, "cycles_per_k": {0: 20.0, 4: 6.0, 8: 0.0}, "cycle_ms_per_k": {0: 3.0, 4: 1.8, 8: 0.0},
           "replay_ms_per_k": {0: 2.0, 4: 1.5, 8: 0.0}, "device_steps_per_k": {0: 2.0}, "device_ms_per_k": {0: 0.3},
-          "switches_per_k": {0: 2.0, 4: 3.0, 8: 1.0}, "switch_ms_per_k": {0: 0.5, 4: 1.2, 8: 0.5}}
+          "switches_per_k": {0: 2.0, 4: 3.0, 8: 1.0}, "switch_ms_per_k": {0: 0.5, 4: 1.2, 8: 0.5},
+          "early_per_k": {0: 4.0}, "early_ms_per_k": {0: 0.8}}
     got = step_ms_per_k(c0, c1)
     assert set(got) == {0, 4}  # k = 8 switched once but was never timed back to back
     assert got[0] == pytest.approx({"steps": 10.0, "cycle_ms": 0.15, "replay_ms": 0.1, "device_ms": 0.15,
-                                    "switches": 2.0, "switch_ms": 0.25})
+                                    "switches": 2.0, "switch_ms": 0.25, "early": 4.0, "early_ms": 0.2})
     assert got[4] == pytest.approx({"steps": 4.0, "cycle_ms": 0.3, "replay_ms": 0.25, "device_ms": None,
-                                    "switches": 2.0, "switch_ms": 0.4})
+                                    "switches": 2.0, "switch_ms": 0.4, "early": 0.0, "early_ms": None})
