@@ -174,6 +174,7 @@ class PipeRunner(EngineRunner):
     def __init__(self, engine, conn, sink: PipeSink, profile_dir: str | None = None):
         super().__init__(engine, profile_dir=profile_dir)
         self.conn, self.sink = conn, sink
+        self.publish, self.promise, self.sent = sink.publish, sink.promise, sink.wait_sent
         self._poller = select.poll()  # a registered poll: 0.3 us a look between steps (Connection.poll: 3 us)
         self._poller.register(conn.fileno(), select.POLLIN)
 
@@ -217,7 +218,6 @@ def engine_main(conn, load: dict, profile_dir: str | None) -> None:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     gc.collect()
     gc.freeze()  # what lives now lives as long as this process (serve.app.freeze_heap says why)
-    runner.publish, runner.promise, runner.sent = sink.publish, sink.promise, sink.wait_sent
     sink.send(("ready", runner.info, runner.snapshot))
     try:
         runner.serve()
