@@ -65,8 +65,8 @@ def metrics_text(s: Snapshot, model: str) -> str:
             ("step_switch_ms_per_k", "dspark:step_switch_ms_total", "counter",
              "Their time from one step's start to the next (ms), by k."),
             ("step_early_cycles_per_k", "dspark:step_early_cycles_total", "counter",
-             f"Of the back-to-back steps timed, those among the first {EARLY_STEPS} timed steps of a run of their kind, "
-             "by k."),
+             f"Of the back-to-back steps timed, those among the first {EARLY_STEPS} timed steps of a run of their "
+             "kind, by k."),
             ("step_early_cycle_ms_per_k", "dspark:step_early_cycle_ms_total", "counter",
              "Their time from one step's start to the next (ms), by k.")]:
         metric(name, kind, help_, [(f'{lab},k="{k}"', v) for k, v in enumerate(c.get(key, []))])
