@@ -142,7 +142,7 @@ class KPolicy:
         self.switches, self.switch_ms = [0] * (self.k + 1), [0.0] * (self.k + 1)
         # per k, of the cycles above those of the first EARLY_STEPS timed steps of a run: how many and their time (ms)
         self.early_cycles, self.early_ms = [0] * (self.k + 1), [0.0] * (self.k + 1)
-        self.run = 0  # the step in progress's place in its run of one kind (1: the first)
+        self.run = 0  # the last step's place in its run of one kind (1: the first), set as its cycle is taken
 
     # ------------------------------------------------------------------ the choice
     def choose(self, num_rows: int, longest: int, mode: str, drafting: int | None = None) -> int:
