@@ -63,7 +63,8 @@ def parse_args(argv):
     return a
 
 
-def versions() -> dict:
+def versions(root: Path = Path(__file__).parent) -> dict:
+    """The packages' versions and the checkout at root: its commit, and whether tracked files differ from it."""
     import importlib.metadata as md
 
     def v(pkg):
@@ -72,13 +73,20 @@ def versions() -> dict:
         except md.PackageNotFoundError:
             return None
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    def git(*args: str) -> subprocess.CompletedProcess | None:
+        try:
+            return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    head = git("rev-parse", "HEAD")
+    commit = (head.stdout.strip() or None) if head is not None and head.returncode == 0 else None
+    # tracked files that differ from that commit (a copy of a newer tree under an older .git, edits not committed):
+    # the commit alone does not name the code that ran
+    diff = git("diff", "--quiet", "HEAD", "--") if commit else None
+    dirty = None if diff is None or diff.returncode not in (0, 1) else diff.returncode == 1
     return {"python": platform.python_version(), "torch": v("torch"), "transformers": v("transformers"),
-            "dspark": v("dspark"), "git_commit": commit}
+            "dspark": v("dspark"), "git_commit": commit, "git_dirty": dirty}
 
 
 def encode(task: Task, tokenizer, chat: bool, max_prompt_tokens: int) -> list[list[int]]:

@@ -9,7 +9,8 @@ report.json, SCHEMA_VERSION 1 (null where a figure does not apply: e.g. speedup 
                            "num_speculative_tokens": int | null}],
              "tasks": [str], "num_prompts": int | null, "max_tokens": int, "max_prompt_tokens": int,
              "temperature": float, "seed": int, "chat": bool, "repeats": int, "threads": int | null, "date": ISO-8601 UTC str,
-             "versions": {"python": str, "torch": str, "transformers": str, "dspark": str, "git_commit": str | null}},
+             "versions": {"python": str, "torch": str, "transformers": str, "dspark": str, "git_commit": str | null,
+                          "git_dirty": bool | null}},  # git_dirty: tracked files differ from git_commit
   "tasks": {<task>: {
       "entropy": float | null,            # mean teacher-forced target entropy (nats/token) on the AR output
       "entropy_ci95": [lo, hi] | null,    # bootstrap over prompts

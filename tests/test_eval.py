@@ -4,6 +4,7 @@ from __future__ import annotations
 import glob
 import json
 import math
+import subprocess
 import sysconfig
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -15,7 +16,7 @@ import torch
 from eval import measure as M
 from eval import report as R
 from eval import tasks as T
-from eval.__main__ import main
+from eval.__main__ import main, versions
 from eval.entropy import entropy_of_logits, generated_entropies
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -357,3 +358,24 @@ def test_cli_rejects_bad_options_before_loading(tiny_models, tmp_path, capsys, m
     a = cli.parse_args(base + ["--out", str(tmp_path)])
     assert (a.device, a.dtype) == ("auto", "auto")
 
+
+
+def test_versions_name_the_commit_and_whether_tracked_files_differ_from_it(tmp_path):
+    """A report's versions carry the checkout's commit and git_dirty: whether tracked files differ from it (a copy of
+    a newer tree under an older .git names the wrong commit otherwise); untracked files do not count; outside a
+    checkout both are None."""
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)
+
+    assert (versions(tmp_path)["git_commit"], versions(tmp_path)["git_dirty"]) == (None, None)
+    git("init", "-q")
+    (tmp_path / "f.py").write_text("a = 1\n")
+    git("add", "f.py")
+    git("commit", "-qm", "one")
+    v = versions(tmp_path)
+    assert len(v["git_commit"]) == 40 and v["git_dirty"] is False
+    (tmp_path / "notes.txt").write_text("untracked")
+    assert versions(tmp_path)["git_dirty"] is False
+    (tmp_path / "f.py").write_text("a = 2\n")
+    assert versions(tmp_path) == {**v, "git_dirty": True}
