@@ -124,10 +124,27 @@ def server_first_token_ms(c0: dict, c1: dict) -> dict[str, float | None]:
     return out
 
 
+def weighed_against_ran(w: dict[int, dict], step_ms: dict[int, dict]) -> dict[str, float] | None:
+    """What the level's choices to draft weighed against what its steps took: over those choices (their n as
+    weights), plain decoding's cost they weighed over the level's mean plain step (start to start), and k's cost over
+    its k's mean step; None without such choices or those steps. Above 1 a cost was weighed dearer than its steps
+    ran. (The level's means pool its batch buckets: at a concurrency whose batch size moves across buckets they
+    compare unlike steps.)"""
+    if 0 not in step_ms:
+        return None
+    ks = {k: x for k, x in w.items() if k in step_ms and x.get("n")}
+    n = sum(x["n"] for x in ks.values())
+    if not n:
+        return None
+    return {"plain": round(sum(x["n"] * x["plain_ms"] for x in ks.values()) / n / step_ms[0]["cycle_ms"], 3),
+            "draft": round(sum(x["n"] * x["ms"] / step_ms[k]["cycle_ms"] for k, x in ks.items()) / n, 3)}
+
+
 def server_figures(c0: dict, c1: dict) -> dict:
     """A level's figures from the server's counters before (c0) and after (c1) it."""
     spec = stats_from_counters(counters_delta(c0, c1))
     steps = per_k_delta(c0, c1, "steps_per_k")
+    choices, step_ms = weighed(c0["policy"]["weighed"], c1["policy"]["weighed"]), step_ms_per_k(c0, c1)
     return {
         "tau": spec["tau"], "spec_decode": spec,
         "server_generation_tokens": c1["generation_tokens"] - c0["generation_tokens"],
@@ -136,9 +153,10 @@ def server_figures(c0: dict, c1: dict) -> dict:
         "policy": {**c1["policy"], "choices": {key: n - c0["policy"]["choices"].get(key, 0.0)
                                                for key, n in c1["policy"]["choices"].items()
                                                if n > c0["policy"]["choices"].get(key, 0.0)},
-                   "weighed": weighed(c0["policy"]["weighed"], c1["policy"]["weighed"])},
+                   "weighed": choices},
+        "weighed_vs_ran": weighed_against_ran(choices, step_ms),
         "overlapped_steps": c1["overlapped_steps"] - c0["overlapped_steps"],
         "context_flushes": {key: c1["flushes"][key] - c0["flushes"][key] for key in FLUSH},
-        "step_ms_per_k": step_ms_per_k(c0, c1), "server_first_token_ms": server_first_token_ms(c0, c1),
+        "step_ms_per_k": step_ms, "server_first_token_ms": server_first_token_ms(c0, c1),
         "host_ms_per_step": host_ms_per_step(c0, c1, sum(steps.values())),
         "server_idle_at_reads": c0["idle"] and c1["idle"]}

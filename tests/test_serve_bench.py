@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.serve_clients import Req
-from bench.serve_metrics import step_ms_per_k, weighed
+from bench.serve_metrics import step_ms_per_k, weighed, weighed_against_ran
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS, TEMPS, CONC = ("humaneval", "creative"), (0.0, 0.7), (1, 2)
@@ -311,3 +311,15 @@ def test_a_levels_switches_of_k_are_the_counters_differences():
                                     "switches": 2.0, "switch_ms": 0.25, "early": 4.0, "early_ms": 0.2})
     assert got[4] == pytest.approx({"steps": 4.0, "cycle_ms": 0.3, "replay_ms": 0.25, "device_ms": None,
                                     "switches": 2.0, "switch_ms": 0.4, "early": 0.0, "early_ms": None})
+
+
+def test_what_the_choices_to_draft_weighed_is_set_against_what_the_steps_took():
+    """Over a level's choices to draft (n as weights): the plain cost they weighed over the level's mean plain step,
+    and each k's cost over its k's mean step; None without choices, or without plain steps to compare with."""
+    step_ms = {0: {"cycle_ms": 0.2}, 2: {"cycle_ms": 0.25}, 4: {"cycle_ms": 0.3}}
+    w = {2: {"n": 1.0, "plain_ms": 0.3, "ms": 0.25}, 4: {"n": 3.0, "plain_ms": 0.22, "ms": 0.27},
+         8: {"n": 5.0, "plain_ms": 9.0, "ms": 9.0}}  # k = 8 never stepped in the level: left out
+    got = weighed_against_ran(w, step_ms)
+    assert got == pytest.approx({"plain": (0.3 + 3 * 0.22) / 4 / 0.2, "draft": (1.0 + 3 * 0.9) / 4}, abs=1e-3)
+    assert weighed_against_ran({}, step_ms) is None
+    assert weighed_against_ran(w, {4: {"cycle_ms": 0.3}}) is None
