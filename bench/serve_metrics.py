@@ -95,16 +95,20 @@ def step_ms_per_k(c0: dict, c1: dict) -> dict[int, dict[str, float]]:
     mean replay (ms), what the k policy weighs against the drafts' acceptance; and its switches (the first step of
     a run of k after another kind, left out of those cycles: dspark.policy.KPolicy.step_started); and of the timed
     steps the first of each run apart (early: how many and their mean time start to start)."""
-    n, cycle, replay = (per_k_delta(c0, c1, key) for key in ("cycles_per_k", "cycle_ms_per_k", "replay_ms_per_k"))
-    timed, device = (per_k_delta(c0, c1, key) for key in ("device_steps_per_k", "device_ms_per_k"))
-    switches, switch_ms = (per_k_delta(c0, c1, key) for key in ("switches_per_k", "switch_ms_per_k"))
-    early, early_ms = (per_k_delta(c0, c1, key) for key in ("early_per_k", "early_ms_per_k"))
-    return {k: {"steps": c, "cycle_ms": cycle[k] / c, "replay_ms": replay[k] / c,
-                "device_ms": device[k] / timed[k] if timed.get(k) else None,
+    d = {key: per_k_delta(c0, c1, key) for key in ("cycles_per_k", "cycle_ms_per_k", "replay_ms_per_k",
+                                                   "device_steps_per_k", "device_ms_per_k", "switches_per_k",
+                                                   "switch_ms_per_k", "early_per_k", "early_ms_per_k")}
+
+    def mean(total: str, count: str, k: int) -> float | None:  # a level's ms per step of k, None without steps
+        return d[total][k] / d[count][k] if d[count].get(k) else None
+
+    return {k: {"steps": c, "cycle_ms": mean("cycle_ms_per_k", "cycles_per_k", k),
+                "replay_ms": mean("replay_ms_per_k", "cycles_per_k", k),
+                "device_ms": mean("device_ms_per_k", "device_steps_per_k", k),
                 # the steps of k that began a run of it after another kind, and their mean time start to start
-                "switches": switches.get(k, 0.0), "switch_ms": switch_ms[k] / switches[k] if switches.get(k) else None,
-                "early": early.get(k, 0.0), "early_ms": early_ms[k] / early[k] if early.get(k) else None}
-            for k, c in n.items() if c > 0}
+                "switches": d["switches_per_k"].get(k, 0.0), "switch_ms": mean("switch_ms_per_k", "switches_per_k", k),
+                "early": d["early_per_k"].get(k, 0.0), "early_ms": mean("early_ms_per_k", "early_per_k", k)}
+            for k, c in d["cycles_per_k"].items() if c > 0}
 
 
 def host_ms_per_step(c0: dict, c1: dict, steps: float) -> dict[str, float | None]:

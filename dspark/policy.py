@@ -369,9 +369,10 @@ class KPolicy:
         first) leaves the last step unsampled: that gap holds a wait the next step's kind, not the last one's,
         caused. Under overlap a step's cycle also holds the read of the step before it, so it counts for its kind
         only after a step of the same kind (the first plain step after drafting ones would carry their device
-        time); such a first step of a run counts as a switch to its k instead (switches, switch_ms). A plain step none of whose rows keeps the drafter's context (the AR step, no stash) counts for the
-        plain kind as one that stashes does: where most sampled requests keep no context, most plain steps are AR's,
-        and plain decoding priced from the rare stashing steps alone would read dear (module doc)."""
+        time); such a first step of a run counts as a switch to its k instead (switches, switch_ms). A plain step
+        none of whose rows keeps the drafter's context (the AR step, no stash) counts for the plain kind as one that
+        stashes does: where most sampled requests keep no context, most plain steps are AR's, and plain decoding
+        priced from the rare stashing steps alone would read dear (module doc)."""
         now, last = time.perf_counter(), self.last_step
         kind = None if last is None or last[2] is None else (last[2].rows, last[2].k, last[2].mode)
         self.run = self.run + 1 if kind is not None and kind == self.before else 1  # the last step's place in its run

@@ -94,8 +94,6 @@ class PipeSink:
     def __init__(self, conn):
         self.conn = conn
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._sent = threading.Event()  # set when what was queued has been written (wait_sent)
-        self._sent.set()
         self._thread = threading.Thread(target=self._send_all, name="dspark-pipe-send", daemon=True)
         self._thread.start()
 
@@ -113,13 +111,14 @@ class PipeSink:
         self.send(("promise",))
 
     def send(self, msg) -> None:
-        self._sent.clear()
         self._queue.put(msg)
 
     def wait_sent(self, timeout: float) -> bool:
         """Wait, at most timeout s, until the messages queued so far have been written to the pipe -> whether they
-        have (it may return as a message queued meanwhile is still being written)."""
-        return self._sent.wait(timeout)
+        have (a marker queued behind them, which the sending thread sets: nothing on the per-step path)."""
+        done = threading.Event()
+        self._queue.put(("sent", done))
+        return done.wait(timeout)
 
     def close(self, timeout: float = 10.0) -> None:
         """Send what is queued, then stop the sending thread."""
@@ -132,6 +131,9 @@ class PipeSink:
             msg, taken = taken or self._queue.get(), None
             if msg is _CLOSE:
                 return
+            if msg[0] == "sent":  # wait_sent's marker: what was queued before it has been written
+                msg[1].set()
+                continue
             if msg[0] in _MERGED:  # with what is queued behind it, as one message, up to a snapshot after events
                 items, snap, promised = [], None, False
                 while True:
@@ -151,10 +153,7 @@ class PipeSink:
             try:
                 self.conn.send(msg)
             except (OSError, ValueError):  # the server's process is gone
-                self._sent.set()
                 return
-            if taken is None and self._queue.empty():
-                self._sent.set()
 
 
 def _answer(sink: PipeSink, kind: str, rid: str | None):
