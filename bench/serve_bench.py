@@ -2,14 +2,17 @@
 
     python bench/serve_bench.py --target DIR --drafter DIR [--modes ar,dspark] [--tasks humaneval,creative]
         [--temperatures 0,0.7] [--concurrency 1,4,16,64] [--requests-per-level N] [--min-level-s 3]
-        [--max-tokens 128] [--rounds 1] [--out FILE.json] [-- EXTRA SERVE FLAGS]   # e.g. -- --num-speculative-tokens 7
+        [--max-tokens 128] [--rounds 1] [--variant SPEC] [--out FILE.json] [-- EXTRA SERVE FLAGS]
+        # e.g. -- --num-speculative-tokens 7
 
 Per mode (ar: no drafter; dspark: with --drafter) the server runs as a subprocess on 127.0.0.1 (`python -m serve`,
 device and dtype auto unless given after `--`; --max-batch-size defaults to the highest concurrency, --max-concurrent
 to twice it, --max-model-len to the prompt budget + max_tokens + 64), is polled on GET /health, measured, then
-terminated; with --rounds R > 1 both servers run at once and each level runs R times, the modes taking turns (AR,
-DSpark, then DSpark, AR, ...: a drift of the machine over the run falls on both alike), and each figure is the median
-over the rounds, DSpark ÷ AR the median of the rounds' ratios. Per (task, temperature, concurrency C) level: one
+terminated; with --rounds R > 1 every mode's server runs at once and each level runs R times, the modes taking turns
+(AR, DSpark, then DSpark, AR, ...: a drift of the machine over the run falls on all alike), and each figure is the
+median over the rounds, DSpark ÷ AR the median of the rounds' ratios. --variant SPEC adds a third mode, dspark-b: the
+DSpark server with DSPARK_POLICY=SPEC (dspark.policy's constants replaced, e.g. DRAFT_GAIN=1.25), its ratio to AR per
+round beside DSpark's: an A/B of the k policy under the same drift. Per (task, temperature, concurrency C) level: one
 untimed warm-up request, then C clients each send streaming /v1/completions requests back to back until N
 (--requests-per-level, default max(4C, 16)) have been sent and the level has lasted --min-level-s (default 3 s: a
 level of a fraction of a second measures a GPU whose clocks and caches have not settled, and one stall is a large part
@@ -62,7 +65,7 @@ sys.path.insert(0, str(ROOT))
 from bench.serve_clients import ClientError, Req, clients, http_client, in_processes, one  # noqa: E402
 from bench.serve_metrics import BenchError, counters, server_figures  # noqa: E402
 from bench.serve_report import MODES, rows, table  # noqa: E402
-from dspark.policy import EARLY_STEPS  # noqa: E402
+from dspark.policy import EARLY_STEPS, overrides  # noqa: E402
 from eval.__main__ import encode, versions  # noqa: E402
 from eval.tasks import TASKS, build_task, select  # noqa: E402
 from serve import free_port, target_positions  # noqa: E402
@@ -116,10 +119,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    f"{CLIENTS_PER_PROCESS} clients): one Python process streaming many clients is itself the limit")
     p.add_argument("--rounds", type=int, default=1, help="times each level runs per mode, the modes' servers up at "
                    "once and taking turns (1: one server at a time)")
+    p.add_argument("--variant", default="", help="NAME=VALUE,...: a third mode, dspark-b, whose server runs with "
+                   "DSPARK_POLICY set to it (module doc)")
     p.add_argument("--profile", default="", help="TASK:T:C, e.g. creative:0.7:4: each server's engine thread under "
                    "torch.profiler over that level (POST /start_profile, /stop_profile), written next to --out")
     a = p.parse_args(argv)
-    a.modes = _list(a.modes, str, "--modes", lambda m: m in MODES, "modes from ar,dspark")
+    a.modes = _list(a.modes, str, "--modes", lambda m: m in MODES[:2], "modes from ar,dspark")
+    if a.variant:
+        try:
+            overrides(a.variant)
+        except ValueError as e:
+            raise ValueError(f"--variant: {e}") from None
+        a.modes.append("dspark-b")
     a.tasks = _list(a.tasks, str, "--tasks", lambda t: t in TASKS, f"tasks from {','.join(TASKS)}")
     a.temperatures = _list(a.temperatures, float, "--temperatures", lambda t: 0 <= t <= 2, "numbers in [0, 2]")
     a.concurrency = _list(a.concurrency, int, "--concurrency", lambda c: c >= 1, "integers >= 1")
@@ -145,8 +156,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                 or a.profile[2] not in a.concurrency:
             raise ValueError(f"--profile: expected TASK:T:C naming one of the levels run (--tasks, --temperatures, "
                              f"--concurrency), got {':'.join(parts)!r}")
-    if "dspark" in a.modes and not a.drafter:
-        raise ValueError("--drafter: required for mode dspark (or pass --modes ar)")
+    if {"dspark", "dspark-b"} & set(a.modes) and not a.drafter:
+        raise ValueError("--drafter: required for mode dspark and --variant (or pass --modes ar)")
     for flag, d in [("--target", a.target), ("--drafter", a.drafter)]:
         if d is not None and not (Path(d) / "config.json").is_file():
             raise ValueError(f"{flag} {d}: not a checkpoint dir (no config.json)")
@@ -182,7 +193,7 @@ def _has(extra: list[str], flag: str) -> bool:
 
 def serve_command(a, mode: str, port: int, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "serve", "--target", a.target, "--host", "127.0.0.1", "--port", str(port)]
-    if mode == "dspark":
+    if mode != "ar":
         cmd += ["--drafter", a.drafter]
     c = max(a.concurrency)
     # --max-concurrent with room: a client may send its next request before the server has released the last one
@@ -326,12 +337,14 @@ def start_server(a, mode: str, port: int, extra: list[str], report: dict, limit:
         fd, name = tempfile.mkstemp(prefix=f"serve-bench-{mode}-", suffix=".log")
         os.close(fd)
         logfile = Path(name)
-    srv = {"command": shlex.join(cmd), "log": str(logfile)}
+    env = {**os.environ, "DSPARK_POLICY": a.variant} if mode == "dspark-b" else None
+    srv = {"command": shlex.join(cmd), "log": str(logfile)} | ({"DSPARK_POLICY": a.variant} if env else {})
     report["servers"][mode] = srv
     log(f"[serve_bench] {mode}: {srv['command']}")
     t0 = time.monotonic()
     with open(logfile, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env)
     try:
         wait_healthy(proc, f"http://127.0.0.1:{port}", logfile, limit)
     except BaseException:

@@ -1,29 +1,33 @@
-"""serve_bench's summary: one row per (task, temperature, concurrency) with AR and DSpark side by side, as a
-markdown table."""
+"""serve_bench's summary: one row per (task, temperature, concurrency) with AR and DSpark (and serve_bench's
+--variant, dspark-b) side by side, as a markdown table."""
 from __future__ import annotations
 
 import statistics
 
-MODES = ("ar", "dspark")
+MODES = ("ar", "dspark", "dspark-b")
 
 
 def rows(levels: list[dict]) -> list[dict]:
-    """One row per (task, temperature, concurrency) with both modes side by side (each figure the median over the
-    rounds), DSpark ÷ AR (the median of each round's ratio, every round's in `speedups`) and the greedy text check."""
+    """One row per (task, temperature, concurrency) with the modes side by side (each figure the median over the
+    rounds), DSpark ÷ AR (the median of each round's ratio, every round's in `speedups`; dspark-b's in `speedup_b`,
+    `speedups_b` where it ran) and the greedy text check."""
     by: dict[tuple, list[dict]] = {}
     for lv in levels:
         by.setdefault((lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]), []).append(lv)
     out = []
     for key in dict.fromkeys((lv["task"], lv["temperature"], lv["concurrency"]) for lv in levels):
-        ar, ds = by.get(("ar", *key), []), by.get(("dspark", *key), [])
+        ar, ds, dsb = (by.get((m, *key), []) for m in MODES)
         row = {"task": key[0], "temperature": key[1], "concurrency": key[2], "ar": _brief(ar), "dspark": _brief(ds),
                "speedup": None, "speedups": [], "greedy_equal": None, "greedy_compared": None}
-        row["cut"] = any(lv.get("cut_by_time_limit") for lv in ar + ds)  # a part of a level: no ratio
-        if not row["cut"]:
-            ar_round = {lv.get("round", 0): lv["output_tok_s"] for lv in ar}
-            row["speedups"] = [lv["output_tok_s"] / ar_round[lv.get("round", 0)] for lv in ds
-                               if ar_round.get(lv.get("round", 0))]
-            row["speedup"] = statistics.median(row["speedups"]) if row["speedups"] else None
+        row["cut"] = any(lv.get("cut_by_time_limit") for lv in ar + ds + dsb)  # a part of a level: no ratio
+        ar_round = {lv.get("round", 0): lv["output_tok_s"] for lv in ar}
+        for suffix, lvs in [("", ds)] + [("_b", dsb)] * bool(dsb):
+            if suffix:
+                row["dspark-b"] = _brief(dsb)
+            ratios = [] if row["cut"] else [lv["output_tok_s"] / ar_round[lv.get("round", 0)] for lv in lvs
+                                            if ar_round.get(lv.get("round", 0))]
+            row["speedups" + suffix] = ratios
+            row["speedup" + suffix] = statistics.median(ratios) if ratios else None
         if ar and ds and key[1] == 0:  # each DSpark text against the AR text of its prompt (levels differ in how
             # many requests they sent, and client processes report theirs in their own order)
             ar_text = {x["prompt"]: x["text"] for lv in ar for x in lv["per_request"] if x["ok"]}
@@ -53,28 +57,32 @@ def table(rs: list[dict]) -> str:
     def f(x, d=1):
         return "—" if x is None else f"{x:.{d}f}"
 
-    def both(r, k, d=2):
-        return " / ".join(f((r[m] or {}).get(k), d) for m in MODES)
+    b = any(r.get("dspark-b") is not None for r in rs)
+    modes = MODES if b else MODES[:2]
 
-    def ratio(r):
+    def each(r, k, d=2):
+        return " / ".join(f((r.get(m) or {}).get(k), d) for m in modes)
+
+    def ratio(r, suffix=""):
         if r.get("cut"):
             return "cut"
-        sp = r.get("speedups") or []
-        return f(r["speedup"], 2) + "×" * (r["speedup"] is not None) + (
-            f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
+        sp, mid = r.get("speedups" + suffix) or [], r.get("speedup" + suffix)
+        return f(mid, 2) + "×" * (mid is not None) + (f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
 
-    lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | τ | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
-             "| TPOT p50 ms | errors | greedy = AR |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    names = " / ".join({"ar": "AR", "dspark": "DSpark", "dspark-b": "DSpark-b"}[m] for m in modes)
+    lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | " + "DSpark-b tok/s | DSpark-b ÷ AR | " * b +
+             "τ | TTFT p50 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | errors | greedy = AR |",
+             "|---|--:|--:|--:|--:|--:|" + "--:|--:|" * b + "--:|--:|--:|--:|--:|--:|--:|"]
     for r in rs:
         ar, ds = r["ar"] or {}, r["dspark"] or {}
         greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
+        with_b = f"{f((r.get('dspark-b') or {}).get('output_tok_s'))} | {ratio(r, '_b')} | " if b else ""
         lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
-                     f"{f(ds.get('output_tok_s'))} | {ratio(r)} | {f(ds.get('tau'), 2)} | "
-                     f"{both(r, 'ttft_p50_ms')} | {both(r, 'itl_p50_ms')} | {both(r, 'itl_p99_ms')} | "
-                     f"{both(r, 'tpot_p50_ms')} | {' / '.join(str((r[m] or {}).get('errors', '—')) for m in MODES)} "
+                     f"{f(ds.get('output_tok_s'))} | {ratio(r)} | {with_b}{f(ds.get('tau'), 2)} | "
+                     f"{each(r, 'ttft_p50_ms')} | {each(r, 'itl_p50_ms')} | {each(r, 'itl_p99_ms')} | "
+                     f"{each(r, 'tpot_p50_ms')} | {' / '.join(str((r.get(m) or {}).get('errors', '—')) for m in modes)} "
                      f"| {greedy} |")
-    return "\n".join(lines) + "\n\nTwo figures per cell: AR / DSpark. ITL is per SSE event (a DSpark event carries a " \
+    return "\n".join(lines) + f"\n\nFigures per cell: {names}. ITL is per SSE event (a DSpark event carries a " \
                               "whole verify step's tokens); TPOT is per token. cut: the time limit (--time-limit) " \
                               "ended a level, its errors the requests left unfinished. With --rounds R a figure is " \
                               "the median over the rounds, and the ratio's range over them follows it.\n"

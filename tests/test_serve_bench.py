@@ -251,6 +251,51 @@ def test_serve_bench_rounds_take_turns(models, monkeypatch):
             bench.parse_args(["--target", str(models[0]), "--modes", "ar", "--rounds", bad])
 
 
+def test_serve_bench_variant_is_a_third_server_with_its_policy_taking_turns(models, monkeypatch):
+    """--variant SPEC: a third server, dspark-b, with the drafter and DSPARK_POLICY=SPEC in its environment (the others
+    without it), up with the other two and taking turns with them each round (AR, DSpark, DSpark-b, then the reverse);
+    each row has dspark-b's figures and its ratio to AR per round beside DSpark's, and the table a column for each. A
+    SPEC that names no policy constant is an error naming --variant. Servers and clients replaced as above."""
+    bench = _bench()
+    events, envs = [], {}
+    tok_s = iter([100.0, 110.0, 130.0, 140.0, 120.0, 90.0])  # ar, ds, dsb, then dsb, ds, ar
+
+    async def level(url, a, prompts, temperature, conc, deadline, profile=False):
+        events.append(url.rsplit(":", 1)[1])
+        return {"output_tok_s": next(tok_s), "request_s": 1.0, "tau": None, "errors": 0, "tokens_per_event": 1.0,
+                "ttft_ms": {"p50": 1.0}, "itl_ms": {"p50": 1.0, "p99": 1.0}, "tpot_ms": {"p50": 1.0},
+                "per_request": [], "steps_per_k": {}, "step_ms_per_k": {}, "host_ms_per_step": {},
+                "server_first_token_ms": {}, "profile_files": [], "cut_by_time_limit": False}
+
+    def popen(cmd, **kw):
+        envs[cmd[cmd.index("--port") + 1]] = ("--drafter" in cmd, (kw.get("env") or {}).get("DSPARK_POLICY"))
+        return cmd
+
+    monkeypatch.delenv("DSPARK_POLICY", raising=False)
+    monkeypatch.setattr(bench, "run_level", level)
+    monkeypatch.setattr(bench, "wait_healthy", lambda *a: None)
+    monkeypatch.setattr(bench, "stop", lambda proc: None)
+    monkeypatch.setattr(bench.subprocess, "Popen", popen)
+    args = ["--target", str(models[0]), "--drafter", str(models[1]), "--rounds", "2", "--temperatures", "0.7",
+            "--tasks", "creative", "--concurrency", "4", "--port", "9000", "--out", ""]
+    a, extra = bench.parse_args(args + ["--variant", "DRAFT_GAIN=1.25"])
+    assert a.modes == ["ar", "dspark", "dspark-b"]
+    report = {"status": "complete", "servers": {}, "levels": []}
+    bench.run(a, extra, {t: ["p"] for t in a.tasks}, report, lambda *x, **k: None)
+    assert envs == {"9000": (False, None), "9001": (True, None), "9002": (True, "DRAFT_GAIN=1.25")}
+    assert report["servers"]["dspark-b"]["DSPARK_POLICY"] == "DRAFT_GAIN=1.25"
+    assert events == ["9000", "9001", "9002", "9002", "9001", "9000"]
+    (row,) = bench.rows(report["levels"])
+    assert row["speedups"] == [110 / 100, 120 / 90] and row["speedups_b"] == [130 / 100, 140 / 90]
+    assert row["speedup_b"] == (130 / 100 + 140 / 90) / 2 and row["dspark-b"]["output_tok_s"] == 135.0
+    text = bench.table([row])
+    assert "| DSpark-b ÷ AR |" in text and "| 135.0 | 1.43× (1.30–1.56) |" in text and "AR / DSpark / DSpark-b" in text
+    assert "DSpark-b" not in bench.table(bench.rows([lv for lv in report["levels"] if lv["mode"] != "dspark-b"]))
+    for bad, what in [("NOPE=1", "'NOPE' is not one of"), ("DRAFT_GAIN=x", "DRAFT_GAIN='x': expected float")]:
+        with pytest.raises(ValueError, match=f"--variant: DSPARK_POLICY: {what}"):
+            bench.parse_args(args + ["--variant", bad])
+
+
 def test_clients_keep_sending_until_the_level_has_lasted_min_level_s(monkeypatch):
     """A level's clients send the `need` requests it asks for, then more until --min-level-s has passed (each one
     sent is marked; the rest stay unsent), and with --min-level-s 0 exactly `need`. The HTTP request is replaced by a
