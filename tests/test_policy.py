@@ -683,6 +683,39 @@ def test_k_policy_counts_the_first_timed_steps_of_a_run_apart(targets, monkeypat
         m = engine.metrics()
         assert m["step_early_cycles_per_k"][0] == 4 and m["step_early_cycle_ms_per_k"][0] == pytest.approx(0.8)
 
+def test_long_run_cost_prices_a_kind_from_the_cycles_past_its_runs_early_steps(targets, monkeypatch):
+    """LONG_RUN_COST = 1: a kind's cost is the median of its cycles past the first EARLY_STEPS of their runs once it
+    has MIN_CYCLES of those (plain steps measured in short runs between drafting ones read dearer than a choice of
+    plain steps runs), before that of all its cycles; 0 (the default): of all. What /metrics shows and what a choice
+    to draft weighed follow the same cycles, and a stale kind forgets both."""
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=False)
+    p, key = engine.policy, engine.runner.key_for(1, 0, 100, "sample")
+    kind = (key.rows, 0, "sample")
+    now = [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+
+    def run(times):
+        for ms in times:
+            p.step_started(0.0)
+            p.step_replayed(0.05, key)
+            now[0] += ms / 1e3
+
+    run([0.3] * EARLY_STEPS + [0.1] * MIN_CYCLES)  # each step timed by the next one's start: the last not yet
+    assert list(p.cycle_by_kind[kind]) == pytest.approx([0.3] * EARLY_STEPS + [0.1] * (MIN_CYCLES - 1))
+    assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.3)
+    monkeypatch.setattr("dspark.policy.LONG_RUN_COST", 1)
+    assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.3)  # too few late cycles: all of them
+    run([0.1])
+    assert list(p.measured_cycles(key)) == [pytest.approx(0.1)] * MIN_CYCLES
+    assert p.view()["step_cost_ms"] == [(*kind, pytest.approx(0.1))]
+    assert len(p.cycle_by_kind[kind]) == EARLY_STEPS + MIN_CYCLES  # all of them still kept
+    monkeypatch.setattr("dspark.policy.LONG_RUN_COST", 0)
+    assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.3)
+    p.steps += STALE_STEPS + 1
+    assert p.forget_stale() == [kind] and kind not in p.late_by_kind
+
+
 def test_policy_constants_are_replaced_from_dspark_policy_and_a_bad_name_is_named():
     """DSPARK_POLICY="NAME=VALUE,..." sets the module's constants at import (an A/B through the server); a name
     that is not one of them, or a value not of its type, is a ValueError naming it."""
