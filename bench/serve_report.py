@@ -10,7 +10,7 @@ MODES = ("ar", "dspark", "dspark-b")
 def rows(levels: list[dict]) -> list[dict]:
     """One row per (task, temperature, concurrency) with the modes side by side (each figure the median over the
     rounds), DSpark ÷ AR (the median of each round's ratio, every round's in `speedups`; dspark-b's in `speedup_b`,
-    `speedups_b` where it ran) and the greedy text check."""
+    `speedups_b` where it ran, and its ratio to DSpark per round in `b_over_dspark`) and the greedy text check."""
     by: dict[tuple, list[dict]] = {}
     for lv in levels:
         by.setdefault((lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]), []).append(lv)
@@ -28,6 +28,10 @@ def rows(levels: list[dict]) -> list[dict]:
                                             if ar_round.get(lv.get("round", 0))]
             row["speedups" + suffix] = ratios
             row["speedup" + suffix] = statistics.median(ratios) if ratios else None
+        if dsb:  # the variant over DSpark round by round: the A/B's own figure, both under the same round's drift
+            ds_round = {lv.get("round", 0): lv["output_tok_s"] for lv in ds}
+            row["b_over_dspark"] = [] if row["cut"] else [lv["output_tok_s"] / ds_round[lv.get("round", 0)]
+                                                          for lv in dsb if ds_round.get(lv.get("round", 0))]
         if ar and ds and key[1] == 0:  # each DSpark text against the AR text of its prompt (levels differ in how
             # many requests they sent, and client processes report theirs in their own order)
             ar_text = {x["prompt"]: x["text"] for lv in ar for x in lv["per_request"] if x["ok"]}
@@ -70,13 +74,16 @@ def table(rs: list[dict]) -> str:
         return f(mid, 2) + "×" * (mid is not None) + (f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
 
     names = " / ".join({"ar": "AR", "dspark": "DSpark", "dspark-b": "DSpark-b"}[m] for m in modes)
-    lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | " + "DSpark-b tok/s | DSpark-b ÷ AR | " * b +
+    lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | " + "DSpark-b tok/s | DSpark-b ÷ AR | DSpark-b ÷ DSpark | " * b +
              "τ | TTFT p50 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | errors | greedy = AR |",
-             "|---|--:|--:|--:|--:|--:|" + "--:|--:|" * b + "--:|--:|--:|--:|--:|--:|--:|"]
+             "|---|--:|--:|--:|--:|--:|" + "--:|--:|--:|" * b + "--:|--:|--:|--:|--:|--:|--:|"]
     for r in rs:
         ar, ds = r["ar"] or {}, r["dspark"] or {}
         greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
-        with_b = f"{f((r.get('dspark-b') or {}).get('output_tok_s'))} | {ratio(r, '_b')} | " if b else ""
+        over = r.get("b_over_dspark") or []
+        with_b = (f"{f((r.get('dspark-b') or {}).get('output_tok_s'))} | {ratio(r, '_b')} | "
+                  f"{ratio({'speedups': over, 'speedup': statistics.median(over) if over else None, 'cut': r['cut']})} | "
+                  if b else "")
         lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
                      f"{f(ds.get('output_tok_s'))} | {ratio(r)} | {with_b}{f(ds.get('tau'), 2)} | "
                      f"{each(r, 'ttft_p50_ms')} | {each(r, 'itl_p50_ms')} | {each(r, 'itl_p99_ms')} | "

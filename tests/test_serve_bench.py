@@ -288,8 +288,10 @@ def test_serve_bench_variant_is_a_third_server_with_its_policy_taking_turns(mode
     (row,) = bench.rows(report["levels"])
     assert row["speedups"] == [110 / 100, 120 / 90] and row["speedups_b"] == [130 / 100, 140 / 90]
     assert row["speedup_b"] == (130 / 100 + 140 / 90) / 2 and row["dspark-b"]["output_tok_s"] == 135.0
+    assert row["b_over_dspark"] == [130 / 110, 140 / 120]
     text = bench.table([row])
-    assert "| DSpark-b ÷ AR |" in text and "| 135.0 | 1.43× (1.30–1.56) |" in text and "AR / DSpark / DSpark-b" in text
+    assert "| DSpark-b ÷ AR | DSpark-b ÷ DSpark |" in text and "AR / DSpark / DSpark-b" in text
+    assert "| 135.0 | 1.43× (1.30–1.56) | 1.17× (1.17–1.18) |" in text
     assert "DSpark-b" not in bench.table(bench.rows([lv for lv in report["levels"] if lv["mode"] != "dspark-b"]))
     for bad, what in [("NOPE=1", "'NOPE' is not one of"), ("DRAFT_GAIN=x", "DRAFT_GAIN='x': expected float")]:
         with pytest.raises(ValueError, match=f"--variant: DSPARK_POLICY: {what}"):
