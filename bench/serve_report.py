@@ -74,21 +74,22 @@ def table(rs: list[dict]) -> str:
         return f(mid, 2) + "×" * (mid is not None) + (f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
 
     names = " / ".join({"ar": "AR", "dspark": "DSpark", "dspark-b": "DSpark-b"}[m] for m in modes)
-    lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | " + "DSpark-b tok/s | DSpark-b ÷ AR | DSpark-b ÷ DSpark | " * b +
+    with_b = "DSpark-b tok/s | DSpark-b ÷ AR | DSpark-b ÷ DSpark | " * b
+    lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | " + with_b +
              "τ | TTFT p50 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | errors | greedy = AR |",
              "|---|--:|--:|--:|--:|--:|" + "--:|--:|--:|" * b + "--:|--:|--:|--:|--:|--:|--:|"]
     for r in rs:
         ar, ds = r["ar"] or {}, r["dspark"] or {}
         greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
         over = r.get("b_over_dspark") or []
+        mid = statistics.median(over) if over else None
         with_b = (f"{f((r.get('dspark-b') or {}).get('output_tok_s'))} | {ratio(r, '_b')} | "
-                  f"{ratio({'speedups': over, 'speedup': statistics.median(over) if over else None, 'cut': r['cut']})} | "
-                  if b else "")
+                  f"{ratio({'speedups': over, 'speedup': mid, 'cut': r['cut']})} | " if b else "")
         lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
                      f"{f(ds.get('output_tok_s'))} | {ratio(r)} | {with_b}{f(ds.get('tau'), 2)} | "
                      f"{each(r, 'ttft_p50_ms')} | {each(r, 'itl_p50_ms')} | {each(r, 'itl_p99_ms')} | "
-                     f"{each(r, 'tpot_p50_ms')} | {' / '.join(str((r.get(m) or {}).get('errors', '—')) for m in modes)} "
-                     f"| {greedy} |")
+                     f"{each(r, 'tpot_p50_ms')} | "
+                     f"{' / '.join(str((r.get(m) or {}).get('errors', '—')) for m in modes)} | {greedy} |")
     return "\n".join(lines) + f"\n\nFigures per cell: {names}. ITL is per SSE event (a DSpark event carries a " \
                               "whole verify step's tokens); TPOT is per token. cut: the time limit (--time-limit) " \
                               "ended a level, its errors the requests left unfinished. With --rounds R a figure is " \

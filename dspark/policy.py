@@ -127,7 +127,8 @@ class KPolicy:
         # bucket, k, sampling mode) the last times from one step's start to the next (ms)
         self.host_all: deque[float] = deque(maxlen=4 * CYCLE_WINDOW)
         self.cycle_by_kind: dict[tuple[int, int, str], deque[float]] = {}
-        self.late_by_kind: dict[tuple[int, int, str], deque[float]] = {}  # of those, the cycles past a run's early steps
+        # of those, the cycles past the first EARLY_STEPS of their runs
+        self.late_by_kind: dict[tuple[int, int, str], deque[float]] = {}
         self.steps = 0  # decode steps started
         self.sampled_at: dict[tuple[int, int, str], int] = {}  # each kind's last cycle: self.steps then
         self.replay_by_kind: dict[tuple[int, int, str], float] = {}  # each timed kind's replay at capture (ms)
