@@ -21,9 +21,9 @@ def rows(levels: list[dict]) -> list[dict]:
                "speedup": None, "speedups": [], "greedy_equal": None, "greedy_compared": None}
         row["cut"] = any(lv.get("cut_by_time_limit") for lv in ar + ds + dsb)  # a part of a level: no ratio
         ar_round = {lv.get("round", 0): lv["output_tok_s"] for lv in ar}
+        if dsb:
+            row["dspark-b"] = _brief(dsb)
         for suffix, lvs in [("", ds)] + [("_b", dsb)] * bool(dsb):
-            if suffix:
-                row["dspark-b"] = _brief(dsb)
             ratios = [] if row["cut"] else [lv["output_tok_s"] / ar_round[lv.get("round", 0)] for lv in lvs
                                             if ar_round.get(lv.get("round", 0))]
             row["speedups" + suffix] = ratios

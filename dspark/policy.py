@@ -127,7 +127,7 @@ class KPolicy:
         # bucket, k, sampling mode) the last times from one step's start to the next (ms)
         self.host_all: deque[float] = deque(maxlen=4 * CYCLE_WINDOW)
         self.cycle_by_kind: dict[tuple[int, int, str], deque[float]] = {}
-        # of those, the cycles past the first EARLY_STEPS of their runs
+        # of those, with LONG_RUN_COST, the cycles past the first EARLY_STEPS of their runs
         self.late_by_kind: dict[tuple[int, int, str], deque[float]] = {}
         self.steps = 0  # decode steps started
         self.sampled_at: dict[tuple[int, int, str], int] = {}  # each kind's last cycle: self.steps then
@@ -394,7 +394,7 @@ class KPolicy:
                 if self.before == kind or not self.overlap:
                     self.cycle_by_kind.setdefault(kind, deque(maxlen=CYCLE_WINDOW)).append(cycle)
                     early = self.run <= EARLY_STEPS + self.overlap  # (under overlap a run's first step is a switch)
-                    if not early:
+                    if LONG_RUN_COST and not early:
                         self.late_by_kind.setdefault(kind, deque(maxlen=CYCLE_WINDOW)).append(cycle)
                     self.sampled_at[kind] = self.steps
                     self.replay_by_kind[kind] = last[3]

@@ -701,17 +701,18 @@ def test_long_run_cost_prices_a_kind_from_the_cycles_past_its_runs_early_steps(t
             p.step_replayed(0.05, key)
             now[0] += ms / 1e3
 
-    run([0.3] * EARLY_STEPS + [0.1] * MIN_CYCLES)  # each step timed by the next one's start: the last not yet
-    assert list(p.cycle_by_kind[kind]) == pytest.approx([0.3] * EARLY_STEPS + [0.1] * (MIN_CYCLES - 1))
-    assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.3)
+    run([0.3] * EARLY_STEPS + [0.1] * 2)  # each step timed by the next one's start: the last not yet
+    assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.3) and not p.late_by_kind  # the default
     monkeypatch.setattr("dspark.policy.LONG_RUN_COST", 1)
+    run([0.1] * (MIN_CYCLES - 1))
+    assert list(p.cycle_by_kind[kind]) == pytest.approx([0.3] * EARLY_STEPS + [0.1] * MIN_CYCLES)
     assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.3)  # too few late cycles: all of them
     run([0.1])
     assert list(p.measured_cycles(key)) == [pytest.approx(0.1)] * MIN_CYCLES
     assert p.view()["step_cost_ms"] == [(*kind, pytest.approx(0.1))]
-    assert len(p.cycle_by_kind[kind]) == EARLY_STEPS + MIN_CYCLES  # all of them still kept
+    assert len(p.cycle_by_kind[kind]) == EARLY_STEPS + MIN_CYCLES + 1  # all of them still kept
     monkeypatch.setattr("dspark.policy.LONG_RUN_COST", 0)
-    assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.3)
+    assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.2)  # all of them: 4 of 0.3, 4 of 0.1
     p.steps += STALE_STEPS + 1
     assert p.forget_stale() == [kind] and kind not in p.late_by_kind
 
