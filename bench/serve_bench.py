@@ -338,7 +338,9 @@ def start_server(a, mode: str, port: int, extra: list[str], report: dict, limit:
         os.close(fd)
         logfile = Path(name)
     env = {**os.environ, "DSPARK_POLICY": a.variant} if mode == "dspark-b" else None
-    srv = {"command": shlex.join(cmd), "log": str(logfile)} | ({"DSPARK_POLICY": a.variant} if env else {})
+    srv = {"command": shlex.join(cmd), "log": str(logfile)}
+    if env:
+        srv["DSPARK_POLICY"] = a.variant
     report["servers"][mode] = srv
     log(f"[serve_bench] {mode}: {srv['command']}")
     t0 = time.monotonic()

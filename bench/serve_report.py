@@ -20,18 +20,13 @@ def rows(levels: list[dict]) -> list[dict]:
         row = {"task": key[0], "temperature": key[1], "concurrency": key[2], "ar": _brief(ar), "dspark": _brief(ds),
                "speedup": None, "speedups": [], "greedy_equal": None, "greedy_compared": None}
         row["cut"] = any(lv.get("cut_by_time_limit") for lv in ar + ds + dsb)  # a part of a level: no ratio
-        ar_round = {lv.get("round", 0): lv["output_tok_s"] for lv in ar}
-        if dsb:
+        row["speedups"] = [] if row["cut"] else per_round(ds, ar)
+        row["speedup"] = statistics.median(row["speedups"]) if row["speedups"] else None
+        if dsb:  # and the variant over DSpark round by round: the A/B's own figure, both under the same round's drift
             row["dspark-b"] = _brief(dsb)
-        for suffix, lvs in [("", ds)] + [("_b", dsb)] * bool(dsb):
-            ratios = [] if row["cut"] else [lv["output_tok_s"] / ar_round[lv.get("round", 0)] for lv in lvs
-                                            if ar_round.get(lv.get("round", 0))]
-            row["speedups" + suffix] = ratios
-            row["speedup" + suffix] = statistics.median(ratios) if ratios else None
-        if dsb:  # the variant over DSpark round by round: the A/B's own figure, both under the same round's drift
-            ds_round = {lv.get("round", 0): lv["output_tok_s"] for lv in ds}
-            row["b_over_dspark"] = [] if row["cut"] else [lv["output_tok_s"] / ds_round[lv.get("round", 0)]
-                                                          for lv in dsb if ds_round.get(lv.get("round", 0))]
+            row["speedups_b"], row["b_over_dspark"] = ([], []) if row["cut"] else (per_round(dsb, ar),
+                                                                                  per_round(dsb, ds))
+            row["speedup_b"] = statistics.median(row["speedups_b"]) if row["speedups_b"] else None
         if ar and ds and key[1] == 0:  # each DSpark text against the AR text of its prompt (levels differ in how
             # many requests they sent, and client processes report theirs in their own order)
             ar_text = {x["prompt"]: x["text"] for lv in ar for x in lv["per_request"] if x["ok"]}
@@ -41,6 +36,12 @@ def rows(levels: list[dict]) -> list[dict]:
             row["greedy_equal"] = sum(x == y for x, y in pairs)
         out.append(row)
     return out
+
+
+def per_round(lvs: list[dict], base: list[dict]) -> list[float]:
+    """Each level's output tok/s over that of base's level of the same round (rounds base lacks left out)."""
+    by_round = {lv.get("round", 0): lv["output_tok_s"] for lv in base}
+    return [lv["output_tok_s"] / by_round[lv.get("round", 0)] for lv in lvs if by_round.get(lv.get("round", 0))]
 
 
 def _brief(lvs: list[dict]) -> dict | None:
