@@ -56,8 +56,9 @@ CYCLE_WINDOW = 16  # a kind of step's cost: the median of its last this many cyc
 MIN_CYCLES = 3  # ... once it has this many (before, the model: replay and the host's work per step) ...
 EARLY_STEPS = 4  # a run's first this many timed steps also count apart (early_cycles): a kind measured in short runs,
 # as plain decoding is between drafting steps, against its long runs
-LONG_RUN_COST = 0  # 1: a kind's cost from its cycles beyond the first EARLY_STEPS of their runs, once it has MIN_CYCLES
-# of those (plain decoding's early steps between drafting ones read dearer than a choice of plain steps runs)
+LONG_RUN_COST = 0  # 1: a kind is measured by its cycles beyond the first EARLY_STEPS of their runs alone (MIN_CYCLES
+# of those; a choice on a modelled cost runs those early steps more to reach them): plain decoding's early steps, as
+# in the short runs that measure it again between drafting ones, read dearer than a choice of plain steps runs
 STALE_STEPS = 1024  # ... sampled within this many decode steps (of any kind): an older kind's cycles are forgotten
 REFRESH_STEPS = 256  # a choice to draft that turns on the plain cost measures it again once it is this many steps old
 FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving average
@@ -184,7 +185,8 @@ class KPolicy:
             # (its first step's cycle holds the step before: step_started)
             measured = self.measured_cycles(key) is not None
             switch = self.overlap and k != self.last_k
-            hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1 + switch]
+            early = (EARLY_STEPS + self.overlap) * LONG_RUN_COST  # steps of a run whose cycles then count apart
+            hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1 + switch + early]
             self._made(num_rows, k, mode, "measured" if measured else "modelled")
             if k and est is not None:
                 self._weighed(k, est, self.plain_kind(num_rows, longest, mode))
@@ -240,9 +242,8 @@ class KPolicy:
 
     def cost_cycles(self, kind: tuple[int, int, str]) -> deque[float] | None:
         """The cycles (ms) a kind's cost is the median of: its last ones, or with LONG_RUN_COST those past their
-        runs' early steps once it has MIN_CYCLES of them; None for a kind never timed."""
-        late = self.late_by_kind.get(kind) if LONG_RUN_COST else None
-        return late if late and len(late) >= MIN_CYCLES else self.cycle_by_kind.get(kind)
+        runs' early steps; None for a kind with none."""
+        return (self.late_by_kind if LONG_RUN_COST else self.cycle_by_kind).get(kind)
 
     def measured_cycles(self, key: StepKey) -> deque[float] | None:
         """The cycles the key's kind is priced from (cost_cycles), once it has MIN_CYCLES of them; else None (its
@@ -255,7 +256,7 @@ class KPolicy:
         """The kinds (batch bucket, k, mode) with MIN_CYCLES cycles, and the cycles they are priced from; only those
         of k drafts in this mode when given."""
         kinds = [(kind, self.cost_cycles(kind)) for kind in sorted(self.cycle_by_kind)]
-        return [(kind, c) for kind, c in kinds if len(c) >= MIN_CYCLES and (k is None or kind[1:] == (k, mode))]
+        return [(kind, c) for kind, c in kinds if c and len(c) >= MIN_CYCLES and (k is None or kind[1:] == (k, mode))]
 
     def excess_ms(self, k: int, mode: str) -> float | None:
         """The median, over the measured kinds of k drafts and this mode (every batch bucket), of their median cycle

@@ -684,10 +684,11 @@ def test_k_policy_counts_the_first_timed_steps_of_a_run_apart(targets, monkeypat
         assert m["step_early_cycles_per_k"][0] == 4 and m["step_early_cycle_ms_per_k"][0] == pytest.approx(0.8)
 
 def test_long_run_cost_prices_a_kind_from_the_cycles_past_its_runs_early_steps(targets, monkeypatch):
-    """LONG_RUN_COST = 1: a kind's cost is the median of its cycles past the first EARLY_STEPS of their runs once it
-    has MIN_CYCLES of those (plain steps measured in short runs between drafting ones read dearer than a choice of
-    plain steps runs), before that of all its cycles; 0 (the default): of all. What /metrics shows and what a choice
-    to draft weighed follow the same cycles, and a stale kind forgets both."""
+    """LONG_RUN_COST = 1: a kind is measured by its cycles past the first EARLY_STEPS of their runs alone (plain
+    steps measured in short runs between drafting ones read dearer than a choice of plain steps runs): with fewer
+    than MIN_CYCLES of those its cost is modelled, and a choice on it runs EARLY_STEPS more steps, long enough to
+    measure it; 0 (the default): all its cycles. What /metrics shows follows the same cycles, and a stale kind
+    forgets both."""
     target = targets["qwen3"]
     engine = Engine(target, make_drafter(target), overlap=False)
     p, key = engine.policy, engine.runner.key_for(1, 0, 100, "sample")
@@ -706,7 +707,7 @@ def test_long_run_cost_prices_a_kind_from_the_cycles_past_its_runs_early_steps(t
     monkeypatch.setattr("dspark.policy.LONG_RUN_COST", 1)
     run([0.1] * (MIN_CYCLES - 1))
     assert list(p.cycle_by_kind[kind]) == pytest.approx([0.3] * EARLY_STEPS + [0.1] * MIN_CYCLES)
-    assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.3)  # too few late cycles: all of them
+    assert p.measured_cycles(key) is None and p.view()["step_cost_ms"] == []  # too few late cycles: modelled
     run([0.1])
     assert list(p.measured_cycles(key)) == [pytest.approx(0.1)] * MIN_CYCLES
     assert p.view()["step_cost_ms"] == [(*kind, pytest.approx(0.1))]
@@ -715,6 +716,39 @@ def test_long_run_cost_prices_a_kind_from_the_cycles_past_its_runs_early_steps(t
     assert statistics.median(p.measured_cycles(key)) == pytest.approx(0.2)  # all of them: 4 of 0.3, 4 of 0.1
     p.steps += STALE_STEPS + 1
     assert p.forget_stale() == [kind] and kind not in p.late_by_kind
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_long_run_cost_choice_on_a_modelled_plain_cost_runs_until_its_late_cycles_measure_it(targets, monkeypatch,
+                                                                                              overlap):
+    """With LONG_RUN_COST a plain choice made before plain steps are measured (plain decoding is measured at a
+    batch bucket before drafting is weighed there) lasts until MIN_CYCLES cycles past its run's early steps are in:
+    the next choice weighs a measured plain cost, with or without async scheduling."""
+    monkeypatch.setattr("dspark.policy.LONG_RUN_COST", 1)
+    target = targets["qwen3"]
+    engine = Engine(target, make_drafter(target), overlap=overlap)
+    p = engine.policy
+    monkeypatch.setattr(p, "step_times", lambda rows, longest, mode: {k: 0.1 for k in p.choices})
+    p.accepted["sampled"], p.reached["sampled"] = [9] * p.k, [10] * p.k  # past the first probes
+    p.host_all.append(0.01)  # steps have run: plain decoding is measured before drafting is weighed
+    now = [0.0]
+    monkeypatch.setattr("dspark.policy.time.perf_counter", lambda: now[0])
+    key = engine.runner.key_for(1, 0, 101, "sample")
+
+    def start():  # a step starts after its choice (the engine's order); each one's cycle is 0.1 ms
+        p.step_started(0.0)
+        p.step_replayed(0.1, key)
+        now[0] += 1e-4
+
+    assert p.choose(1, 100, "sample") == 0  # the first choice: plain steps, their cost not yet measured
+    (choice,) = p.memo.values()
+    start()
+    for _ in range(choice[1]):  # the rest of the choice's steps
+        assert p.choose(1, 100, "sample") == 0
+        start()
+    assert p.measured_cycles(key) is not None, "one choice of plain steps did not measure plain decoding"
+    assert len(p.measured_cycles(key)) == MIN_CYCLES
+    assert p.choose(1, 100, "sample") > 0  # then weighed: 1 + 0.9 + ... tokens at the same cost
 
 
 def test_policy_constants_are_replaced_from_dspark_policy_and_a_bad_name_is_named():
