@@ -56,9 +56,6 @@ CYCLE_WINDOW = 16  # a kind of step's cost: the median of its last this many cyc
 MIN_CYCLES = 3  # ... once it has this many (before, the model: replay and the host's work per step) ...
 EARLY_STEPS = 4  # a run's first this many timed steps also count apart (early_cycles): a kind measured in short runs,
 # as plain decoding is between drafting steps, against its long runs
-LONG_RUN_COST = 0  # 1: a kind is measured by its cycles beyond the first EARLY_STEPS of their runs alone (MIN_CYCLES
-# of those; a choice on a modelled cost runs those early steps more to reach them): plain decoding's early steps, as
-# in the short runs that measure it again between drafting ones, read dearer than a choice of plain steps runs
 STALE_STEPS = 1024  # ... sampled within this many decode steps (of any kind): an older kind's cycles are forgotten
 REFRESH_STEPS = 256  # a choice to draft that turns on the plain cost measures it again once it is this many steps old
 FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving average
@@ -128,8 +125,6 @@ class KPolicy:
         # bucket, k, sampling mode) the last times from one step's start to the next (ms)
         self.host_all: deque[float] = deque(maxlen=4 * CYCLE_WINDOW)
         self.cycle_by_kind: dict[tuple[int, int, str], deque[float]] = {}
-        # of those, with LONG_RUN_COST, the cycles past the first EARLY_STEPS of their runs
-        self.late_by_kind: dict[tuple[int, int, str], deque[float]] = {}
         self.steps = 0  # decode steps started
         self.sampled_at: dict[tuple[int, int, str], int] = {}  # each kind's last cycle: self.steps then
         self.replay_by_kind: dict[tuple[int, int, str], float] = {}  # each timed kind's replay at capture (ms)
@@ -185,8 +180,7 @@ class KPolicy:
             # (its first step's cycle holds the step before: step_started)
             measured = self.measured_cycles(key) is not None
             switch = self.overlap and k != self.last_k
-            early = (EARLY_STEPS + self.overlap) * LONG_RUN_COST  # steps of a run whose cycles then count apart
-            hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1 + switch + early]
+            hit = self.memo[memo] = [k, REPICK_EVERY if measured else MIN_CYCLES + 1 + switch]
             self._made(num_rows, k, mode, "measured" if measured else "modelled")
             if k and est is not None:
                 self._weighed(k, est, self.plain_kind(num_rows, longest, mode))
@@ -217,7 +211,7 @@ class KPolicy:
 
     def _weighed(self, k: int, est: dict[int, dict], kind: tuple[int, int, str]) -> None:
         """Add a choice to draft k to k's sums of what it weighed (est: estimates; kind: plain decoding's)."""
-        cycles = self.cost_cycles(kind) or [est[0]["cost_ms"]]
+        cycles = self.cycle_by_kind.get(kind) or [est[0]["cost_ms"]]
         w = self.weighed.setdefault(k, dict.fromkeys(WEIGHED, 0.0))
         for what, v in (("n", 1), ("plain_ms", est[0]["cost_ms"]), ("ms", est[k]["cost_ms"]),
                         ("expected", est[k]["expected"]), ("plain_cycles", len(cycles)), ("plain_min_ms", min(cycles)),
@@ -240,23 +234,18 @@ class KPolicy:
         """The host's work per decode step over the last steps of every kind (ms; median)."""
         return statistics.median(self.host_all) if self.host_all else 0.0
 
-    def cost_cycles(self, kind: tuple[int, int, str]) -> deque[float] | None:
-        """The cycles (ms) a kind's cost is the median of: its last ones, or with LONG_RUN_COST those past their
-        runs' early steps; None for a kind with none."""
-        return (self.late_by_kind if LONG_RUN_COST else self.cycle_by_kind).get(kind)
-
     def measured_cycles(self, key: StepKey) -> deque[float] | None:
-        """The cycles the key's kind is priced from (cost_cycles), once it has MIN_CYCLES of them; else None (its
-        cost is modelled)."""
-        cycles = self.cost_cycles((key.rows, key.k, key.mode))
+        """The last cycles (ms) of the key's kind, once it has MIN_CYCLES of them; else None (its cost is
+        modelled)."""
+        cycles = self.cycle_by_kind.get((key.rows, key.k, key.mode))
         return cycles if cycles and len(cycles) >= MIN_CYCLES else None
 
     def measured_kinds(self, k: int | None = None, mode: str | None = None
                        ) -> list[tuple[tuple[int, int, str], deque[float]]]:
-        """The kinds (batch bucket, k, mode) with MIN_CYCLES cycles, and the cycles they are priced from; only those
-        of k drafts in this mode when given."""
-        kinds = [(kind, self.cost_cycles(kind)) for kind in sorted(self.cycle_by_kind)]
-        return [(kind, c) for kind, c in kinds if c and len(c) >= MIN_CYCLES and (k is None or kind[1:] == (k, mode))]
+        """The kinds (batch bucket, k, mode) with MIN_CYCLES cycles, and their cycles; only those of k drafts in this
+        mode when given."""
+        return [(kind, c) for kind, c in sorted(self.cycle_by_kind.items())
+                if len(c) >= MIN_CYCLES and (k is None or kind[1:] == (k, mode))]
 
     def excess_ms(self, k: int, mode: str) -> float | None:
         """The median, over the measured kinds of k drafts and this mode (every batch bucket), of their median cycle
@@ -394,15 +383,12 @@ class KPolicy:
                 k = last[2].k
                 if self.before == kind or not self.overlap:
                     self.cycle_by_kind.setdefault(kind, deque(maxlen=CYCLE_WINDOW)).append(cycle)
-                    early = self.run <= EARLY_STEPS + self.overlap  # (under overlap a run's first step is a switch)
-                    if LONG_RUN_COST and not early:
-                        self.late_by_kind.setdefault(kind, deque(maxlen=CYCLE_WINDOW)).append(cycle)
                     self.sampled_at[kind] = self.steps
                     self.replay_by_kind[kind] = last[3]
                     self.cycles[k] += 1
                     self.cycle_ms[k] += cycle
                     self.replay_ms[k] += last[3]
-                    if early:
+                    if self.run <= EARLY_STEPS + self.overlap:  # (under overlap a run's first step is a switch)
                         self.early_cycles[k] += 1
                         self.early_ms[k] += cycle
                 elif self.before is not None:  # the first of its kind after another: a switch's cost, apart
@@ -421,7 +407,6 @@ class KPolicy:
                and self.steps - self.sampled_at.setdefault(kind, self.steps) > steps]
         for kind in old:
             del self.cycle_by_kind[kind], self.sampled_at[kind]
-            self.late_by_kind.pop(kind, None)
         return old
 
     def step_replayed(self, ms: float | None, key: StepKey) -> None:
