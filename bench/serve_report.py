@@ -68,10 +68,12 @@ def table(rs: list[dict]) -> str:
     def each(r, k, d=2):
         return " / ".join(f((r.get(m) or {}).get(k), d) for m in modes)
 
-    def ratio(r, suffix=""):
+    def ratio(r, sp):
+        """The median of the rounds' ratios sp (rows' speedup is that median) and their range."""
         if r.get("cut"):
             return "cut"
-        sp, mid = r.get("speedups" + suffix) or [], r.get("speedup" + suffix)
+        sp = sp or []
+        mid = statistics.median(sp) if sp else None
         return f(mid, 2) + "×" * (mid is not None) + (f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
 
     names = " / ".join({"ar": "AR", "dspark": "DSpark", "dspark-b": "DSpark-b"}[m] for m in modes)
@@ -82,12 +84,10 @@ def table(rs: list[dict]) -> str:
     for r in rs:
         ar, ds = r["ar"] or {}, r["dspark"] or {}
         greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
-        over = r.get("b_over_dspark") or []
-        mid = statistics.median(over) if over else None
-        with_b = (f"{f((r.get('dspark-b') or {}).get('output_tok_s'))} | {ratio(r, '_b')} | "
-                  f"{ratio({'speedups': over, 'speedup': mid, 'cut': r['cut']})} | " if b else "")
+        with_b = (f"{f((r.get('dspark-b') or {}).get('output_tok_s'))} | {ratio(r, r.get('speedups_b'))} | "
+                  f"{ratio(r, r.get('b_over_dspark'))} | " if b else "")
         lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
-                     f"{f(ds.get('output_tok_s'))} | {ratio(r)} | {with_b}{f(ds.get('tau'), 2)} | "
+                     f"{f(ds.get('output_tok_s'))} | {ratio(r, r.get('speedups'))} | {with_b}{f(ds.get('tau'), 2)} | "
                      f"{each(r, 'ttft_p50_ms')} | {each(r, 'itl_p50_ms')} | {each(r, 'itl_p99_ms')} | "
                      f"{each(r, 'tpot_p50_ms')} | "
                      f"{' / '.join(str((r.get(m) or {}).get('errors', '—')) for m in modes)} | {greedy} |")
