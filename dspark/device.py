@@ -1,5 +1,5 @@
 """Device and dtype names as the CLIs take them: `auto` means the GPU when there is one, and bf16 there (fp32 on CPU);
-and host values onto a device without waiting for it.
+and values between the host and a device without waiting for the device.
 
 The two resolvers raise ValueError naming the flag, so a CLI can check them before it loads anything.
 """
@@ -44,3 +44,15 @@ def queued_copy(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def host_copy(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """A device tensor's copy on the host, queued: (pinned tensor, event that fires once it is there), so the host
+    may queue more work before it waits; on the CPU the tensor itself and None."""
+    if t.device.type != "cuda":
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done

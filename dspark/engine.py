@@ -28,7 +28,8 @@ host learns the step's result one call later. A row that certainly finishes in f
 next step out; one that stops on EOS or a stop string costs that step a row whose output is dropped. Drafting
 after plain steps first turns their stashed context rows into the drafter's (flush_context); after a plain step in
 flight that flush is queued behind it too, covering the position it stashes (a plain step emits exactly one token a
-row), so a switch to drafting waits for nothing either.
+row), so a switch to drafting waits for nothing either. A prefill's first tokens, sampled on the device, are read
+after the step's decode step of the other rows is queued; their requests join the next one.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ from tqdm.auto import tqdm
 from dspark.cache.blocks import OutOfBlocks
 from dspark.cache.paged import PagedCache
 from dspark.cache.prefix import PrefixCacheConfig
-from dspark.device import queued_copy
+from dspark.device import host_copy, queued_copy
 from dspark.kernels.argmax import argmax
 from dspark.policy import KPolicy
 from dspark.request import Request, RequestOutput, SamplingParams, Status
@@ -76,6 +77,14 @@ def sampling_mode(params: list[SamplingParams]) -> str:
     if not sampled:
         return "greedy"
     return "filter" if any(p.top_k or p.top_p < 1 for p in sampled) else "sample"
+
+
+@dataclass
+class FirstTokens:
+    """The first tokens of the requests whose prefill just ended: on the host once `done` fired (None: already)."""
+    rows: list[Request]
+    tokens: torch.Tensor  # [n]
+    done: torch.cuda.Event | None
 
 
 @dataclass
@@ -185,20 +194,23 @@ class Engine:
         sched.admit(self._keeps_context)
         emitted, self._resolved = self._resolved, []
         prefill = [r for r in sched.running if r.status is Status.PREFILL]
+        first = None
         try:
             if prefill:  # a step in flight runs on: the prefill's rows are others'
                 self.policy.step_chain_broken()
                 with traced("engine.prefill"):
-                    emitted += self._prefill(prefill)
-            decode = [r for r in sched.running if r.status is Status.DECODE]
+                    first = self._prefill(prefill)
             flight, launched = self.in_flight, None
             if flight is not None:
-                launched = self._launch_chained(flight, decode)
+                launched = self._launch_chained(flight, [r for r in sched.running if r.status is Status.DECODE])
                 self.in_flight = None
                 emitted = self._read(flight) + emitted
-                decode = [r for r in sched.running if r.status is Status.DECODE]
-            if launched is None and decode:
-                launched = self._launch(decode, self._choose_k(decode))
+            if launched is None:
+                launched = self._launch_decoding()
+            if first is not None:  # read once this call's decode step is queued: the device runs on meanwhile
+                emitted += self._emit_first(first)
+                if launched is None:  # no other row decodes: theirs is the step
+                    launched = self._launch_decoding()
             if launched is not None and not self.overlap:
                 emitted += self._read(launched)
             else:
@@ -212,15 +224,21 @@ class Engine:
             self.counters["step_s"] += time.perf_counter() - t0
         return emitted
 
+    def _launch_decoding(self) -> InFlight | None:
+        """A step of every decoding request (None: there is none)."""
+        decode = [r for r in self.scheduler.running if r.status is Status.DECODE]
+        return self._launch(decode, self._choose_k(decode)) if decode else None
+
     def _chunk_end(self, r: Request) -> int:
         """Prefill up to the chunk size, stopping at the next prefix-cache checkpoint position."""
         end = min(len(r.prompt_ids), r.num_computed + self.prefill_chunk)
         stops = [p for p in self.cache.checkpoint_positions(r.id, len(r.prompt_ids)) if r.num_computed < p < end]
         return min(stops, default=end)
 
-    def _prefill(self, reqs: list[Request]):
+    def _prefill(self, reqs: list[Request]) -> FirstTokens | None:
         """Every prefilling request's next chunk through the runner (on CUDA a graph per request for a few of them,
-        else batched eager forwards); the requests whose prompt is done sample their first token on the device."""
+        else batched eager forwards); the requests whose prompt is done sample their first token on the device, its
+        copy for the host queued (_emit_first reads it)."""
         chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
         rids, lens = [r.id for r in reqs], [len(c) for c in chunks]
         num_cached, tables, slots = self.cache.step_rows(rids, lens)
@@ -236,12 +254,17 @@ class Engine:
             if r.num_computed == len(r.prompt_ids):
                 done.append(b)
         if not done:
-            return []
+            return None
         rows = [reqs[b] for b in done]
         last = last[done] if len(done) < len(reqs) else last
-        first = self._first_tokens(rows, last).tolist()
+        return FirstTokens(rows, *host_copy(self._first_tokens(rows, last)))
+
+    def _emit_first(self, first: FirstTokens) -> list[tuple[Request, list[int]]]:
+        """Wait for the prefill's first tokens and emit them: their requests decode from the next step on."""
+        if first.done is not None:
+            first.done.synchronize()
         emitted, now, c = [], time.perf_counter(), self.counters
-        for r, tok in zip(rows, first):
+        for r, tok in zip(first.rows, first.tokens.tolist()):
             c["prompt_tokens"] += len(r.prompt_ids)
             c["first_tokens"] += 1
             c["queue_s"] += r.admitted - r.arrival

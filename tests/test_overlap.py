@@ -197,6 +197,30 @@ def test_sampled_first_tokens_queue_behind_the_device():
     assert tokens.tolist() == want
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_prefill_ends_after_the_other_rows_step_is_queued(pair, prompts, overlap):
+    """A request whose prefill ends while others decode: the step that emits its first token queues the others'
+    decode step without it (its first token is read after that launch), and it joins the next one; a request that
+    prefills alone still decodes in the step of its first token. Every text stays the target's greedy."""
+    target, drafter = pair
+    engine = Engine(target, drafter, max_batch_size=4, overlap=overlap)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    a = engine.add_request(prompts[0], params)
+    assert [t for _, ts in engine.step() for t in ts] == a.output_ids  # its first token (+ its step's, read at once)
+    assert engine.step_requests == [a]  # alone: its decode step launched in the same call
+    while len(a.output_ids) < 3:
+        engine.step()
+    b = engine.add_request(prompts[1], params)
+    emitted = engine.step()
+    assert (b, b.output_ids) in emitted and len(b.output_ids) == 1
+    assert engine.step_requests == [a]
+    engine.step()
+    assert engine.step_requests == [a, b]
+    while engine.has_work():
+        engine.step()
+    assert [a.output_ids, b.output_ids] == [reference_greedy(target, p, 12) for p in prompts[:2]]
+
+
 def test_handoff_reads_the_step_in_flight(pair, prompts):
     """export_prefilled with a step in flight reads it first: the moved requests continue to the target's greedy."""
     target, drafter = pair
