@@ -29,7 +29,9 @@ next step out; one that stops on EOS or a stop string costs that step a row whos
 after plain steps first turns their stashed context rows into the drafter's (flush_context); after a plain step in
 flight that flush is queued behind it too, covering the position it stashes (a plain step emits exactly one token a
 row), so a switch to drafting waits for nothing either. A prefill's first tokens, sampled on the device, are read
-after the step's decode step of the other rows is queued; their requests join the next one.
+before the step's decode step is queued, their requests in it; with dspark.policy.FIRST_TOKENS_AFTER_LAUNCH, after
+the decode step of the other rows is queued (the device runs on while the host waits), their requests joining the
+next one.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ import torch
 from torch.profiler import record_function
 from tqdm.auto import tqdm
 
+from dspark import policy as policy_constants
 from dspark.cache.blocks import OutOfBlocks
 from dspark.cache.paged import PagedCache
 from dspark.cache.prefix import PrefixCacheConfig
@@ -200,6 +203,9 @@ class Engine:
                 self.policy.step_chain_broken()
                 with traced("engine.prefill"):
                     first = self._prefill(prefill)
+                if first is not None and not policy_constants.FIRST_TOKENS_AFTER_LAUNCH:
+                    emitted += self._emit_first(first)  # now: their requests decode in this call's step
+                    first = None
             flight, launched = self.in_flight, None
             if flight is not None:
                 launched = self._launch_chained(flight, [r for r in sched.running if r.status is Status.DECODE])

@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import dspark.policy
 from dspark.engine import Engine
 from dspark.request import SamplingParams
 from dspark.runner import INT_COLS, NI, chain_inputs, pinned_rows
@@ -75,11 +76,14 @@ def test_chain_inputs_continue_the_rows_of_the_step_in_flight():
     assert torch.equal(ints[:, seed], before[:, seed]) and torch.equal(ints[:, NI:], before[:, NI:])
 
 
+@pytest.mark.parametrize("after", [0, 1])
 @pytest.mark.parametrize("spec", ["ar", "pinned", "policy"])
-def test_overlap_gives_the_tokens_of_reading_every_step(pair, prompts, spec):
+def test_overlap_gives_the_tokens_of_reading_every_step(pair, prompts, spec, after, monkeypatch):
     """Greedy rows of different lengths, one ending on a stop token, a seeded sampled row (top-p), requests joining
-    at steps 3 and 7 (prefilled while a step is in flight): the same outputs as without overlap, greedy rows the
-    target's own, and most decode steps queued behind the one before."""
+    at steps 3 and 7 (prefilled while a step is in flight; their first tokens read before or after the next step's
+    launch: FIRST_TOKENS_AFTER_LAUNCH): the same outputs as without overlap, greedy rows the target's own, and most
+    decode steps queued behind the one before."""
+    monkeypatch.setattr(dspark.policy, "FIRST_TOKENS_AFTER_LAUNCH", after)
     target, drafter = pair
     d, k = (None, None) if spec == "ar" else (drafter, 3 if spec == "pinned" else None)
     refs = [reference_greedy(target, p, 16) for p in prompts]
@@ -198,10 +202,13 @@ def test_sampled_first_tokens_queue_behind_the_device():
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-def test_a_prefill_ends_after_the_other_rows_step_is_queued(pair, prompts, overlap):
-    """A request whose prefill ends while others decode: the step that emits its first token queues the others'
-    decode step without it (its first token is read after that launch), and it joins the next one; a request that
-    prefills alone still decodes in the step of its first token. Every text stays the target's greedy."""
+@pytest.mark.parametrize("after", [1, 0])
+def test_a_prefill_ends_after_the_other_rows_step_is_queued(pair, prompts, overlap, after, monkeypatch):
+    """With FIRST_TOKENS_AFTER_LAUNCH, a request whose prefill ends while others decode: the step that emits its first
+    token queues the others' decode step without it (its first token is read after that launch), and it joins the
+    next one; without, it is in that step. A request that prefills alone decodes in the step of its first token
+    either way. Every text stays the target's greedy."""
+    monkeypatch.setattr(dspark.policy, "FIRST_TOKENS_AFTER_LAUNCH", after)
     target, drafter = pair
     engine = Engine(target, drafter, max_batch_size=4, overlap=overlap)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -212,8 +219,9 @@ def test_a_prefill_ends_after_the_other_rows_step_is_queued(pair, prompts, overl
         engine.step()
     b = engine.add_request(prompts[1], params)
     emitted = engine.step()
-    assert (b, b.output_ids) in emitted and len(b.output_ids) == 1
-    assert engine.step_requests == [a]
+    assert [t for r, ts in emitted if r is b for t in ts] == b.output_ids
+    assert len(b.output_ids) == 1 or not (after or overlap)  # read at once, its step in this call gave it more
+    assert engine.step_requests == ([a] if after else [a, b])
     engine.step()
     assert engine.step_requests == [a, b]
     while engine.has_work():
