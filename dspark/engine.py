@@ -53,7 +53,7 @@ from dspark.cache.paged import PagedCache
 from dspark.cache.prefix import PrefixCacheConfig
 from dspark.device import host_copy, queued_copy
 from dspark.kernels.argmax import argmax
-from dspark.policy import KPolicy
+from dspark.policy import GROUPS, KPolicy, counts_above
 from dspark.request import Request, RequestOutput, SamplingParams, Status
 from dspark.runner import Launched, ModelRunner, RowInput, without_grad
 from dspark.scheduler import Scheduler
@@ -389,6 +389,7 @@ class Engine:
         emitted, committed = [], 0
         per_step = self.drafts is not None  # the rows' per-step draft counts (a plain step verifies none: no stats)
         drafted = per_step and flight.k > 0
+        verified = ([], []), ([], [])  # per group (GROUPS): the drafts each row verified, and the accepted ones
         for r, o in live:
             a, n = o[0], o[1]
             committed += a + 1
@@ -399,9 +400,15 @@ class Engine:
                 r.num_drafts_per_step.append(n)
             if drafted:
                 r.num_context = r.num_computed
-                self._count(n, a, "greedy" if r.params.temperature == 0 else "sampled")
+                if n:
+                    ns, accs = verified[r.params.temperature > 0]
+                    ns.append(n)
+                    accs.append(a)
             emitted.append((r, self.scheduler.emit(r, o[2: a + 3])))
         self.counters["tokens_per_k"][flight.k] += committed
+        for group, (ns, accs) in zip(GROUPS, verified):
+            if ns:
+                self._count(ns, accs, group)
         return emitted
 
     def sync(self) -> None:
@@ -489,16 +496,16 @@ class Engine:
         """What the k policy weighs: each candidate k's replay time (ms); None without graphs."""
         return self.policy.step_times(num_rows, longest, mode)
 
-    def _count(self, n: int, a: int, group: str) -> None:
-        if n == 0:
-            return
+    def _count(self, ns: list[int], accs: list[int], group: str) -> None:
+        """A step's rows that verified drafts (n each, a of them accepted) into the counters and the k policy."""
         c = self.counters
-        c["num_drafts"] += 1
-        c["num_draft_tokens"] += n
-        c["num_accepted_tokens"] += a
-        for i in range(a):
-            c["num_accepted_tokens_per_pos"][i] += 1
-        self.policy.record(n, a, group)
+        c["num_drafts"] += len(ns)
+        c["num_draft_tokens"] += sum(ns)
+        c["num_accepted_tokens"] += sum(accs)
+        per_pos = c["num_accepted_tokens_per_pos"]
+        for i, m in enumerate(counts_above(accs, len(per_pos))):
+            per_pos[i] += m
+        self.policy.record(ns, accs, group)
 
     # ------------------------------------------------------------------ prefill/decode handoff
     def export_prefilled(self, request_id: str) -> dict:

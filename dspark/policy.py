@@ -96,6 +96,15 @@ def overrides(spec: str) -> dict[str, float | int]:
 globals().update(overrides(os.environ.get("DSPARK_POLICY", "")))
 
 
+def counts_above(values: list[int], size: int) -> list[int]:
+    """For each i < size, how many of values (>= 0) exceed i (per draft position, the rows that got past it)."""
+    out, n = [0] * size, len(values)
+    for i in range(size):
+        n -= values.count(i)
+        out[i] = n
+    return out
+
+
 class KPolicy:
     def __init__(self, runner: ModelRunner, k: int, pinned: bool, overlap: bool = False):
         """k: the most drafts a step may verify (0: no drafter); pinned: always k; overlap: the engine queues each
@@ -353,13 +362,14 @@ class KPolicy:
                 "weighed": [{"k": k, **w} for k, w in sorted(self.weighed.items())]}
 
     # ------------------------------------------------------------------ what it learns from
-    def record(self, n: int, a: int, group: str) -> None:
-        """A row-step that verified n drafts and accepted a of them (counts halved every ACCEPT_WINDOW)."""
+    def record(self, ns: list[int], accs: list[int], group: str) -> None:
+        """A step's row-steps that verified drafts: n each, a of them accepted (counts halved every ACCEPT_WINDOW,
+        looked at once a step)."""
         acc, reach = self.accepted[group], self.reached[group]
-        for i in range(a):
-            acc[i] += 1
-        for i in range(min(n, a + 1)):
-            reach[i] += 1
+        for i, m in enumerate(counts_above(accs, len(acc))):
+            acc[i] += m
+        for i, m in enumerate(counts_above([min(n, a + 1) for n, a in zip(ns, accs)], len(reach))):
+            reach[i] += m
         if reach[0] >= ACCEPT_WINDOW:
             self.accepted[group], self.reached[group] = [x // 2 for x in acc], [x // 2 for x in reach]
 

@@ -21,6 +21,7 @@ from dspark.policy import (
     REFRESH_STEPS,
     REPICK_EVERY,
     STALE_STEPS,
+    counts_above,
     overrides,
 )
 from dspark.request import SamplingParams
@@ -85,7 +86,7 @@ def test_k_policy_probes_less_often_while_probes_confirm_plain_decoding(targets)
     drafted = []
     for step in range(4000):
         if p.choose(1, 100, "sample") > 0:
-            p.record(k, 0, "sampled")  # every draft rejected
+            p.record([k], [0], "sampled")  # every draft rejected
             drafted.append(step)
     assert drafted[:8] == list(range(8))  # the first statistics
     gaps = [b - a for a, b in zip(drafted[7:], drafted[8:])]
@@ -366,15 +367,34 @@ def test_k_policy_acceptance_follows_recent_traffic(targets):
     engine = Engine(target, make_drafter(target))
     p, k = engine.policy, engine.k
     for _ in range(4000):
-        p.record(k, k, "sampled")
+        p.record([k], [k], "sampled")
     p.runner.step_ms = lambda key: 1.0 + 0.5 * key.k
     assert p.best(1, 100, "sample", p.accepted["sampled"], p.reached["sampled"]) > 0
     for _ in range(600):
-        p.record(k, 0, "sampled")
+        p.record([k], [0], "sampled")
     acc, reach = p.accepted["sampled"], p.reached["sampled"]
     assert reach[0] < ACCEPT_WINDOW and acc[0] / reach[0] < 0.3
     assert p.best(1, 100, "sample", acc, reach) == 0
     assert p.reached["greedy"][0] == 0  # the groups keep their own
+
+
+def test_a_steps_rows_record_what_they_record_one_at_a_time(targets):
+    """record() takes a step's rows at once: per draft position, the rows that reached it (all drafts before it
+    accepted, and it verified) and accepted it, as recording them one by one gives (below ACCEPT_WINDOW)."""
+    assert counts_above([0, 2, 9, 1], 4) == [3, 2, 1, 1] and counts_above([], 2) == [0, 0]
+    target = targets["qwen3"]
+    batched, single = (Engine(target, make_drafter(target)).policy for _ in range(2))
+    k = batched.k
+    g = torch.Generator().manual_seed(4)
+    for _ in range(20):
+        ns = torch.randint(1, k + 1, (5,), generator=g).tolist()
+        accs = [int(torch.randint(0, n + 1, (1,), generator=g)) for n in ns]
+        batched.record(ns, accs, "greedy")
+        for n, a in zip(ns, accs):
+            single.record([n], [a], "greedy")
+    assert batched.accepted == single.accepted and batched.reached == single.reached
+    acc, reach = batched.accepted["greedy"], batched.reached["greedy"]
+    assert reach[0] == 100 and all(x >= y for x, y in zip(reach, acc)) and acc[0] > 0
 
 
 def test_k_policy_counts_the_host_time_of_a_step(targets, monkeypatch):
