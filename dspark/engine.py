@@ -84,9 +84,9 @@ def sampling_mode(params: list[SamplingParams]) -> str:
 
 @dataclass
 class FirstTokens:
-    """The first tokens of the requests whose prefill just ended: on the host once `done` fired (None: already)."""
+    """The first tokens of the requests whose prefill just ended."""
     rows: list[Request]
-    tokens: torch.Tensor  # [n]
+    tokens: torch.Tensor  # [n]: a queued copy on the host, there once `done` fired; done None: read as it is
     done: torch.cuda.Event | None
 
 
@@ -243,8 +243,8 @@ class Engine:
 
     def _prefill(self, reqs: list[Request]) -> FirstTokens | None:
         """Every prefilling request's next chunk through the runner (on CUDA a graph per request for a few of them,
-        else batched eager forwards); the requests whose prompt is done sample their first token on the device, its
-        copy for the host queued (_emit_first reads it)."""
+        else batched eager forwards); the requests whose prompt is done sample their first token on the device (read
+        after the decode step's launch: its copy for the host queued; _emit_first reads it)."""
         chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
         rids, lens = [r.id for r in reqs], [len(c) for c in chunks]
         num_cached, tables, slots = self.cache.step_rows(rids, lens)
@@ -263,10 +263,11 @@ class Engine:
             return None
         rows = [reqs[b] for b in done]
         last = last[done] if len(done) < len(reqs) else last
-        return FirstTokens(rows, *host_copy(self._first_tokens(rows, last)))
+        tokens = self._first_tokens(rows, last)  # [n] on the device
+        return FirstTokens(rows, *(host_copy(tokens) if policy_constants.FIRST_TOKENS_AFTER_LAUNCH else (tokens, None)))
 
     def _emit_first(self, first: FirstTokens) -> list[tuple[Request, list[int]]]:
-        """Wait for the prefill's first tokens and emit them: their requests decode from the next step on."""
+        """Wait for the prefill's first tokens and emit them (their requests then decode)."""
         if first.done is not None:
             first.done.synchronize()
         emitted, now, c = [], time.perf_counter(), self.counters

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dspark.policy
+from dspark.device import host_copy
 from dspark.engine import Engine
 from dspark.request import SamplingParams
 from dspark.runner import INT_COLS, NI, chain_inputs, pinned_rows
@@ -227,6 +228,22 @@ def test_a_prefill_ends_after_the_other_rows_step_is_queued(pair, prompts, overl
     while engine.has_work():
         engine.step()
     assert [a.output_ids, b.output_ids] == [reference_greedy(target, p, 12) for p in prompts[:2]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_queued_host_copy_does_not_wait_for_the_device():
+    """host_copy with the stream held busy for a second returns at once; once its event fired the copy holds the
+    tensor's values (what the engine's first tokens read after the decode step's launch rely on)."""
+    t = torch.arange(7, device="cuda") * 3
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued ahead
+    t0 = time.perf_counter()
+    host, done = host_copy(t)
+    queued_s = time.perf_counter() - t0
+    assert queued_s < 0.25, f"the copy waited {queued_s:.3f} s for the device"
+    assert host.device.type == "cpu" and host.is_pinned() and not done.query()
+    done.synchronize()
+    assert host.tolist() == [3 * i for i in range(7)]
 
 
 def test_handoff_reads_the_step_in_flight(pair, prompts):
