@@ -12,7 +12,8 @@ terminated; with --rounds R > 1 every mode's server runs at once and each level 
 (AR, DSpark, then DSpark, AR, ...: a drift of the machine over the run falls on all alike), and each figure is the
 median over the rounds, DSpark ÷ AR the median of the rounds' ratios. --variant SPEC adds a third mode, dspark-b: the
 DSpark server with DSPARK_POLICY=SPEC (dspark.policy's constants replaced, e.g. DRAFT_GAIN=1.25), its ratio to AR per
-round beside DSpark's: an A/B of the k policy under the same drift. Per (task, temperature, concurrency C) level: one
+round beside DSpark's: an A/B of the k policy under the same drift (with --modes ar, ar-b: the AR server with it, for
+the constants the engine reads, e.g. FIRST_TOKENS_AFTER_LAUNCH=1). Per (task, temperature, concurrency C) level: one
 untimed warm-up request, then C clients each send streaming /v1/completions requests back to back until N
 (--requests-per-level, default max(4C, 16)) have been sent and the level has lasted --min-level-s (default 3 s: a
 level of a fraction of a second measures a GPU whose clocks and caches have not settled, and one stall is a large part
@@ -119,8 +120,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    f"{CLIENTS_PER_PROCESS} clients): one Python process streaming many clients is itself the limit")
     p.add_argument("--rounds", type=int, default=1, help="times each level runs per mode, the modes' servers up at "
                    "once and taking turns (1: one server at a time)")
-    p.add_argument("--variant", default="", help="NAME=VALUE,...: a third mode, dspark-b, whose server runs with "
-                   "DSPARK_POLICY set to it (module doc)")
+    p.add_argument("--variant", default="", help="NAME=VALUE,...: a third mode, dspark-b (ar-b with --modes ar), "
+                   "whose server runs with DSPARK_POLICY set to it (module doc)")
     p.add_argument("--profile", default="", help="TASK:T:C, e.g. creative:0.7:4: each server's engine thread under "
                    "torch.profiler over that level (POST /start_profile, /stop_profile), written next to --out")
     a = p.parse_args(argv)
@@ -130,7 +131,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             overrides(a.variant)
         except ValueError as e:
             raise ValueError(f"--variant: {e}") from None
-        a.modes.append("dspark-b")
+        a.modes.append("dspark-b" if "dspark" in a.modes else "ar-b")
     a.tasks = _list(a.tasks, str, "--tasks", lambda t: t in TASKS, f"tasks from {','.join(TASKS)}")
     a.temperatures = _list(a.temperatures, float, "--temperatures", lambda t: 0 <= t <= 2, "numbers in [0, 2]")
     a.concurrency = _list(a.concurrency, int, "--concurrency", lambda c: c >= 1, "integers >= 1")
@@ -193,7 +194,7 @@ def _has(extra: list[str], flag: str) -> bool:
 
 def serve_command(a, mode: str, port: int, extra: list[str]) -> list[str]:
     cmd = [sys.executable, "-m", "serve", "--target", a.target, "--host", "127.0.0.1", "--port", str(port)]
-    if mode != "ar":
+    if mode.startswith("dspark"):
         cmd += ["--drafter", a.drafter]
     c = max(a.concurrency)
     # --max-concurrent with room: a client may send its next request before the server has released the last one
@@ -337,7 +338,7 @@ def start_server(a, mode: str, port: int, extra: list[str], report: dict, limit:
         fd, name = tempfile.mkstemp(prefix=f"serve-bench-{mode}-", suffix=".log")
         os.close(fd)
         logfile = Path(name)
-    env = {**os.environ, "DSPARK_POLICY": a.variant} if mode == "dspark-b" else None
+    env = {**os.environ, "DSPARK_POLICY": a.variant} if mode.endswith("-b") else None
     srv = {"command": shlex.join(cmd), "log": str(logfile)}
     if env:
         srv["DSPARK_POLICY"] = a.variant

@@ -1,29 +1,33 @@
 """serve_bench's summary: one row per (task, temperature, concurrency) with AR and DSpark (and serve_bench's
---variant, dspark-b) side by side, as a markdown table."""
+--variant: dspark-b, or ar-b where DSpark did not run) side by side, as a markdown table."""
 from __future__ import annotations
 
 import statistics
 
-MODES = ("ar", "dspark", "dspark-b")
+MODES = ("ar", "dspark", "dspark-b", "ar-b")
+NAMES = {"ar": "AR", "dspark": "DSpark", "dspark-b": "DSpark-b", "ar-b": "AR-b"}
 
 
 def rows(levels: list[dict]) -> list[dict]:
     """One row per (task, temperature, concurrency) with the modes side by side (each figure the median over the
-    rounds), DSpark ÷ AR (the median of each round's ratio, every round's in `speedups`; dspark-b's in `speedup_b`,
-    `speedups_b` where it ran, and its ratio to DSpark per round in `b_over_dspark`) and the greedy text check."""
+    rounds), DSpark ÷ AR (the median of each round's ratio, every round's in `speedups`; where a variant ran, its
+    mode in `variant` (dspark-b or ar-b), its ratio to AR in `speedup_b`, `speedups_b`, and to DSpark per round in
+    `b_over_dspark`) and the greedy text check."""
     by: dict[tuple, list[dict]] = {}
     for lv in levels:
         by.setdefault((lv["mode"], lv["task"], lv["temperature"], lv["concurrency"]), []).append(lv)
     out = []
     for key in dict.fromkeys((lv["task"], lv["temperature"], lv["concurrency"]) for lv in levels):
-        ar, ds, dsb = (by.get((m, *key), []) for m in MODES)
+        ar, ds = by.get(("ar", *key), []), by.get(("dspark", *key), [])
+        variant = next((m for m in MODES[2:] if (m, *key) in by), None)
+        dsb = by.get((variant, *key), [])
         row = {"task": key[0], "temperature": key[1], "concurrency": key[2], "ar": _brief(ar), "dspark": _brief(ds),
                "speedup": None, "speedups": [], "greedy_equal": None, "greedy_compared": None}
         row["cut"] = any(lv.get("cut_by_time_limit") for lv in ar + ds + dsb)  # a part of a level: no ratio
         row["speedups"] = [] if row["cut"] else per_round(ds, ar)
         row["speedup"] = statistics.median(row["speedups"]) if row["speedups"] else None
         if dsb:  # and the variant over DSpark round by round: the A/B's own figure, both under the same round's drift
-            row["dspark-b"] = _brief(dsb)
+            row["variant"], row[variant] = variant, _brief(dsb)
             row["speedups_b"], row["b_over_dspark"] = ([], []) if row["cut"] else (per_round(dsb, ar),
                                                                                   per_round(dsb, ds))
             row["speedup_b"] = statistics.median(row["speedups_b"]) if row["speedups_b"] else None
@@ -62,8 +66,9 @@ def table(rs: list[dict]) -> str:
     def f(x, d=1):
         return "—" if x is None else f"{x:.{d}f}"
 
-    b = any(r.get("dspark-b") is not None for r in rs)
-    modes = MODES if b else MODES[:2]
+    variant = next((r["variant"] for r in rs if r.get("variant")), None)
+    b = variant is not None
+    modes = MODES[:2] + (variant,) * b
 
     def each(r, k, d=2):
         return " / ".join(f((r.get(m) or {}).get(k), d) for m in modes)
@@ -76,15 +81,16 @@ def table(rs: list[dict]) -> str:
         mid = statistics.median(sp) if sp else None
         return f(mid, 2) + "×" * (mid is not None) + (f" ({min(sp):.2f}–{max(sp):.2f})" if len(sp) > 1 else "")
 
-    names = " / ".join({"ar": "AR", "dspark": "DSpark", "dspark-b": "DSpark-b"}[m] for m in modes)
-    with_b = "DSpark-b tok/s | DSpark-b ÷ AR | DSpark-b ÷ DSpark | " * b
+    names = " / ".join(NAMES[m] for m in modes)
+    vb = NAMES.get(variant, "")
+    with_b = f"{vb} tok/s | {vb} ÷ AR | {vb} ÷ DSpark | " * b
     lines = ["| task | T | C | AR tok/s | DSpark tok/s | DSpark ÷ AR | " + with_b +
              "τ | TTFT p50 ms | ITL p50 ms | ITL p99 ms | TPOT p50 ms | errors | greedy = AR |",
              "|---|--:|--:|--:|--:|--:|" + "--:|--:|--:|" * b + "--:|--:|--:|--:|--:|--:|--:|"]
     for r in rs:
         ar, ds = r["ar"] or {}, r["dspark"] or {}
         greedy = "—" if r["greedy_compared"] is None else f"{r['greedy_equal']}/{r['greedy_compared']}"
-        with_b = (f"{f((r.get('dspark-b') or {}).get('output_tok_s'))} | {ratio(r, r.get('speedups_b'))} | "
+        with_b = (f"{f((r.get(variant) or {}).get('output_tok_s'))} | {ratio(r, r.get('speedups_b'))} | "
                   f"{ratio(r, r.get('b_over_dspark'))} | " if b else "")
         lines.append(f"| {r['task']} | {r['temperature']:g} | {r['concurrency']} | {f(ar.get('output_tok_s'))} | "
                      f"{f(ds.get('output_tok_s'))} | {ratio(r, r.get('speedups'))} | {with_b}{f(ds.get('tau'), 2)} | "

@@ -254,8 +254,9 @@ def test_serve_bench_rounds_take_turns(models, monkeypatch):
 def test_serve_bench_variant_is_a_third_server_with_its_policy_taking_turns(models, monkeypatch):
     """--variant SPEC: a third server, dspark-b, with the drafter and DSPARK_POLICY=SPEC in its environment (the others
     without it), up with the other two and taking turns with them each round (AR, DSpark, DSpark-b, then the reverse);
-    each row has dspark-b's figures and its ratio to AR per round beside DSpark's, and the table a column for each. A
-    SPEC that names no policy constant is an error naming --variant. Servers and clients replaced as above."""
+    each row has dspark-b's figures and its ratio to AR per round beside DSpark's, and the table a column for each;
+    with --modes ar it is ar-b, the AR server with SPEC. A SPEC that names no policy constant is an error naming
+    --variant. Servers and clients replaced as above."""
     bench = _bench()
     events, envs = [], {}
     tok_s = iter([100.0, 110.0, 130.0, 140.0, 120.0, 90.0])  # ar, ds, dsb, then dsb, ds, ar
@@ -296,6 +297,19 @@ def test_serve_bench_variant_is_a_third_server_with_its_policy_taking_turns(mode
     for bad, what in [("NOPE=1", "'NOPE' is not one of"), ("DRAFT_GAIN=x", "DRAFT_GAIN='x': expected float")]:
         with pytest.raises(ValueError, match=f"--variant: DSPARK_POLICY: {what}"):
             bench.parse_args(args + ["--variant", bad])
+    # with --modes ar the variant is the AR server's (an engine constant's A/B): ar-b, no drafter, DSPARK_POLICY set
+    events.clear(), envs.clear()
+    tok_s = iter([100.0, 120.0, 130.0, 90.0])  # ar, ar-b, then ar-b, ar
+    a, extra = bench.parse_args(args + ["--modes", "ar", "--variant", "FIRST_TOKENS_AFTER_LAUNCH=1"])
+    assert a.modes == ["ar", "ar-b"]
+    report = {"status": "complete", "servers": {}, "levels": []}
+    bench.run(a, extra, {t: ["p"] for t in a.tasks}, report, lambda *x, **k: None)
+    assert envs == {"9000": (False, None), "9001": (False, "FIRST_TOKENS_AFTER_LAUNCH=1")}
+    (row,) = bench.rows(report["levels"])
+    assert row["variant"] == "ar-b" and row["speedups_b"] == [120 / 100, 130 / 90] and row["speedups"] == []
+    text = bench.table([row])
+    assert "| AR-b tok/s | AR-b ÷ AR | AR-b ÷ DSpark |" in text and "AR / DSpark / AR-b" in text
+    assert "| 125.0 | 1.32× (1.20–1.44) | — |" in text
 
 
 def test_clients_keep_sending_until_the_level_has_lasted_min_level_s(monkeypatch):
