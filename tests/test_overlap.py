@@ -262,9 +262,12 @@ def test_handoff_reads_the_step_in_flight(pair, prompts):
     assert [r.output_ids for r in moved] == [reference_greedy(target, p, 12) for p in prompts[:3]]
 
 
-def test_served_streams_carry_the_overlapped_tokens(pair, prompts):
-    """The server's engine thread over an overlapping engine: each stream's events add up to the request's tokens,
-    the same as reading every step, and end with the finish reason."""
+@pytest.mark.parametrize("after", [0, 1])
+def test_served_streams_carry_the_overlapped_tokens(pair, prompts, after, monkeypatch):
+    """The server's engine thread over an overlapping engine (first tokens read before or after the decode launch:
+    FIRST_TOKENS_AFTER_LAUNCH): each stream's events add up to the request's tokens, the same as reading every step,
+    and end with the finish reason."""
+    monkeypatch.setattr(dspark.policy, "FIRST_TOKENS_AFTER_LAUNCH", after)
     target, drafter = pair
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (12, 5, 9)]
     want = Engine(target, drafter, max_batch_size=4, overlap=False).generate(prompts[:3], params)
