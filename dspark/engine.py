@@ -29,9 +29,9 @@ next step out; one that stops on EOS or a stop string costs that step a row whos
 after plain steps first turns their stashed context rows into the drafter's (flush_context); after a plain step in
 flight that flush is queued behind it too, covering the position it stashes (a plain step emits exactly one token a
 row), so a switch to drafting waits for nothing either. A prefill's first tokens, sampled on the device, are read
-before the step's decode step is queued, their requests in it; with dspark.policy.FIRST_TOKENS_AFTER_LAUNCH, after
-the decode step of the other rows is queued (the device runs on while the host waits), their requests joining the
-next one.
+before the step's decode step is queued, their requests in it; with dspark.policy.FIRST_TOKENS_AFTER_LAUNCH = 1,
+after the decode step of the other rows is queued (the device runs on while the host waits), with 2 at the start of
+the next call (the host does not wait for the prefill at all); their requests then join the next decode step.
 """
 from __future__ import annotations
 
@@ -144,6 +144,7 @@ class Engine:
         self.policy = KPolicy(self.runner, self.k, self.pinned_k is not None, self.overlap)
         self.in_flight: InFlight | None = None
         self._resolved: list[tuple[Request, list[int]]] = []  # tokens read outside step(), returned by the next one
+        self._next_call: FirstTokens | None = None  # a prefill's first tokens the next step() reads first
         self.slowest_captures: list[tuple[float, StepKey]] = []  # warmup's 8 longest step captures: (seconds, key)
         self.counters = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
                          "num_accepted_tokens_per_pos": [0] * max(self.k, 1), "prompt_tokens": 0,
@@ -185,7 +186,7 @@ class Engine:
 
     def has_work(self) -> bool:
         s = self.scheduler
-        return bool(s.waiting or s.running or self.in_flight or self._resolved)
+        return bool(s.waiting or s.running or self.in_flight or self._resolved or self._next_call)
 
     # ------------------------------------------------------------------ the step
     @without_grad
@@ -196,15 +197,19 @@ class Engine:
         sched = self.scheduler
         sched.admit(self._keeps_context)
         emitted, self._resolved = self._resolved, []
-        prefill = [r for r in sched.running if r.status is Status.PREFILL]
-        first = None
+        first, when = None, policy_constants.FIRST_TOKENS_AFTER_LAUNCH
         try:
+            emitted += self._emit_next_call()
+            prefill = [r for r in sched.running if r.status is Status.PREFILL]
             if prefill:  # a step in flight runs on: the prefill's rows are others'
                 self.policy.step_chain_broken()
                 with traced("engine.prefill"):
                     first = self._prefill(prefill)
-                if first is not None and not policy_constants.FIRST_TOKENS_AFTER_LAUNCH:
-                    emitted += self._emit_first(first)  # now: their requests decode in this call's step
+                if first is not None and when != 1:
+                    if when == 0:  # now: their requests decode in this call's step
+                        emitted += self._emit_first(first)
+                    else:  # the next call's (when == 2)
+                        self._next_call = first
                     first = None
             flight, launched = self.in_flight, None
             if flight is not None:
@@ -222,7 +227,7 @@ class Engine:
             else:
                 self.in_flight = launched
         except Exception:
-            self.in_flight = None
+            self.in_flight, self._next_call = None, None
             for r in list(sched.running):  # never leave a half-updated request holding cache
                 sched.finish(r, "error")
             raise
@@ -266,12 +271,20 @@ class Engine:
         tokens = self._first_tokens(rows, last)  # [n] on the device
         return FirstTokens(rows, *(host_copy(tokens) if policy_constants.FIRST_TOKENS_AFTER_LAUNCH else (tokens, None)))
 
+    def _emit_next_call(self) -> list[tuple[Request, list[int]]]:
+        """The first tokens a prefill in the last call left to this one (FIRST_TOKENS_AFTER_LAUNCH = 2), emitted."""
+        first, self._next_call = self._next_call, None
+        return [] if first is None else self._emit_first(first)
+
     def _emit_first(self, first: FirstTokens) -> list[tuple[Request, list[int]]]:
-        """Wait for the prefill's first tokens and emit them (their requests then decode)."""
+        """Wait for the prefill's first tokens and emit them (their requests then decode; one aborted meanwhile
+        emits nothing)."""
         if first.done is not None:
             first.done.synchronize()
         emitted, now, c = [], time.perf_counter(), self.counters
         for r, tok in zip(first.rows, first.tokens.tolist()):
+            if r.status is Status.FINISHED:
+                continue
             c["prompt_tokens"] += len(r.prompt_ids)
             c["first_tokens"] += 1
             c["queue_s"] += r.admitted - r.arrival
@@ -413,7 +426,9 @@ class Engine:
         return emitted
 
     def sync(self) -> None:
-        """Read the step in flight, if any (its tokens come back from the next step())."""
+        """Read the step in flight and first tokens left to the next call, if any (their tokens come back from the
+        next step())."""
+        self._resolved += self._emit_next_call()
         if self.in_flight is not None:
             flight, self.in_flight = self.in_flight, None
             self._resolved += self._read(flight)

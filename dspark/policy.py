@@ -62,7 +62,8 @@ FLUSH_EMA = 0.05  # weight of each new sample in the context flush's moving aver
 ACCEPT_WINDOW = 512  # row-steps at the first position after which a group's acceptance counts are halved: the
 # estimate follows the traffic of the last few hundred row-steps (a prose burst after code), not the server's lifetime
 FIRST_TOKENS_AFTER_LAUNCH = 0  # 1: the engine reads a prefill's first tokens after it queues the other rows' decode
-# step, not before (dspark/engine.py's module doc): the host's wait for them then leaves the device a step to run
+# step, not before (dspark/engine.py's module doc): the host's wait for them then leaves the device a step to run; 2:
+# at the start of the next step() (the host does not wait for the prefill)
 DRAFT_GAIN = 1.1  # a k > 0 is chosen over plain decoding only when it expects this many times its tokens per ms
 # while plain decoding is the sampled rows' choice, one sampled request in this many per request running keeps the
 # drafter's context (the others decode as the AR engine does): about one step in this many then carries such a row at

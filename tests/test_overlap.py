@@ -77,7 +77,7 @@ def test_chain_inputs_continue_the_rows_of_the_step_in_flight():
     assert torch.equal(ints[:, seed], before[:, seed]) and torch.equal(ints[:, NI:], before[:, NI:])
 
 
-@pytest.mark.parametrize("after", [0, 1])
+@pytest.mark.parametrize("after", [0, 1, 2])
 @pytest.mark.parametrize("spec", ["ar", "pinned", "policy"])
 def test_overlap_gives_the_tokens_of_reading_every_step(pair, prompts, spec, after, monkeypatch):
     """Greedy rows of different lengths, one ending on a stop token, a seeded sampled row (top-p), requests joining
@@ -203,31 +203,54 @@ def test_sampled_first_tokens_queue_behind_the_device():
 
 
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize("after", [1, 0])
+@pytest.mark.parametrize("after", [0, 1, 2])
 def test_a_prefill_ends_after_the_other_rows_step_is_queued(pair, prompts, overlap, after, monkeypatch):
-    """With FIRST_TOKENS_AFTER_LAUNCH, a request whose prefill ends while others decode: the step that emits its first
-    token queues the others' decode step without it (its first token is read after that launch), and it joins the
-    next one; without, it is in that step. A request that prefills alone decodes in the step of its first token
-    either way. Every text stays the target's greedy."""
+    """FIRST_TOKENS_AFTER_LAUNCH, a request whose prefill ends while others decode: with 1 the step that emits its
+    first token queues the others' decode step without it (its first token is read after that launch), and it joins
+    the next one; with 2 that step emits nothing of it, the next one emits its first token first and launches it; with
+    0 it is in the step of its first token. A request that prefills alone decodes in the step of its first token, or
+    with 2 in the next. Every text stays the target's greedy."""
     monkeypatch.setattr(dspark.policy, "FIRST_TOKENS_AFTER_LAUNCH", after)
     target, drafter = pair
     engine = Engine(target, drafter, max_batch_size=4, overlap=overlap)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     a = engine.add_request(prompts[0], params)
     assert [t for _, ts in engine.step() for t in ts] == a.output_ids  # its first token (+ its step's, read at once)
-    assert engine.step_requests == [a]  # alone: its decode step launched in the same call
+    assert engine.step_requests == ([] if after == 2 else [a])  # alone: its decode step launched in the same call
     while len(a.output_ids) < 3:
         engine.step()
     b = engine.add_request(prompts[1], params)
     emitted = engine.step()
     assert [t for r, ts in emitted if r is b for t in ts] == b.output_ids
-    assert len(b.output_ids) == 1 or not (after or overlap)  # read at once, its step in this call gave it more
     assert engine.step_requests == ([a] if after else [a, b])
-    engine.step()
+    if after == 2:  # nothing of it yet: its first token comes first in the next call, which launches it
+        assert b.output_ids == []
+        emitted = engine.step()
+        assert [t for r, ts in emitted if r is b for t in ts] == b.output_ids and b.output_ids
+    else:
+        assert len(b.output_ids) == 1 or not (after or overlap)  # read at once, its step in this call gave it more
+        engine.step()
     assert engine.step_requests == [a, b]
     while engine.has_work():
         engine.step()
     assert [a.output_ids, b.output_ids] == [reference_greedy(target, p, 12) for p in prompts[:2]]
+
+
+def test_a_request_aborted_before_its_first_token_is_read_emits_nothing(pair, prompts, monkeypatch):
+    """FIRST_TOKENS_AFTER_LAUNCH = 2: a request aborted after its prefill, its first token not yet read, emits
+    nothing and frees its cache; the request beside it decodes on to the target's greedy."""
+    monkeypatch.setattr(dspark.policy, "FIRST_TOKENS_AFTER_LAUNCH", 2)
+    target, drafter = pair
+    engine = Engine(target, drafter, max_batch_size=4, overlap=True)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    a, b = (engine.add_request(p, params) for p in prompts[:2])
+    assert engine.step() == [] and engine.has_work()
+    engine.abort(b.id)
+    emitted = []
+    while engine.has_work():
+        emitted += engine.step()
+    assert all(r is a for r, _ in emitted) and b.output_ids == [] and b.finish_reason == "abort"
+    assert a.output_ids == reference_greedy(target, prompts[0], 10) and engine.cache.pool.num_used == 0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -262,7 +285,7 @@ def test_handoff_reads_the_step_in_flight(pair, prompts):
     assert [r.output_ids for r in moved] == [reference_greedy(target, p, 12) for p in prompts[:3]]
 
 
-@pytest.mark.parametrize("after", [0, 1])
+@pytest.mark.parametrize("after", [0, 1, 2])
 def test_served_streams_carry_the_overlapped_tokens(pair, prompts, after, monkeypatch):
     """The server's engine thread over an overlapping engine (first tokens read before or after the decode launch:
     FIRST_TOKENS_AFTER_LAUNCH): each stream's events add up to the request's tokens, the same as reading every step,
