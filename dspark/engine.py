@@ -204,7 +204,7 @@ class Engine:
             if prefill:  # a step in flight runs on: the prefill's rows are others'
                 self.policy.step_chain_broken()
                 with traced("engine.prefill"):
-                    first = self._prefill(prefill)
+                    first = self._prefill(prefill, queued=when != 0)
                 if first is not None and when != 1:
                     if when == 0:  # now: their requests decode in this call's step
                         emitted += self._emit_first(first)
@@ -246,10 +246,10 @@ class Engine:
         stops = [p for p in self.cache.checkpoint_positions(r.id, len(r.prompt_ids)) if r.num_computed < p < end]
         return min(stops, default=end)
 
-    def _prefill(self, reqs: list[Request]) -> FirstTokens | None:
+    def _prefill(self, reqs: list[Request], queued: bool = False) -> FirstTokens | None:
         """Every prefilling request's next chunk through the runner (on CUDA a graph per request for a few of them,
-        else batched eager forwards); the requests whose prompt is done sample their first token on the device (read
-        after the decode step's launch: its copy for the host queued; _emit_first reads it)."""
+        else batched eager forwards); the requests whose prompt is done sample their first token on the device
+        (queued: its copy for the host queued, to be read after more work is queued; _emit_first reads it)."""
         chunks = [r.prompt_ids[r.num_computed: self._chunk_end(r)] for r in reqs]
         rids, lens = [r.id for r in reqs], [len(c) for c in chunks]
         num_cached, tables, slots = self.cache.step_rows(rids, lens)
@@ -269,7 +269,7 @@ class Engine:
         rows = [reqs[b] for b in done]
         last = last[done] if len(done) < len(reqs) else last
         tokens = self._first_tokens(rows, last)  # [n] on the device
-        return FirstTokens(rows, *(host_copy(tokens) if policy_constants.FIRST_TOKENS_AFTER_LAUNCH else (tokens, None)))
+        return FirstTokens(rows, *(host_copy(tokens) if queued else (tokens, None)))
 
     def _emit_next_call(self) -> list[tuple[Request, list[int]]]:
         """The first tokens a prefill in the last call left to this one (FIRST_TOKENS_AFTER_LAUNCH = 2), emitted."""
